@@ -1,0 +1,170 @@
+"""Run test bodies on N gloo ranks, in a pool of processes that is reused across tests.
+
+Spawning ranks costs several seconds each (importing torch and megatron.core) and CI has two
+cores, so each world size gets one pool of worker processes per pytest session. A test sends a
+module-level function (pickled by reference); every rank runs it and returns a picklable
+result. After each task the workers reset Megatron's and the plugin's parallel state.
+
+Failure handling: if any rank raises, or the task does not finish within ``timeout`` seconds,
+the pool is killed (so a rank stuck in a collective cannot hang the suite) and the test fails
+with every rank's traceback. The next test starts a fresh pool.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import socket
+import traceback
+from typing import Any, Callable, Dict, List
+
+import torch.multiprocessing as mp
+
+_CTX = mp.get_context("spawn")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _reset_state() -> None:
+    try:
+        from megatron.core import parallel_state as mpu
+
+        mpu.destroy_model_parallel()
+    except Exception:  # pragma: no cover - megatron absent or never initialised
+        pass
+    try:
+        from megatron_metp import parallel_state as ps
+
+        ps.destroy()
+    except Exception:  # pragma: no cover
+        pass
+
+
+def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    os.environ["RANK"] = str(rank)
+    os.environ["WORLD_SIZE"] = str(world_size)
+    os.environ["LOCAL_RANK"] = str(rank)
+    import torch
+    import torch.distributed as dist
+
+    # Two CI cores shared by up to 8 ranks: more intra-op threads only add contention.
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=90)
+    )
+    from megatron_metp import cpu_compat
+
+    cpu_compat.apply()
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args, kwargs = task
+        try:
+            out = fn(*args, **kwargs)
+            results.put((rank, True, out))
+        except BaseException:  # noqa: BLE001 - report everything to the parent
+            results.put((rank, False, traceback.format_exc()))
+        finally:
+            _reset_state()
+    dist.destroy_process_group()
+
+
+class RankPool:
+    """``world_size`` gloo ranks waiting for tasks."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        port = _free_port()
+        self._tasks = [_CTX.Queue() for _ in range(world_size)]
+        self._results = _CTX.Queue()
+        self._procs = [
+            _CTX.Process(
+                target=_worker,
+                args=(r, world_size, port, self._tasks[r], self._results),
+                daemon=True,
+            )
+            for r in range(world_size)
+        ]
+        for p in self._procs:
+            p.start()
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self._procs)
+
+    def run(self, fn: Callable, *args, timeout: float = 300.0, **kwargs) -> List[Any]:
+        for q in self._tasks:
+            q.put((fn, args, kwargs))
+        outs: Dict[int, Any] = {}
+        errors: Dict[int, str] = {}
+        deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
+        while len(outs) + len(errors) < self.world_size:
+            left = (deadline - datetime.datetime.now()).total_seconds()
+            try:
+                rank, ok, val = self._results.get(timeout=max(left, 0.1))
+            except queue.Empty:
+                self.close(kill=True)
+                if errors:
+                    break
+                missing = sorted(set(range(self.world_size)) - set(outs) - set(errors))
+                raise TimeoutError(
+                    f"{fn.__name__}: ranks {missing} did not finish within {timeout:.0f} s"
+                    + "".join(f"\n--- rank {r} ---\n{e}" for r, e in errors.items())
+                )
+            if ok:
+                outs[rank] = val
+            else:
+                errors[rank] = val
+                # The other ranks may now wait forever in a collective with the failed one:
+                # give them a short grace period to report their own error, then kill.
+                deadline = min(deadline, datetime.datetime.now() + datetime.timedelta(seconds=15))
+        if errors:
+            self.close(kill=True)
+            raise AssertionError(
+                f"{fn.__name__} failed on ranks {sorted(errors)}"
+                + "".join(f"\n--- rank {r} ---\n{e}" for r, e in sorted(errors.items()))
+            )
+        return [outs[r] for r in range(self.world_size)]
+
+    def close(self, kill: bool = False) -> None:
+        if kill:
+            for p in self._procs:
+                if p.is_alive():
+                    p.kill()
+        else:
+            for q in self._tasks:
+                q.put(None)
+        for p in self._procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+        self._procs = []
+
+
+_POOLS: Dict[int, RankPool] = {}
+
+
+def run_ranks(world_size: int, fn: Callable, *args, timeout: float = 300.0, **kwargs) -> List[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return the per-rank results."""
+    pool = _POOLS.get(world_size)
+    if pool is None or not pool._procs or not pool.alive():
+        pool = _POOLS[world_size] = RankPool(world_size)
+    try:
+        return pool.run(fn, *args, timeout=timeout, **kwargs)
+    finally:
+        if not pool._procs:
+            _POOLS.pop(world_size, None)
+
+
+def close_pools() -> None:
+    for pool in _POOLS.values():
+        if pool._procs:
+            pool.close()
+    _POOLS.clear()
