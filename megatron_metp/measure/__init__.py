@@ -1,0 +1,1 @@
+"""Measurement: memory tracker, communication counter, analytic formulas, at-scale planner."""

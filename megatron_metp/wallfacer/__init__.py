@@ -1,0 +1,1 @@
+"""WallFacer: multi-ring sequence-parallel attention, configuration generator, topology scheduler, zigzag."""
