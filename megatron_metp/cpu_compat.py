@@ -1,11 +1,228 @@
-"""Every CPU stand-in for Megatron-Core's CUDA-only calls lives here (applied only without CUDA)."""
+"""Every CPU stand-in for Megatron-Core's CUDA-only calls lives here (applied only without CUDA).
+
+What the specs cannot replace is patched at run time by :func:`apply`, which does nothing when
+``torch.cuda.is_available()`` and is idempotent. The norm and core attention are not patched:
+the plugin's specs use ``megatron_metp.layers.Norm`` / ``SDPACoreAttention`` instead of
+``WrappedTorchNorm`` (refuses sequence parallelism) and ``DotProductAttention`` (score buffer on
+the CUDA device, causal mask built with ``device="cuda"``).
+
+Stand-ins (each names the Megatron-Core code it covers; tests/test_cpu_compat.py exercises each):
+
+1. ``torch.cuda.current_device`` -> ``torch.device("cpu")``. Megatron-Core allocates with
+   ``device=torch.cuda.current_device()`` in the SP mappings (``tensor_parallel.mappings.
+   _gather_along_first_dim`` / ``_reduce_scatter_along_first_dim``), ``GlobalMemoryBuffer.get_tensor``,
+   ``RotaryEmbedding.forward``, the DDP grad buffers (``distributed.param_and_grad_buffer``),
+   ``ChainedOptimizer.get_loss_scale`` and dist-checkpointing's validation all-reduces.
+   On a CPU build the original raises "Torch not compiled with CUDA enabled", so only code that
+   would otherwise crash sees the stand-in; code that checks ``is_available()`` first is unaffected.
+2. ``torch.cuda.synchronize`` -> no-op: there is no device queue to drain on CPU. Called by
+   dist-checkpointing (``strategies.fully_parallel``, ``filesystem_async``, ``async_utils``) and
+   DDP's ``free_overlap_buffers``.
+3. Megatron's RNG tracker (``tensor_parallel.random.CudaRNGStatesTracker.add`` / ``.fork`` and the
+   module functions ``_get_cuda_rng_state`` / ``_set_cuda_rng_state``, used by
+   ``model_parallel_cuda_manual_seed``, ``get_cuda_rng_tracker().fork()`` and activation
+   recomputation's ``CheckpointFunction``): on CPU the generator that draws dropout masks for CPU
+   tensors is torch's default CPU generator, so the tracked named states are CPU generator states.
+4. ``device='cuda'`` literals, rewritten to CPU inside the Megatron functions that contain them:
+   ``optimizer.optimizer.FP32Optimizer.__init__`` (``_scale``), ``MixedPrecisionOptimizer.__init__``
+   (``found_inf``), ``optimizer.clip_grads.get_grad_norm_fp32`` / ``count_zeros_fp32`` (and
+   ``utils.local_multi_tensor_l2_norm`` beneath them), and dist-checkpointing's
+   ``state_dict_saver.verify_global_md_reuse``.
+5. ``optimizer.clip_grads.clip_grad_by_total_norm_fp32`` asserts CUDA gradient types: replaced
+   by a device-agnostic version with the same coefficient.
+
+Not covered (documented, not patched): the distributed optimizer (``use_distributed_optimizer``)
+and ``Float16OptimizerWithFloat16Params`` check for CUDA tensor types and refuse CPU parameters.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import sys
+from typing import Any, Callable
+
 import torch
+from torch.overrides import TorchFunctionMode
+
+_APPLIED = False
+
+
+# --------------------------------------------------------------------------------------------
+# 1-2. torch.cuda.current_device / torch.cuda.synchronize
+
+
+def _cpu_current_device() -> torch.device:
+    """CPU stand-in for ``torch.cuda.current_device`` (Megatron allocates on this device)."""
+    return torch.device("cpu")
+
+
+def _cpu_synchronize(device: Any = None) -> None:
+    """CPU stand-in for ``torch.cuda.synchronize``: CPU ops complete in program order."""
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# 3. RNG tracker
+
+
+def _cpu_get_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False):
+    """Stand-in for ``tensor_parallel.random._get_cuda_rng_state``: the CPU generator's state."""
+    return torch.get_rng_state()
+
+
+def _cpu_set_rng_state(new_state: torch.Tensor, device: int = -1, graph_safe: bool = False):
+    """Stand-in for ``tensor_parallel.random._set_cuda_rng_state``."""
+    torch.set_rng_state(new_state)
+
+
+def _cpu_tracker_add(self, name: str, seed: int) -> None:
+    """Stand-in for ``CudaRNGStatesTracker.add``: a named CPU generator state seeded with ``seed``."""
+    self._is_initialized = True
+    if seed in self.seeds_:
+        raise Exception(f"seed {seed} already exists")
+    self.seeds_.add(seed)
+    if name in self.states_:
+        raise Exception(f"rng state {name} already exists")
+    # A private generator leaves the default generator's stream untouched.
+    self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+
+def _cpu_tracker_fork(self, name: str = "model-parallel-rng"):
+    """Stand-in for ``CudaRNGStatesTracker.fork``: swap the CPU generator to the named state.
+
+    Megatron's version also warns when the CPU state changes inside the fork, which on CPU is
+    exactly what the fork is for; the nesting rules (an outer named fork is saved and restored)
+    are Megatron's.
+    """
+
+    @contextlib.contextmanager
+    def _fork():
+        if name not in self.states_:
+            raise Exception(f"rng state {name} is not added")
+        outer_state = torch.get_rng_state()
+        outer_name = self._current_state_name
+        if outer_name != "default-rng":
+            self.states_[outer_name] = outer_state
+        torch.set_rng_state(self.states_[name])
+        self._current_state_name = name
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            if outer_name != "default-rng":
+                outer_state = self.states_[outer_name]
+            torch.set_rng_state(outer_state)
+            self._current_state_name = outer_name
+
+    return _fork()
+
+
+# --------------------------------------------------------------------------------------------
+# 4. device='cuda' literals
+
+
+class _CudaLiteralsOnCpu(TorchFunctionMode):
+    """Rewrites an explicit CUDA ``device=`` argument of torch calls to CPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        dev = kwargs.get("device")
+        if dev is not None and torch.device(dev).type == "cuda":
+            kwargs = dict(kwargs, device="cpu")
+        return func(*args, **kwargs)
+
+
+def _cuda_literals_on_cpu(fn: Callable) -> Callable:
+    """Wrap a Megatron function so that its ``device='cuda'`` tensor literals land on CPU."""
+    if getattr(fn, "_metp_cpu_wrapped", False):
+        return fn
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with _CudaLiteralsOnCpu():
+            return fn(*args, **kwargs)
+
+    wrapper._metp_cpu_wrapped = True
+    return wrapper
+
+
+def _rebind_everywhere(old: Callable, new: Callable) -> None:
+    """Point every loaded ``megatron.core`` module attribute that holds ``old`` at ``new``
+    (functions imported by name, e.g. ``from .clip_grads import get_grad_norm_fp32``)."""
+    for mod_name, mod in list(sys.modules.items()):
+        if mod is None or not mod_name.startswith("megatron.core"):
+            continue
+        for attr, val in list(vars(mod).items()):
+            if val is old:
+                setattr(mod, attr, new)
+
+
+def _wrap_function(module: Any, name: str) -> None:
+    old = getattr(module, name)
+    new = _cuda_literals_on_cpu(old)
+    if new is not old:
+        _rebind_everywhere(old, new)
+
+
+def _wrap_method(cls: type, name: str) -> None:
+    setattr(cls, name, _cuda_literals_on_cpu(cls.__dict__[name]))
+
+
+def _cpu_clip_grad_by_total_norm_fp32(
+    parameters, max_norm: float, total_norm: float, use_decoupled_grad: bool = False
+) -> None:
+    """Stand-in for ``optimizer.clip_grads.clip_grad_by_total_norm_fp32``.
+
+    Megatron's version asserts ``grad.type() == 'torch.cuda.FloatTensor'``; this one accepts fp32
+    (and, for decoupled grads, bf16) gradients on any device and scales them in place by the
+    same coefficient, ``max_norm / (total_norm + 1e-6)`` when that is below 1.
+    """
+    from megatron.core.utils import to_local_if_dtensor
+
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    attr = "decoupled_grad" if use_decoupled_grad else "grad"
+    allowed = (torch.float32, torch.bfloat16) if use_decoupled_grad else (torch.float32,)
+    grads = []
+    for param in parameters:
+        grad = getattr(param, attr, None)
+        if grad is not None:
+            if grad.dtype not in allowed:
+                raise TypeError(f"clip_grad_by_total_norm_fp32: {attr} of dtype {grad.dtype}")
+            grads.append(to_local_if_dtensor(grad).detach())
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0 and grads:
+        torch._foreach_mul_(grads, clip_coeff)
+
+
+# --------------------------------------------------------------------------------------------
 
 
 def apply() -> None:
-    """Install the CPU stand-ins if CUDA is absent; a no-op on GPU machines."""
-    if torch.cuda.is_available():
+    """Install the CPU stand-ins if CUDA is absent; a no-op on GPU machines and when repeated."""
+    global _APPLIED
+    if torch.cuda.is_available() or _APPLIED:
         return
+
+    torch.cuda.current_device = _cpu_current_device
+    torch.cuda.synchronize = _cpu_synchronize
+
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom._get_cuda_rng_state = _cpu_get_rng_state
+    mrandom._set_cuda_rng_state = _cpu_set_rng_state
+    mrandom.CudaRNGStatesTracker.add = _cpu_tracker_add
+    mrandom.CudaRNGStatesTracker.fork = _cpu_tracker_fork
+
+    from megatron.core.dist_checkpointing.strategies import state_dict_saver
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    _wrap_method(optimizer.FP32Optimizer, "__init__")
+    _wrap_method(optimizer.MixedPrecisionOptimizer, "__init__")
+    for fn_name in ("get_grad_norm_fp32", "count_zeros_fp32"):
+        _wrap_function(clip_grads, fn_name)
+    _rebind_everywhere(clip_grads.clip_grad_by_total_norm_fp32, _cpu_clip_grad_by_total_norm_fp32)
+    _wrap_function(state_dict_saver, "verify_global_md_reuse")
+
+    _APPLIED = True

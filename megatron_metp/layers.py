@@ -1,0 +1,194 @@
+"""CPU-capable building blocks for the plugin's layer specs (norm and core attention).
+
+Megatron-Core's local spec cannot run TP+SP on a CPU-only build: ``WrappedTorchNorm`` refuses
+sequence parallelism, and ``DotProductAttention`` takes its score buffer from the global memory
+buffer on the current CUDA device and builds its default causal mask with ``device="cuda"``. The
+two classes here replace them through the spec (no runtime patch) and run on CPU and GPU alike;
+every device follows the input tensors.
+
+``Norm``
+    LayerNorm or RMSNorm chosen by ``config.normalization`` at construction, with the
+    constructor ``TransformerLayer`` uses for norms. Under sequence parallelism each rank
+    normalises its own tokens, so the weight gradient is a partial sum over this rank's tokens:
+    the parameters are tagged ``sequence_parallel=True``, which is how Megatron's DDP /
+    finalize_model_grads knows to all-reduce them over the TP group.
+
+``SDPACoreAttention``
+    ``DotProductAttention``'s constructor and forward signature on top of
+    ``torch.nn.functional.scaled_dot_product_attention``::
+
+        query   [sq, b, np, hn]   this TP rank's query heads
+        key     [sk, b, ng, hn]   this TP rank's query groups (GQA: ng divides np)
+        value   [sk, b, ng, hn]
+        output  [sq, b, np * hn]
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import divide
+
+
+class Norm(torch.nn.Module):
+    """LayerNorm / RMSNorm over the last dim of ``x [s(/tp), b, h]``; SP-aware parameters.
+
+    Parameter names follow the local spec's norms (``weight``, and ``bias`` for LayerNorm), so
+    state dicts and sharded_state_dict keys match Megatron's. ``config.layernorm_zero_centered_gamma``
+    stores ``weight`` as gamma - 1, as Megatron's fused norms do.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        hidden_size: int,
+        eps: float = 1e-5,
+        persist_layer_norm: bool = False,  # accepted for constructor compatibility; unused
+        zero_centered_gamma: bool = False,
+        normalization: Optional[str] = None,
+    ):
+        super().__init__()
+        self.normalization = normalization or config.normalization
+        if self.normalization not in ("LayerNorm", "RMSNorm"):
+            raise ValueError(
+                f"megatron_metp Norm supports --normalization LayerNorm or RMSNorm, got "
+                f"{self.normalization!r}"
+            )
+        self.hidden_size = hidden_size
+        self.eps = eps
+        self.zero_centered_gamma = zero_centered_gamma or config.layernorm_zero_centered_gamma
+        device = "cpu" if config.use_cpu_initialization else None
+        init = torch.zeros if self.zero_centered_gamma else torch.ones
+        self.weight = torch.nn.Parameter(
+            init(hidden_size, dtype=config.params_dtype, device=device)
+        )
+        if self.normalization == "LayerNorm":
+            self.bias = torch.nn.Parameter(
+                torch.zeros(hidden_size, dtype=config.params_dtype, device=device)
+            )
+        else:
+            self.register_parameter("bias", None)
+        # Each SP rank sees s/tp tokens, so its weight/bias gradients are partial sums that
+        # Megatron all-reduces over TP for parameters carrying this tag.
+        for p in self.parameters():
+            setattr(p, "sequence_parallel", bool(config.sequence_parallel))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gamma = self.weight + 1 if self.zero_centered_gamma else self.weight
+        if self.normalization == "LayerNorm":
+            return F.layer_norm(x, (self.hidden_size,), gamma, self.bias, self.eps)
+        return F.rms_norm(x, (self.hidden_size,), gamma, self.eps)
+
+
+class SDPACoreAttention(MegatronModule):
+    """Core attention (softmax(q k^T * scale [+ mask]) v) with DotProductAttention's interface.
+
+    Masking: an explicit ``attention_mask`` (bool, True = masked out, broadcastable to
+    [b, np, sq, sk]) is applied as given, as the local DotProductAttention does; with no mask,
+    ``causal`` mask types use SDPA's built-in causal mask and other types attend everywhere.
+    Dropout on the probabilities runs inside SDPA; without sequence parallelism it forks the
+    tensor-parallel RNG stream, as DotProductAttention does.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection=None,
+    ):
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise ValueError(
+                "SDPACoreAttention (tp/metp specs) does not implement context parallelism: use "
+                "--context-parallel-size 1, or --tensor-parallel-mode wallfacer for the "
+                "WallFacer core attention"
+            )
+        if config.softmax_type != "vanilla":
+            raise ValueError(
+                f"SDPACoreAttention supports --softmax-type vanilla only, got {config.softmax_type!r}"
+            )
+        if config.window_size is not None:
+            raise ValueError("SDPACoreAttention does not support --window-size (sliding window)")
+        if pg_collection is None:
+            from megatron.core.process_groups_config import ProcessGroupCollection
+
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+        self.pg_collection = pg_collection
+        self.tp_group = pg_collection.tp
+        tp_size = self.tp_group.size()
+
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.attention_type = attention_type
+        self.heads_per_partition = divide(config.num_attention_heads, tp_size)
+        self.groups_per_partition = divide(config.num_query_groups, tp_size)
+        self.head_dim = config.kv_channels
+        # apply_query_key_layer_scaling divides the scores by layer_number and the fused softmax
+        # multiplies them back, so the effective scale is unchanged: 1/sqrt(hn) by default.
+        self.softmax_scale = (
+            softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
+        )
+        self.dropout_p = (
+            config.attention_dropout if attention_dropout is None else attention_dropout
+        )
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias: Optional[torch.Tensor] = None,
+        packed_seq_params=None,
+    ) -> torch.Tensor:
+        if packed_seq_params is not None or attention_bias is not None:
+            raise ValueError("SDPACoreAttention supports neither packed sequences nor attention bias")
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        sq, b, np_, hn = query.shape
+        rep = np_ // key.shape[2]
+        if rep > 1:
+            # Megatron's GQA layout: the np/ng query heads of a group are consecutive.
+            key = key.repeat_interleave(rep, dim=2)
+            value = value.repeat_interleave(rep, dim=2)
+        # [s, b, heads, hn] -> [b, heads, s, hn]
+        q_bhsd, k_bhsd, v_bhsd = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        sdpa_mask = None
+        is_causal = False
+        if attention_mask is not None:
+            sdpa_mask = ~attention_mask.to(torch.bool)  # SDPA: True = attend
+        elif mask_type == AttnMaskType.causal and sq > 1:
+            is_causal = True
+        dropout_p = self.dropout_p if self.training else 0.0
+
+        def attend():
+            return F.scaled_dot_product_attention(
+                q_bhsd,
+                k_bhsd,
+                v_bhsd,
+                attn_mask=sdpa_mask,
+                dropout_p=dropout_p,
+                is_causal=is_causal,
+                scale=self.softmax_scale,
+            )
+
+        if dropout_p > 0 and not self.config.sequence_parallel:
+            # Heads differ per TP rank: draw dropout masks from the TP-rank stream.
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                ctx = attend()
+        else:
+            ctx = attend()
+        # [b, np, sq, hn] -> [sq, b, np * hn]
+        return ctx.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)

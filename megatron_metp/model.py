@@ -1,0 +1,181 @@
+"""Build Megatron-Core GPT models for every ``--tensor-parallel-mode``, on CPU (gloo) or GPU.
+
+Used by the tests, ``metp train`` and the Megatron-LM integration::
+
+    initialize_parallel(tensor_model_parallel_size=2)            # after init_process_group
+    config = make_config(style="llama", num_layers=2, hidden_size=64, num_attention_heads=4)
+    model = build_gpt_model(config, "tp", vocab_size=128, max_sequence_length=32,
+                            position_embedding_type="rope")
+
+``make_config`` presets
+    gpt    LayerNorm, GeLU, biases, learned absolute positions (pass to build_gpt_model)
+    llama  RMSNorm, SwiGLU (gated GeLU-free MLP with SiLU), no biases, GQA (2 query groups),
+           rotary positions (pass ``position_embedding_type="rope"``)
+
+CPU-safe defaults: ``use_cpu_initialization=True`` (weights are drawn whole on CPU from torch's
+default generator and sliced, so they do not depend on the TP size), every CUDA-only fusion off,
+``gradient_accumulation_fusion=False``, dropout 0 (tests compare modes; pass
+``hidden_dropout``/``attention_dropout`` to train with dropout).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state as mpu
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_metp import parallel_state as metp_state
+from megatron_metp.specs import MODES, check_spec_importable, get_gpt_block_spec
+
+_PRESETS = {
+    "gpt": dict(
+        normalization="LayerNorm",
+        activation_func=F.gelu,
+        gated_linear_unit=False,
+        add_bias_linear=True,
+    ),
+    "llama": dict(
+        normalization="RMSNorm",
+        activation_func=F.silu,
+        gated_linear_unit=True,
+        add_bias_linear=False,
+        num_query_groups=2,
+    ),
+}
+
+# Fusions and kernels that need CUDA (or apex/TE); off unless the caller turns them on.
+_CPU_SAFE = dict(
+    use_cpu_initialization=True,
+    perform_initialization=True,
+    gradient_accumulation_fusion=False,
+    bias_activation_fusion=False,
+    bias_dropout_fusion=False,
+    masked_softmax_fusion=False,
+    apply_rope_fusion=False,
+    persist_layer_norm=False,
+    cross_entropy_loss_fusion=False,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+)
+
+
+def make_config(style: str = "gpt", **overrides: Any) -> TransformerConfig:
+    """A ``TransformerConfig`` with CPU-safe defaults and a GPT or LLaMA-style preset.
+
+    Defaults (overridable): 2 layers, hidden 64, 4 heads, fp32. ``tensor_model_parallel_size``,
+    ``pipeline_model_parallel_size`` and ``context_parallel_size`` default to Megatron's
+    initialised parallel state (1 when it is not initialised); ``sequence_parallel`` defaults to
+    ``tensor_model_parallel_size > 1``.
+    """
+    if style not in _PRESETS:
+        raise ValueError(f"make_config: style must be 'gpt' or 'llama', got {style!r}")
+    kw: dict = dict(num_layers=2, hidden_size=64, num_attention_heads=4)
+    kw.update(_CPU_SAFE)
+    kw.update(_PRESETS[style])
+    if mpu.model_parallel_is_initialized():
+        kw.update(
+            tensor_model_parallel_size=mpu.get_tensor_model_parallel_world_size(),
+            pipeline_model_parallel_size=mpu.get_pipeline_model_parallel_world_size(),
+            context_parallel_size=mpu.get_context_parallel_world_size(),
+        )
+    kw.update(overrides)
+    kw.setdefault("sequence_parallel", kw.get("tensor_model_parallel_size", 1) > 1)
+    if kw.get("pipeline_model_parallel_size", 1) > 1:
+        kw.setdefault("pipeline_dtype", kw.get("params_dtype", torch.float32))
+    if kw.get("bf16"):
+        kw.setdefault("params_dtype", torch.bfloat16)
+    return TransformerConfig(**kw)
+
+
+def build_gpt_model(
+    config: TransformerConfig,
+    mode: str = "tp",
+    *,
+    vocab_size: int,
+    max_sequence_length: int,
+    position_embedding_type: str = "learned_absolute",
+    pre_process: bool = True,
+    post_process: bool = True,
+    parallel_output: bool = True,
+    share_embeddings_and_output_weights: bool = False,
+    vp_stage: Optional[int] = None,
+) -> GPTModel:
+    """A Megatron-Core ``GPTModel`` whose layers use the plugin's spec for ``mode``.
+
+    ``vocab_size`` must be divisible by the TP size (Megatron-LM pads it with
+    ``--make-vocab-size-divisible-by``; do the same before calling).
+    """
+    if position_embedding_type not in ("learned_absolute", "rope"):
+        raise ValueError(
+            "--position-embedding-type must be learned_absolute or rope, got "
+            f"{position_embedding_type!r}"
+        )
+    tp = config.tensor_model_parallel_size
+    if vocab_size % tp:
+        raise ValueError(
+            f"vocab size {vocab_size} is not divisible by --tensor-model-parallel-size {tp}: pad it "
+            "(Megatron-LM: --make-vocab-size-divisible-by)"
+        )
+    spec = get_gpt_block_spec(config, mode, vp_stage=vp_stage)
+    check_spec_importable(spec)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=vocab_size,
+        max_sequence_length=max_sequence_length,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=parallel_output,
+        share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+        position_embedding_type=position_embedding_type,
+        vp_stage=vp_stage,
+    )
+
+
+def initialize_parallel(
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    context_parallel_size: int = 1,
+    seed: int = 1234,
+    *,
+    mode: str = "tp",
+    order: str = "tp-cp-ep-dp-pp",
+) -> None:
+    """Megatron's model-parallel groups, its RNG streams, and the plugin's groups.
+
+    Requires ``torch.distributed`` to be initialised. Seeds as Megatron-LM's ``_set_random_seed``
+    does: Python/torch generators with ``seed + 100 * pipeline_rank``, then Megatron's tracked
+    streams (``model_parallel_cuda_manual_seed``; on CPU the tracker keeps CPU generator states,
+    see ``cpu_compat``). ``mode`` names the ``--tensor-parallel-mode`` whose groups are built:
+    the METP ring (= the TP group) is registered for every mode; WallFacer's teams and sub-rings
+    (issue 4) are built from Megatron's context-parallel group for ``mode == "wallfacer"``.
+    """
+    if mode not in MODES:
+        raise ValueError(f"unknown --tensor-parallel-mode {mode!r}: choose one of {', '.join(MODES)}")
+    world = torch.distributed.get_world_size()
+    model_parallel = tensor_model_parallel_size * pipeline_model_parallel_size * context_parallel_size
+    if world % model_parallel:
+        raise ValueError(
+            f"world size {world} is not a multiple of --tensor-model-parallel-size "
+            f"{tensor_model_parallel_size} x --pipeline-model-parallel-size "
+            f"{pipeline_model_parallel_size} x --context-parallel-size {context_parallel_size}"
+        )
+    mpu.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+        context_parallel_size=context_parallel_size,
+        order=order,
+        create_gloo_process_groups=False,
+    )
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    stage_seed = seed + 100 * mpu.get_pipeline_model_parallel_rank()
+    random.seed(stage_seed)
+    torch.manual_seed(stage_seed)
+    model_parallel_cuda_manual_seed(stage_seed)
+    metp_state.initialize_metp()

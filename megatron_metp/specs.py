@@ -1,0 +1,166 @@
+"""Megatron-Core GPT layer specs, one per ``--tensor-parallel-mode``.
+
+Module-level ``ModuleSpec`` objects, so Megatron-LM can take them from the command line
+(``--spec megatron_metp.specs metp_layer_spec`` imports the object; it does not call it):
+
+=====================  ===========================================  ===========================
+name                   MLP                                          self-attention
+=====================  ===========================================  ===========================
+``tp_layer_spec``       Megatron ``MLP`` (TP+SP)                     Megatron ``SelfAttention``
+                                                                     + ``SDPACoreAttention``
+``metp_layer_spec``     ``MetpMLP`` (weight ring, Alg. 1-2)          ``MetpSelfAttention``
+                                                                     (Alg. 3-6)
+``metp_mlp_layer_spec`` ``MetpMLP``                                  as ``tp``
+``wallfacer_layer_spec`` as ``tp``                                   ``SelfAttention`` +
+                                                                     ``WallFacerCoreAttention``
+=====================  ===========================================  ===========================
+
+Every mode uses Megatron's local ``ColumnParallelLinear`` / ``RowParallelLinear`` for the
+linears, so parameter names, shapes and ``sharded_state_dict`` keys are those of the ``tp``
+model and checkpoints move between modes. The norm (``megatron_metp.layers.Norm``) reads
+``config.normalization`` when it is built, so one spec serves GPT (LayerNorm, GeLU, learned or
+rotary positions) and LLaMA-style (RMSNorm, SwiGLU, RoPE, GQA) configs; the activation, gating,
+bias and GQA choices all come from the ``TransformerConfig``.
+
+The METP and WallFacer classes are named lazily, ``("module.path", "ClassName")``, so this file
+imports without them; they are imported when a model is built.
+
+On CUDA: the ``tp`` spec here is the *local* (pure PyTorch / Megatron-Core) one, which is what
+the METP/WallFacer modes are compared against. Megatron-LM's stock GPU choice is the Transformer
+Engine spec (``get_gpt_layer_with_transformer_engine_spec``, the default of ``pretrain_gpt.py``;
+``--transformer-impl local`` selects Megatron's local spec instead). A user who wants TE kernels
+for the ``tp`` mode keeps Megatron's own spec (``--tensor-parallel-mode tp`` falls through to
+Megatron's builder in the Megatron-LM integration); ``tp_layer_spec`` is the CPU-capable
+reference with identical parameter names (TE's fused ``linear_qkv.layer_norm_weight`` differs,
+so TE checkpoints load with Megatron's usual TE<->local key mapping, not directly).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Tuple, Union
+
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.transformer.transformer_layer import (
+    TransformerLayer,
+    TransformerLayerSubmodules,
+)
+
+from megatron_metp.layers import Norm, SDPACoreAttention
+
+MODES = ("tp", "metp", "metp_mlp", "wallfacer")
+
+# Classes owned by other parts of the plugin, imported when a model is built.
+METP_MLP = ("megatron_metp.metp.mlp", "MetpMLP")
+METP_SELF_ATTENTION = ("megatron_metp.metp.attention", "MetpSelfAttention")
+WALLFACER_CORE_ATTENTION = ("megatron_metp.wallfacer.attention", "WallFacerCoreAttention")
+
+_Module = Union[type, Tuple[str, str]]
+
+
+def _mlp(module: _Module) -> ModuleSpec:
+    # fc1 by columns (the SwiGLU halves interleaved per shard, as Megatron's MLP does), fc2 by rows.
+    return ModuleSpec(
+        module=module,
+        submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+    )
+
+
+def _self_attention(module: _Module, core_attention: _Module, qk_layernorm: bool) -> ModuleSpec:
+    qk_norm = Norm if qk_layernorm else IdentityOp
+    core = core_attention if isinstance(core_attention, type) else ModuleSpec(module=core_attention)
+    return ModuleSpec(
+        module=module,
+        params={"attn_mask_type": AttnMaskType.causal},
+        submodules=SelfAttentionSubmodules(
+            linear_qkv=ColumnParallelLinear,
+            core_attention=core,
+            linear_proj=RowParallelLinear,
+            q_layernorm=qk_norm,
+            k_layernorm=qk_norm,
+        ),
+    )
+
+
+def _layer(mlp: ModuleSpec, self_attention: ModuleSpec) -> ModuleSpec:
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=Norm,
+            self_attention=self_attention,
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=Norm,
+            mlp=mlp,
+            mlp_bda=get_bias_dropout_add,
+        ),
+    )
+
+
+def get_gpt_layer_spec(mode: str, *, qk_layernorm: bool = False) -> ModuleSpec:
+    """A fresh ``TransformerLayer`` spec for ``mode`` in ``MODES`` (see the module docstring).
+
+    ``qk_layernorm`` adds Megatron's per-head query/key norm (``--qk-layernorm``), of the type
+    ``config.normalization`` names.
+    """
+    if mode not in MODES:
+        raise ValueError(
+            f"unknown --tensor-parallel-mode {mode!r}: choose one of {', '.join(MODES)}"
+        )
+    mlp_module = METP_MLP if mode in ("metp", "metp_mlp") else MLP
+    attn_module = METP_SELF_ATTENTION if mode == "metp" else SelfAttention
+    core = WALLFACER_CORE_ATTENTION if mode == "wallfacer" else SDPACoreAttention
+    return _layer(_mlp(mlp_module), _self_attention(attn_module, core, qk_layernorm))
+
+
+def get_gpt_block_spec(config, mode: str, *, vp_stage=None) -> TransformerBlockSubmodules:
+    """The decoder-block spec: this stage's layers of ``mode`` plus a final ``Norm``.
+
+    Passing a bare layer spec to ``GPTModel`` makes Megatron pick the final norm itself
+    (``LayerNormImpl``: TE's or apex's norm when installed, else ``WrappedTorchNorm``, which
+    refuses sequence parallelism); the block spec pins the SP-aware ``Norm`` instead.
+    """
+    layer = get_gpt_layer_spec(mode, qk_layernorm=bool(config.qk_layernorm))
+    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=Norm)
+
+
+def check_spec_importable(spec: ModuleSpec) -> None:
+    """Import every lazily named class in a layer spec; fail with a clear message if one is missing.
+
+    Megatron's ``import_module`` logs an ImportError and returns None, which surfaces later as
+    "'NoneType' object is not callable"; call this before building a model to fail early.
+    """
+    pending = [spec]
+    while pending:
+        s = pending.pop()
+        if isinstance(s, ModuleSpec):
+            if isinstance(s.module, tuple):
+                path, name = s.module
+                try:
+                    getattr(importlib.import_module(path), name)
+                except (ImportError, AttributeError) as e:
+                    raise ImportError(
+                        f"layer spec names {path}.{name}, which cannot be imported ({e}); this "
+                        f"--tensor-parallel-mode is not available in this installation"
+                    ) from e
+            pending.append(s.submodules)
+        elif isinstance(s, list):
+            pending.extend({id(x): x for x in s}.values())
+        elif s is not None and hasattr(s, "__dataclass_fields__"):
+            pending.extend(getattr(s, f) for f in s.__dataclass_fields__)
+
+
+tp_layer_spec = get_gpt_layer_spec("tp")
+metp_layer_spec = get_gpt_layer_spec("metp")
+metp_mlp_layer_spec = get_gpt_layer_spec("metp_mlp")
+wallfacer_layer_spec = get_gpt_layer_spec("wallfacer")
