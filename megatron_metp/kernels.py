@@ -1,0 +1,356 @@
+"""The one boundary to attention kernels (METP's ring inner loop and WallFacer use only this).
+
+Everything above this module is kernel-agnostic: it calls attention of one Q block against one
+K/V block, gets the block's output and log-sum-exp, and merges blocks with :func:`merge_partial`.
+
+Shapes (heads before sequence, as PyTorch's SDPA ops take them)::
+
+    q        [b, n_q,  s_q, d]   queries of this block
+    k, v     [b, n_kv, s_k, d]   keys / values; n_q % n_kv == 0 (GQA: the n_q/n_kv query heads
+                                 of a group are consecutive, as in Megatron's layout)
+    out      [b, n_q,  s_q, d]   q's dtype
+    lse      [b, n_q,  s_q]      fp32 (fp64 when the inputs are fp64), natural log; -inf for a
+                                 row that attends to nothing
+    dq       like q;  dk, dv like k, v (n_kv heads)
+
+``causal=True`` is the top-left-aligned causal mask of a *diagonal* block (query i sees keys
+0..i), so it requires s_q == s_k; off-diagonal blocks are either fully visible (causal=False)
+or skipped by the caller. (flash-attn aligns the mask bottom-right when s_q != s_k, which is
+why the ambiguous case is refused rather than passed through.)
+
+Backends, chosen per call by :func:`select_backend` (and :func:`attention_backend` for a name):
+
+==================  ===========================================  ===========================
+name                kernel                                       used when
+==================  ===========================================  ===========================
+``flash_attn``      flash-attn 2 (2.7 <= version < 3),            CUDA, fp16/bf16, d <= 256,
+                    ``_flash_attn_forward/_backward``            package importable
+``torch_flash_cuda`` ``aten._scaled_dot_product_flash_attention``  CUDA, fp16/bf16, d % 8 == 0,
+                    (+ ``_backward``)                            d <= 256
+``torch_flash_cpu``  ``aten._scaled_dot_product_flash_attention_``  CPU, fp16/bf16/fp32/fp64
+                    ``for_cpu`` (+ ``_backward``)
+``math``            plain matmul/softmax in fp32 (fp64 for       anything else (e.g. fp32 on
+                    fp64), scores materialised                   CUDA), or when forced
+==================  ===========================================  ===========================
+
+flash-attn 3 (the Hopper build) is not wired: its private forward/backward signatures changed
+across its beta releases, so on H100 the torch flash op is used unless flash-attn 2 is present.
+:func:`use_backend` forces a backend (tests use it to run the math path).
+
+The backward of a block takes the *merged* output and lse of the whole row (not the block's
+own): the kernels recompute P = exp(S - lse) and D = rowsum(dout * out), which with the global
+statistics gives this block's exact share of the gradient. That is what lets a ring compute
+dK/dV block by block without a second pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Iterator, Optional, Tuple
+
+import torch
+
+BACKENDS = ("flash_attn", "torch_flash_cuda", "torch_flash_cpu", "math")
+
+_FORCED: Optional[str] = None
+_FLASH_ATTN = None  # False once an import/version check failed; the module once it passed.
+
+
+@contextlib.contextmanager
+def use_backend(name: Optional[str]) -> Iterator[None]:
+    """Force ``name`` (one of ``BACKENDS``, or None for automatic) inside the ``with`` block."""
+    global _FORCED
+    if name is not None and name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {BACKENDS}")
+    previous, _FORCED = _FORCED, name
+    try:
+        yield
+    finally:
+        _FORCED = previous
+
+
+def _flash_attn_module():
+    """flash-attn 2's interface module if a supported version is installed, else None.
+
+    The private ``_flash_attn_forward/_backward`` signature used here (separate window sizes,
+    softcap, rng_state) is the one of flash-attn 2.7 and 2.8.
+    """
+    global _FLASH_ATTN
+    if _FLASH_ATTN is None:
+        _FLASH_ATTN = False
+        try:
+            import flash_attn
+            from flash_attn import flash_attn_interface
+
+            major, minor = (int(x) for x in flash_attn.__version__.split(".")[:2])
+            if major == 2 and minor >= 7:
+                _FLASH_ATTN = flash_attn_interface
+        except Exception:  # not installed, or built for another torch/CUDA: use torch's ops
+            pass
+    return _FLASH_ATTN or None
+
+
+def select_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
+    """The backend :func:`attention_forward` / :func:`attention_backward` use for these inputs."""
+    if _FORCED is not None:
+        return _FORCED
+    d = q.shape[-1]
+    if not (q.dtype == k.dtype == v.dtype) or v.shape[-1] != d:
+        return "math"
+    if q.device.type == "cuda":
+        if q.dtype in (torch.float16, torch.bfloat16) and d <= 256:
+            if _flash_attn_module() is not None:
+                return "flash_attn"
+            if d % 8 == 0:
+                return "torch_flash_cuda"
+        return "math"
+    if q.device.type == "cpu" and q.dtype in (
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+    ):
+        return "torch_flash_cpu"
+    return "math"
+
+
+def attention_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
+    """Name of the backend chosen for ``(q, k, v)`` (an alias of :func:`select_backend`)."""
+    return select_backend(q, k, v)
+
+
+def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
+    # Statistics and merges run in fp32, or fp64 when the data is fp64 (tests' references).
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> int:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError("attention kernels take [b, heads, s, d] tensors")
+    n_q, n_kv = q.shape[1], k.shape[1]
+    if n_q % n_kv != 0 or v.shape[1] != n_kv:
+        raise ValueError(f"query heads ({n_q}) must be a multiple of key/value heads ({n_kv})")
+    if causal and q.shape[2] != k.shape[2]:
+        raise ValueError(
+            "causal=True means a diagonal block (s_q == s_k); got "
+            f"s_q={q.shape[2]}, s_k={k.shape[2]}"
+        )
+    return n_q // n_kv
+
+
+def _expand_kv(t: torch.Tensor, rep: int) -> torch.Tensor:
+    # Megatron's GQA layout: query heads g*rep .. g*rep+rep-1 share key/value head g.
+    return t if rep == 1 else t.repeat_interleave(rep, dim=1)
+
+
+def _reduce_kv(grad: torch.Tensor, rep: int) -> torch.Tensor:
+    if rep == 1:
+        return grad
+    b, n, s, d = grad.shape
+    return grad.view(b, n // rep, rep, s, d).sum(dim=2)
+
+
+# ---------------------------------------------------------------------------------------------
+# math path
+
+
+def _math_probs(q, k, causal, scale, lse=None):
+    """Scores in the statistics dtype; returns (probabilities, lse)."""
+    acc = _stat_dtype(q.dtype)
+    scores = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
+    if causal:
+        s_q, s_k = scores.shape[-2:]
+        mask = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(mask, float("-inf"))
+    if lse is None:
+        lse = torch.logsumexp(scores, dim=-1)
+    # A row with lse = -inf has no visible key: its probabilities are 0, not exp(-inf + inf).
+    safe_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    probs = torch.exp(scores - safe_lse.to(acc).unsqueeze(-1))
+    return probs, lse
+
+
+def _math_forward(q, k, v, causal, scale, rep):
+    k, v = _expand_kv(k, rep), _expand_kv(v, rep)
+    probs, lse = _math_probs(q, k, causal, scale)
+    out = torch.matmul(probs, v.to(probs.dtype))
+    return out.to(q.dtype), lse
+
+
+def _math_backward(dout, q, k, v, out, lse, causal, scale, rep):
+    acc = _stat_dtype(q.dtype)
+    k_full, v_full = _expand_kv(k, rep), _expand_kv(v, rep)
+    probs, _ = _math_probs(q, k_full, causal, scale, lse=lse.to(acc))
+    dout_a = dout.to(acc)
+    delta = (dout_a * out.to(acc)).sum(-1, keepdim=True)  # D = rowsum(dO * O)
+    dv = torch.matmul(probs.transpose(-1, -2), dout_a)
+    dp = torch.matmul(dout_a, v_full.to(acc).transpose(-1, -2))
+    ds = probs * (dp - delta)
+    dq = torch.matmul(ds, k_full.to(acc)) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), q.to(acc)) * scale
+    return dq.to(q.dtype), _reduce_kv(dk, rep).to(k.dtype), _reduce_kv(dv, rep).to(v.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# public API
+
+
+def attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    softmax_scale: Optional[float] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q k^T * scale [causal]) v for one block; returns ``(out, lse)`` (shapes above)."""
+    rep = _check(q, k, v, causal)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    backend = select_backend(q, k, v)
+    stat = _stat_dtype(q.dtype)
+    if backend == "torch_flash_cpu":
+        # The CPU op handles GQA itself (checked against repeat_interleave in the tests).
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, scale=scale
+        )
+        return out, lse.to(stat)
+    if backend == "torch_flash_cuda":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, _expand_kv(k, rep), _expand_kv(v, rep), 0.0, causal, False, scale=scale
+        )[:2]
+        return out, lse.to(stat)
+    if backend == "flash_attn":
+        fa = _flash_attn_module()
+        # flash-attn takes [b, s, heads, d] and handles GQA natively.
+        out, lse, _, _ = fa._flash_attn_forward(
+            q.transpose(1, 2).contiguous(),
+            k.transpose(1, 2).contiguous(),
+            v.transpose(1, 2).contiguous(),
+            dropout_p=0.0,
+            softmax_scale=scale,
+            causal=causal,
+            window_size_left=-1,
+            window_size_right=-1,
+            softcap=0.0,
+            alibi_slopes=None,
+            return_softmax=False,
+        )
+        return out.transpose(1, 2), lse.to(stat)
+    return _math_forward(q, k, v, causal, scale, rep)
+
+
+def attention_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    causal: bool,
+    softmax_scale: Optional[float] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of one block given the row's (merged) ``out`` and ``lse``; dk, dv in n_kv heads.
+
+    ``dout`` and ``out`` are [b, n_q, s_q, d] in q's dtype (cast here if not).
+    """
+    rep = _check(q, k, v, causal)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    backend = select_backend(q, k, v)
+    dout, out = dout.to(q.dtype), out.to(q.dtype)
+    if backend == "torch_flash_cpu":
+        lse_k = lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse_k, 0.0, causal, scale=scale
+        )
+    if backend == "torch_flash_cuda":
+        # Dense (not nested) inputs: no cumulative sequence lengths (the forward returns None
+        # for them); with dropout 0 the philox seed/offset are never read, so placeholders do.
+        s_q, s_k = q.shape[2], k.shape[2]
+        seed = torch.empty(2, dtype=torch.uint64, device=q.device)
+        offset = torch.empty((), dtype=torch.uint64, device=q.device)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout.contiguous(),
+            q,
+            _expand_kv(k, rep),
+            _expand_kv(v, rep),
+            out,
+            lse.float().contiguous(),
+            None,
+            None,
+            s_q,
+            s_k,
+            0.0,
+            causal,
+            seed,
+            offset,
+            scale=scale,
+        )
+        return dq, _reduce_kv(dk, rep), _reduce_kv(dv, rep)
+    if backend == "flash_attn":
+        fa = _flash_attn_module()
+        q_t, k_t, v_t = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+        dq, dk, dv = torch.empty_like(q_t), torch.empty_like(k_t), torch.empty_like(v_t)
+        fa._flash_attn_backward(
+            dout.transpose(1, 2).contiguous(),
+            q_t,
+            k_t,
+            v_t,
+            out.transpose(1, 2).contiguous(),
+            lse.float().contiguous(),
+            dq,
+            dk,
+            dv,
+            dropout_p=0.0,
+            softmax_scale=scale,
+            causal=causal,
+            window_size_left=-1,
+            window_size_right=-1,
+            softcap=0.0,
+            alibi_slopes=None,
+            deterministic=False,
+            rng_state=None,
+        )
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+    return _math_backward(dout, q, k, v, out, lse, causal, scale, rep)
+
+
+def merge_partial(
+    out: Optional[torch.Tensor],
+    lse: Optional[torch.Tensor],
+    block_out: torch.Tensor,
+    block_lse: torch.Tensor,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Merge a block's ``(block_out, block_lse)`` into the running ``(out, lse)``.
+
+    ::
+
+        out, block_out   [b, n, s, d]   accumulator in fp32 (fp64 for fp64 data)
+        lse, block_lse   [b, n, s]
+
+    ``out=None`` starts the accumulator from the block. The merge is max-subtracted:
+    m = max(lse, block_lse); w = exp(lse - m), w_b = exp(block_lse - m) (each <= 1, one of them
+    exactly 1, so nothing overflows however large the logits); out = (w out + w_b block_out) /
+    (w + w_b); lse = m + log(w + w_b). Rows where both are -inf (nothing visible yet) stay
+    out = 0, lse = -inf, without NaN.
+    """
+    acc = _stat_dtype(block_out.dtype if out is None else out.dtype)
+    b_out = block_out.to(acc)
+    b_lse = block_lse.to(acc)
+    if out is None:
+        # Fully masked rows may come back as NaN from some kernels; they carry no weight.
+        dead = torch.isneginf(b_lse)
+        return torch.where(dead.unsqueeze(-1), torch.zeros_like(b_out), b_out), b_lse
+    out, lse = out.to(acc), lse.to(acc)
+    m = torch.maximum(lse, b_lse)
+    m_safe = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+    w = torch.exp(lse - m_safe)
+    w_b = torch.exp(b_lse - m_safe)
+    denom = w + w_b
+    denom_safe = torch.where(denom == 0, torch.ones_like(denom), denom)
+    # Masked rows of block_out may be NaN/garbage in some kernels: zero weight must mean zero.
+    b_term = torch.where((w_b == 0).unsqueeze(-1), torch.zeros_like(b_out), b_out * w_b.unsqueeze(-1))
+    new_out = (out * w.unsqueeze(-1) + b_term) / denom_safe.unsqueeze(-1)
+    new_lse = m + torch.log(denom_safe)
+    return new_out, new_lse
