@@ -1,0 +1,147 @@
+"""WallFacer process groups: teams, team groups and sub-rings inside Megatron's CP group.
+
+The WallFacer group *is* Megatron-Core's context-parallel group (weights are replicated across
+it; Megatron's DDP already reduces gradients over data x context ranks), so WallFacer composes
+with TP, DP and PP exactly as Megatron's own context parallelism does. Megatron has no hook for
+extra groups, so :func:`initialize_wallfacer` builds them beside Megatron's: it learns every
+context-parallel group (one ``all_gather_object`` of each rank's
+``get_context_parallel_global_ranks()``), then every rank creates every team's process group in
+the same order (``new_group`` is collective over the world). Sub-rings need no process group:
+their P2P runs on the context-parallel group, addressed by context-parallel rank.
+
+Context-parallel rank = index in ``sorted(global ranks)`` = Megatron's
+``get_context_parallel_rank()``, so the token layout of ``get_batch_on_this_cp_rank`` holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import torch.distributed as dist
+
+from megatron_metp.wallfacer import config_generator as cg
+
+
+@dataclass
+class WallFacerGroups:
+    """Everything one rank needs to run WallFacer attention (read once, at construction).
+
+    Indices (``idx``, ``init_send_to``, ...) are context-parallel ranks (``cp_group`` ranks).
+    """
+
+    cp_group: Optional[dist.ProcessGroup]
+    cp_global_ranks: List[int]   # sorted; position = context-parallel rank
+    team_group_pg: Optional[dist.ProcessGroup]   # the C ranks of this rank's team
+    cp_size: int
+    team_size: int
+    placement: str
+    idx: int                     # this rank's context-parallel rank
+    team: int
+    member: int                  # == rank in team_group_pg (new_group sorts; members ascend)
+    init_send_to: int
+    init_recv_from: int
+    ring_next: int
+    ring_prev: int
+    layout: str = "zigzag"
+
+    @property
+    def ring_length(self) -> int:
+        """G = P / C^2 (ring steps per attention)."""
+        return self.cp_size // (self.team_size * self.team_size)
+
+    @property
+    def team_group(self) -> int:
+        return self.team // self.ring_length
+
+    def team_ranks(self, team: Optional[int] = None) -> List[int]:
+        """Global ranks of a team in member order."""
+        t = self.team if team is None else team
+        return [self.cp_global_ranks[i]
+                for i in cg.team_members(t, self.cp_size, self.team_size, self.placement)]
+
+    def sub_ring_ranks(self) -> List[int]:
+        """Global ranks of this rank's sub-ring, in ring order."""
+        return [self.cp_global_ranks[i] for i in cg.sub_ring(
+            self.team_group, self.member, self.cp_size, self.team_size, self.placement)]
+
+
+def plan_for(idx: int, cp_size: int, team_size: int, placement: str,
+             cp_global_ranks: Optional[Sequence[int]] = None, layout: str = "zigzag",
+             cp_group=None, team_pg=None) -> WallFacerGroups:
+    """The pure part of a rank's configuration (no process group is created)."""
+    cg.check_team_size(cp_size, team_size)
+    cg.check_placement(placement)
+    team, member = cg.coords_of(idx, cp_size, team_size, placement)
+    nxt, prv = cg.ring_next_prev(idx, cp_size, team_size, placement)
+    return WallFacerGroups(
+        cp_group=cp_group,
+        cp_global_ranks=list(cp_global_ranks if cp_global_ranks is not None else range(cp_size)),
+        team_group_pg=team_pg,
+        cp_size=cp_size, team_size=team_size, placement=placement, idx=idx,
+        team=team, member=member,
+        init_send_to=cg.init_send_to(idx, cp_size, team_size, placement),
+        init_recv_from=cg.init_recv_from(idx, cp_size, team_size, placement),
+        ring_next=nxt, ring_prev=prv, layout=layout,
+    )
+
+
+def build_wallfacer_groups(all_cp_groups: Sequence[Sequence[int]], my_cp_ranks: Sequence[int],
+                           cp_group: Optional[dist.ProcessGroup], team_size: int,
+                           placement: str = "collective_intra",
+                           layout: str = "zigzag") -> WallFacerGroups:
+    """Create every team's group (collective over the world, same order everywhere).
+
+    all_cp_groups   every context-parallel group's global ranks (identical on every rank)
+    my_cp_ranks     this rank's context-parallel group
+    cp_group        the process group over ``my_cp_ranks`` (None: the world, when it is the CP group)
+    """
+    groups = sorted(sorted(g) for g in all_cp_groups)
+    mine = sorted(my_cp_ranks)
+    cp_size = len(mine)
+    cg.check_team_size(cp_size, team_size)
+    cg.check_placement(placement)
+    me = dist.get_rank()
+    my_team_pg = None
+    for ranks in groups:
+        if len(ranks) != cp_size:
+            raise ValueError("context-parallel groups of different sizes")
+        for team in range(cp_size // team_size):
+            members = [ranks[i] for i in cg.team_members(team, cp_size, team_size, placement)]
+            # Every rank calls new_group for every team, in this fixed order (it is collective).
+            pg = dist.new_group(members) if team_size > 1 else None
+            if me in members:
+                my_team_pg = pg
+    idx = mine.index(me)
+    plan = plan_for(idx, cp_size, team_size, placement, mine, layout, cp_group, my_team_pg)
+    if my_team_pg is not None and dist.get_rank(my_team_pg) != plan.member:
+        raise RuntimeError("team process group rank differs from the member index")
+    return plan
+
+
+def initialize_wallfacer(team_size: int, placement: str = "collective_intra",
+                         layout: str = "zigzag") -> WallFacerGroups:
+    """Build the WallFacer groups from Megatron's context-parallel group and register them.
+
+    Call on every rank after ``megatron.core.parallel_state.initialize_model_parallel(
+    context_parallel_size=P, ...)``. Returns this rank's :class:`WallFacerGroups`.
+    """
+    from megatron.core import parallel_state as mpu
+
+    from megatron_metp import parallel_state as ps
+
+    if not mpu.model_parallel_is_initialized():
+        raise RuntimeError(
+            "initialize_wallfacer: call megatron.core.parallel_state.initialize_model_parallel("
+            "context_parallel_size=P, ...) first"
+        )
+    my_cp = list(mpu.get_context_parallel_global_ranks())
+    gathered: List[List[int]] = [None] * dist.get_world_size()  # type: ignore[list-item]
+    dist.all_gather_object(gathered, sorted(my_cp))
+    unique = sorted({tuple(g) for g in gathered})
+    plan = build_wallfacer_groups([list(g) for g in unique], my_cp,
+                                  mpu.get_context_parallel_group(), team_size, placement, layout)
+    if plan.idx != mpu.get_context_parallel_rank():
+        raise RuntimeError("WallFacer CP index differs from Megatron's context-parallel rank")
+    ps.set_wallfacer_groups(plan)
+    return plan
