@@ -1,0 +1,378 @@
+"""Start-up validation: the whole configuration checked before any group is built or weight allocated.
+
+One entry point, :func:`validate_args`, takes an ``argparse.Namespace`` with Megatron-LM's
+argument names (``tensor_model_parallel_size``, ``num_query_groups``, ...) plus the plugin's
+(``tensor_parallel_mode``, ``wallfacer_team_size``, ``wallfacer_placement``). It is called by
+``metp train``, by the no-patch wrapper ``scripts/pretrain_gpt_metp.py`` and by the patched
+``pretrain_gpt.py`` (both through :mod:`megatron_metp.megatron_lm`), always on the namespace
+*after* the WallFacer mode remap, so ``context_parallel_size`` is WallFacer's P.
+
+Every failure is a :class:`MetpConfigError` (a ``ValueError``) whose message names the
+Megatron-LM flag and says how to fix it. Rules by mode (p = ``--tensor-model-parallel-size``,
+P = ``--context-parallel-size``, C = ``--wallfacer-team-size``):
+
+=========  =================================================================================
+all        mode known; sizes >= 1; world size a multiple of TP x CP x PP; layers fit PP and
+           the virtual pipeline; heads divide hidden; query groups divide heads; global batch
+           a multiple of micro batch x DP; flash-attn importable when ``--use-flash-attn``;
+           ``--cp-comm-type wallfacer`` only in wallfacer mode
+tp         Megatron-Core's own rules: heads % p, query groups a multiple *or divisor* of p,
+           FFN % p, sequence % p under SP; with CP, sequence % 2P (Megatron's load-balanced
+           CP layout)
+metp       SP on when p > 1; hidden, heads, query groups, FFN and sequence all % p (each
+           rank's ring step holds exactly one TP shard, so fewer groups than ranks cannot be
+           replicated as Megatron's TP does); no CP, MoE, MLA, legacy models, TP comm overlap,
+           multi-token prediction
+metp_mlp   the METP MLP with TP attention: FFN % p, SP on when p > 1, TP's attention rules
+wallfacer  C >= 1 and C^2 | P; sequence % 2P (each rank holds chunks r and 2P-1-r); heads need
+           not divide P; ``--cp-comm-type`` wallfacer; no hierarchical CP, MoE, MLA, legacy
+           models; any TP inside composes under TP's rules
+=========  =================================================================================
+
+Module-level checks written next to the code they protect are called from here when present
+(:func:`_module_checks`), so each rule lives in one place.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+from argparse import Namespace
+from typing import Callable, Optional, Sequence
+
+MODES = ("tp", "metp", "metp_mlp", "wallfacer")
+CLI_MODES = ("tp", "metp", "wallfacer")
+PLACEMENTS = ("team-consecutive", "ring-consecutive")
+WALLFACER_CP_COMM_TYPE = "wallfacer"
+
+# (namespace attribute, Megatron-LM flag, why a METP/WallFacer layer cannot honour it)
+_UNSUPPORTED = {
+    "metp": [
+        ("num_experts", "--num-experts", "MoE layers are not METP layers (the expert MLPs keep "
+         "Megatron's expert parallelism)"),
+        ("multi_latent_attention", "--multi-latent-attention", "MLA has no METP attention"),
+        ("use_legacy_models", "--use-legacy-models", "the plugin builds Megatron-Core models"),
+        ("tp_comm_overlap", "--tp-comm-overlap", "METP overlaps its own ring communication; "
+         "Transformer Engine's userbuffer overlap targets TP all-gathers METP does not issue"),
+        ("mtp_num_layers", "--mtp-num-layers", "multi-token prediction layers use the TP spec"),
+    ],
+    "wallfacer": [
+        ("num_experts", "--num-experts", "the WallFacer spec has no MoE layer"),
+        ("multi_latent_attention", "--multi-latent-attention", "MLA has no WallFacer attention"),
+        ("use_legacy_models", "--use-legacy-models", "the plugin builds Megatron-Core models"),
+        ("hierarchical_context_parallel_sizes", "--hierarchical-context-parallel-sizes",
+         "WallFacer builds its own teams and sub-rings inside the CP group"),
+        ("mtp_num_layers", "--mtp-num-layers", "multi-token prediction layers use the TP spec"),
+    ],
+}
+_UNSUPPORTED["metp_mlp"] = _UNSUPPORTED["metp"]
+
+
+class MetpConfigError(ValueError):
+    """A configuration the plugin refuses at start-up; the message names the flag and the fix."""
+
+
+def _fail(msg: str) -> None:
+    raise MetpConfigError(msg)
+
+
+def _int(ns: Namespace, name: str, default: Optional[int] = None) -> Optional[int]:
+    v = getattr(ns, name, default)
+    return default if v is None else v
+
+
+def query_groups(ns: Namespace) -> int:
+    """Query groups as Megatron-LM resolves them (``--num-query-groups`` needs
+    ``--group-query-attention``; a namespace without that switch, e.g. ``metp train``'s, uses
+    ``num_query_groups`` when set)."""
+    heads = ns.num_attention_heads
+    groups = getattr(ns, "num_query_groups", None)
+    if hasattr(ns, "group_query_attention") and not ns.group_query_attention:
+        return heads
+    return heads if groups is None else groups
+
+
+def ffn_hidden_size(ns: Namespace) -> int:
+    """``--ffn-hidden-size``, or Megatron-LM's default (4h; SwiGLU: 8h/3 rounded down to 64)."""
+    ffn = getattr(ns, "ffn_hidden_size", None)
+    if ffn is not None:
+        return ffn
+    if getattr(ns, "swiglu", False):
+        return int((4 * ns.hidden_size * 2 / 3) / 64) * 64
+    return 4 * ns.hidden_size
+
+
+def team_size(ns: Namespace) -> Optional[int]:
+    """``--wallfacer-team-size`` as an int (default 1 = ring attention); None for 'auto'."""
+    c = getattr(ns, "wallfacer_team_size", None)
+    if c is None:
+        return 1
+    if isinstance(c, str):
+        if c == "auto":
+            return None
+        try:
+            return int(c)
+        except ValueError:
+            _fail(f"--wallfacer-team-size {c!r}: give an integer C with C^2 dividing "
+                  f"--context-parallel-size, or 'auto' to let the topology scheduler pick")
+    return c
+
+
+def _cp_comm_types(ns: Namespace) -> list:
+    t = getattr(ns, "cp_comm_type", None)
+    if t is None:
+        return []
+    return [t] if isinstance(t, str) else list(t)
+
+
+def validate_args(
+    ns: Namespace,
+    *,
+    flash_attn_available: Optional[Callable[[], bool]] = None,
+) -> Namespace:
+    """Check every rule of the module docstring; return ``ns`` unchanged or raise MetpConfigError.
+
+    ``flash_attn_available`` overrides the import probe for ``--use-flash-attn`` (tests).
+    """
+    mode = getattr(ns, "tensor_parallel_mode", None) or "tp"
+    if mode not in MODES:
+        _fail(f"--tensor-parallel-mode {mode!r} is unknown: choose one of {', '.join(CLI_MODES)}")
+    tp = _int(ns, "tensor_model_parallel_size", 1)
+    cp = _int(ns, "context_parallel_size", 1)
+    pp = _int(ns, "pipeline_model_parallel_size", 1)
+    for flag, v in (("--tensor-model-parallel-size", tp), ("--context-parallel-size", cp),
+                    ("--pipeline-model-parallel-size", pp)):
+        if not isinstance(v, int) or v < 1:
+            _fail(f"{flag} {v!r}: parallel sizes are integers >= 1")
+
+    dp = _check_world(ns, tp, cp, pp)
+    _check_pipeline(ns, pp)
+    _check_model_shape(ns)
+    _check_batch(ns, dp)
+    _check_features(ns, mode)
+    _check_flash_attn(ns, flash_attn_available)
+
+    if mode == "tp":
+        _check_tp_sharding(ns, tp, cp, mode)
+    elif mode in ("metp", "metp_mlp"):
+        _check_metp(ns, tp, cp, mode)
+    else:
+        _check_wallfacer(ns, tp, cp)
+    _module_checks(ns, mode, tp, cp)
+    return ns
+
+
+def _check_world(ns: Namespace, tp: int, cp: int, pp: int) -> Optional[int]:
+    world = getattr(ns, "world_size", None)
+    if world is None and os.environ.get("WORLD_SIZE"):
+        world = int(os.environ["WORLD_SIZE"])
+    if world is None:
+        return None
+    model = tp * cp * pp
+    if world % model:
+        _fail(f"world size {world} is not a multiple of --tensor-model-parallel-size {tp} x "
+              f"--context-parallel-size {cp} x --pipeline-model-parallel-size {pp} = {model}: "
+              f"launch a multiple of {model} ranks (nodes x --nproc-per-node) or change the sizes")
+    return world // model
+
+
+def _check_pipeline(ns: Namespace, pp: int) -> None:
+    layers = getattr(ns, "num_layers", None)
+    if layers is None:
+        return
+    uneven = (getattr(ns, "decoder_first_pipeline_num_layers", None) is not None
+              or getattr(ns, "decoder_last_pipeline_num_layers", None) is not None
+              or getattr(ns, "pipeline_model_parallel_layout", None) is not None)
+    if not uneven and layers % pp:
+        _fail(f"--num-layers {layers} is not divisible by --pipeline-model-parallel-size {pp}: "
+              f"every stage holds the same number of layers; pick a divisor of {layers}")
+    per_stage = layers // pp
+    lpv = getattr(ns, "num_layers_per_virtual_pipeline_stage", None)
+    vpp = getattr(ns, "virtual_pipeline_model_parallel_size", None)
+    if vpp is None:
+        vpp = getattr(ns, "num_virtual_stages_per_pipeline_rank", None)
+    if lpv is not None:
+        if lpv < 1 or per_stage % lpv:
+            _fail(f"--num-layers-per-virtual-pipeline-stage {lpv} does not divide the "
+                  f"{per_stage} layers of each of --pipeline-model-parallel-size {pp} stages")
+        vpp = per_stage // lpv
+    if vpp is None or vpp == 1:
+        return
+    if vpp < 1 or (not uneven and per_stage % vpp):
+        _fail(f"--num-virtual-stages-per-pipeline-rank {vpp} does not divide the {per_stage} "
+              f"layers of each pipeline stage (--num-layers {layers} / "
+              f"--pipeline-model-parallel-size {pp})")
+    # Megatron's interleaved schedule needs more than one stage; without P2P overlap it needs
+    # three, so that no two ranks exchange more than one send/recv pair per batch.
+    need = 2 if getattr(ns, "overlap_p2p_comm", False) else 3
+    if pp < need:
+        _fail(f"a virtual pipeline ({vpp} virtual stages) needs --pipeline-model-parallel-size "
+              f">= {need} (is {pp}); drop --num-virtual-stages-per-pipeline-rank / "
+              f"--num-layers-per-virtual-pipeline-stage or raise the pipeline size")
+
+
+def _check_model_shape(ns: Namespace) -> None:
+    h, heads = ns.hidden_size, ns.num_attention_heads
+    if getattr(ns, "kv_channels", None) is None and h % heads:
+        _fail(f"--hidden-size {h} is not divisible by --num-attention-heads {heads} (and "
+              f"--kv-channels is not set): choose heads dividing the hidden size")
+    groups = query_groups(ns)
+    if groups < 1 or heads % groups:
+        _fail(f"--num-query-groups {groups} must divide --num-attention-heads {heads}")
+
+
+def _check_batch(ns: Namespace, dp: Optional[int]) -> None:
+    mbs, gbs = getattr(ns, "micro_batch_size", None), getattr(ns, "global_batch_size", None)
+    if dp is None or mbs is None or gbs is None:
+        return
+    if gbs % (mbs * dp):
+        _fail(f"--global-batch-size {gbs} is not a multiple of --micro-batch-size {mbs} x "
+              f"data-parallel size {dp}: use a multiple of {mbs * dp}")
+
+
+def _check_features(ns: Namespace, mode: str) -> None:
+    for attr, flag, why in _UNSUPPORTED.get(mode, []):
+        if getattr(ns, attr, None):
+            _fail(f"{flag} is not supported with --tensor-parallel-mode {mode}: {why}; "
+                  f"drop {flag} or use --tensor-parallel-mode tp")
+    c = getattr(ns, "wallfacer_team_size", None)
+    if mode != "wallfacer" and c not in (None, 1, "1"):
+        _fail(f"--wallfacer-team-size {c} applies only to --tensor-parallel-mode wallfacer")
+    spec = getattr(ns, "spec", None)
+    if mode != "tp" and spec and spec[0] != "megatron_metp.specs":
+        _fail(f"--spec {' '.join(spec)} conflicts with --tensor-parallel-mode {mode}, which "
+              f"picks megatron_metp.specs' {mode}_layer_spec: drop --spec")
+    types = _cp_comm_types(ns)
+    if mode != "wallfacer" and WALLFACER_CP_COMM_TYPE in types:
+        _fail(f"--cp-comm-type {WALLFACER_CP_COMM_TYPE} needs --tensor-parallel-mode wallfacer "
+              f"(it selects the plugin's core attention)")
+
+
+def _check_flash_attn(ns: Namespace, available: Optional[Callable[[], bool]]) -> None:
+    if not getattr(ns, "use_flash_attn", False):
+        return
+    ok = available() if available is not None else importlib.util.find_spec("flash_attn") is not None
+    if not ok:
+        _fail("--use-flash-attn was given but the flash_attn package is not importable: install "
+              "it (pip install 'megatron-metp[gpu]' on a CUDA machine) or drop --use-flash-attn "
+              "to use PyTorch's fused attention")
+
+
+def _check_tp_sharding(ns: Namespace, tp: int, cp: int, mode: str) -> None:
+    """Megatron-Core's own TP/SP/CP divisibility (TransformerConfig, Attention, ColumnParallel)."""
+    heads, groups, ffn = ns.num_attention_heads, query_groups(ns), ffn_hidden_size(ns)
+    if heads % tp:
+        _fail(f"--num-attention-heads {heads} is not divisible by --tensor-model-parallel-size "
+              f"{tp} (mode {mode}): each TP rank holds heads/p whole heads")
+    if groups % tp and tp % groups:
+        _fail(f"--num-query-groups {groups} must be a multiple or a divisor of "
+              f"--tensor-model-parallel-size {tp} (mode {mode}; Megatron replicates groups when "
+              f"there are fewer than TP ranks)")
+    if mode == "tp" and ffn % tp:
+        _fail(f"--ffn-hidden-size {ffn} is not divisible by --tensor-model-parallel-size {tp}: "
+              f"fc1 is split by columns; pick a multiple of {tp}")
+    _check_seq(ns, tp, cp, mode)
+
+
+def _check_seq(ns: Namespace, tp: int, cp: int, mode: str) -> None:
+    s = getattr(ns, "seq_length", None)
+    if s is None:
+        return
+    if cp > 1 and s % (2 * cp):
+        layout = ("WallFacer's zigzag layout: rank r holds chunks r and 2P-1-r of 2P"
+                  if mode == "wallfacer" else "Megatron's load-balanced CP layout")
+        _fail(f"--seq-length {s} is not divisible by 2 x --context-parallel-size {cp} = "
+              f"{2 * cp} ({layout}); pick a multiple of {2 * cp}")
+    local = s // cp
+    if getattr(ns, "sequence_parallel", False) and tp > 1 and local % tp:
+        _fail(f"--seq-length {s} gives {local} tokens per context rank, not divisible by "
+              f"--tensor-model-parallel-size {tp} under --sequence-parallel; pick a multiple of "
+              f"{cp * tp * (2 if cp > 1 else 1)}")
+
+
+def _check_metp(ns: Namespace, tp: int, cp: int, mode: str) -> None:
+    if tp > 1 and not getattr(ns, "sequence_parallel", False):
+        _fail(f"--tensor-parallel-mode {mode} with --tensor-model-parallel-size {tp} needs "
+              f"--sequence-parallel: METP keeps activations sequence-sharded between layers")
+    if cp > 1:
+        _fail(f"--tensor-parallel-mode {mode} does not compose with --context-parallel-size {cp}: "
+              f"set --context-parallel-size 1 (METP already shards the sequence over the TP "
+              f"ring), or use --tensor-parallel-mode wallfacer for context parallelism")
+    ffn = ffn_hidden_size(ns)
+    if ffn % tp:
+        _fail(f"--ffn-hidden-size {ffn} is not divisible by --tensor-model-parallel-size {tp}: "
+              f"the METP MLP passes fc1/fc2 shards of F/p around the ring; pick a multiple of {tp}")
+    s = getattr(ns, "seq_length", None)
+    if s is not None and s % tp:
+        _fail(f"--seq-length {s} is not divisible by --tensor-model-parallel-size {tp}: METP "
+              f"keeps s/p tokens per rank; pick a multiple of {tp}")
+    if mode == "metp_mlp":
+        _check_tp_sharding(ns, tp, cp, mode)
+        return
+    h, heads, groups = ns.hidden_size, ns.num_attention_heads, query_groups(ns)
+    if getattr(ns, "kv_channels", None) is None and h % tp:
+        _fail(f"--hidden-size {h} is not divisible by --tensor-model-parallel-size {tp}: METP "
+              f"attention's head group j holds h/p of the QKV projection; pick a multiple of {tp}")
+    if heads % tp:
+        _fail(f"--num-attention-heads {heads} is not divisible by --tensor-model-parallel-size "
+              f"{tp}: METP attention walks p head groups of heads/p heads")
+    if groups % tp:
+        _fail(f"--num-query-groups {groups} is not divisible by --tensor-model-parallel-size {tp}:"
+              f" METP attention's head group j is TP rank j's shard of whole query groups "
+              f"(unlike tp mode, groups are not replicated); use a multiple of {tp}")
+
+
+def _check_wallfacer(ns: Namespace, tp: int, cp: int) -> None:
+    types = _cp_comm_types(ns)
+    if types and any(t != WALLFACER_CP_COMM_TYPE for t in types):
+        _fail(f"--cp-comm-type {' '.join(types)} conflicts with --tensor-parallel-mode "
+              f"wallfacer: drop --cp-comm-type (the mode sets it to '{WALLFACER_CP_COMM_TYPE}')")
+    placement = getattr(ns, "wallfacer_placement", None) or PLACEMENTS[0]
+    if placement not in PLACEMENTS:
+        _fail(f"--wallfacer-placement {placement!r} is unknown: choose one of "
+              f"{', '.join(PLACEMENTS)}")
+    c = team_size(ns)
+    if c is not None:
+        if c < 1:
+            _fail(f"--wallfacer-team-size {c}: the team size C is >= 1")
+        if cp % (c * c):
+            ok = [k for k in range(1, math.isqrt(cp) + 1) if cp % (k * k) == 0]
+            _fail(f"--wallfacer-team-size {c}: C^2 = {c * c} does not divide the WallFacer group "
+                  f"size P = --context-parallel-size {cp}; valid C for P = {cp}: "
+                  f"{', '.join(map(str, ok))} (or 'auto')")
+    # WallFacer heads need not divide P (every rank keeps all heads for its tokens); any TP
+    # inside each CP rank follows Megatron's TP rules.
+    _check_tp_sharding(ns, tp, cp, "wallfacer")
+    ffn = ffn_hidden_size(ns)
+    if ffn % tp:
+        _fail(f"--ffn-hidden-size {ffn} is not divisible by --tensor-model-parallel-size {tp}")
+
+
+def _module_checks(ns: Namespace, mode: str, tp: int, cp: int) -> None:
+    """Checks owned by the modules themselves, called when those modules provide them."""
+    if mode == "wallfacer":
+        fn = _optional("megatron_metp.wallfacer.config", "validate_wallfacer")
+        c = team_size(ns)
+        if fn is not None and c is not None:
+            try:
+                fn(P=cp, C=c, seq_length=getattr(ns, "seq_length", None),
+                   placement=getattr(ns, "wallfacer_placement", None) or PLACEMENTS[0])
+            except MetpConfigError:
+                raise
+            except ValueError as e:  # same rule, re-raised under the one start-up error type
+                raise MetpConfigError(str(e)) from e
+
+
+def _optional(module: str, name: str):
+    try:
+        if importlib.util.find_spec(module) is None:
+            return None
+        return getattr(importlib.import_module(module), name, None)
+    except ImportError:
+        return None
+
+
+def valid_team_sizes(P: int) -> Sequence[int]:
+    """Every C with C^2 | P (C = 1 is ring attention; C = sqrt(P) leaves rings of length 1)."""
+    return [c for c in range(1, math.isqrt(P) + 1) if P % (c * c) == 0]

@@ -1,0 +1,183 @@
+"""Start-up validation (issue 7 item 1): every rule refuses a bad configuration, naming the flag.
+
+Table-driven: each case is a valid base configuration with a few fields changed, the flag the
+error must name, and a fragment of the fix. No process groups: every case runs in microseconds.
+The valid bases are checked too, so a rule that rejects good configurations fails here.
+"""
+
+from __future__ import annotations
+
+import time
+from argparse import Namespace
+
+import pytest
+
+from megatron_metp.validation import MetpConfigError, valid_team_sizes, validate_args
+
+
+def _ns(mode="tp", **kw) -> Namespace:
+    """A small valid configuration with Megatron-LM's argument names (after the mode remap)."""
+    base = dict(
+        tensor_parallel_mode=mode, tensor_model_parallel_size=4, context_parallel_size=1,
+        pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=None,
+        num_layers_per_virtual_pipeline_stage=None, sequence_parallel=True, seq_length=64,
+        hidden_size=64, num_attention_heads=8, num_query_groups=None,
+        group_query_attention=False, kv_channels=None, ffn_hidden_size=256, swiglu=False,
+        num_layers=4, num_experts=None, cp_comm_type=["p2p"], wallfacer_team_size=None,
+        wallfacer_placement="team-consecutive", world_size=8, use_flash_attn=False,
+        micro_batch_size=1, global_batch_size=4, overlap_p2p_comm=True,
+    )
+    if mode == "wallfacer":  # the remapped form: P = 8 context ranks, TP 1
+        base.update(tensor_model_parallel_size=1, context_parallel_size=8,
+                    sequence_parallel=False, cp_comm_type=["wallfacer"], world_size=8,
+                    global_batch_size=1)
+    base.update(kw)
+    return Namespace(**base)
+
+
+GOOD = [
+    ("tp", {}),
+    ("tp", {"group_query_attention": True, "num_query_groups": 2}),  # fewer groups than p: ok
+    ("tp", {"sequence_parallel": False, "seq_length": 30}),  # no SP: s need not divide p
+    ("metp", {}),
+    ("metp", {"group_query_attention": True, "num_query_groups": 4, "swiglu": True,
+              "ffn_hidden_size": None, "hidden_size": 192, "num_attention_heads": 8}),
+    ("metp", {"tensor_model_parallel_size": 1, "sequence_parallel": False, "world_size": 1,
+              "global_batch_size": 1}),
+    ("metp_mlp", {"group_query_attention": True, "num_query_groups": 2}),
+    ("wallfacer", {}),
+    ("wallfacer", {"wallfacer_team_size": 2, "context_parallel_size": 4, "world_size": 4}),
+    ("wallfacer", {"num_attention_heads": 6, "hidden_size": 48}),  # heads need not divide P
+    ("wallfacer", {"wallfacer_team_size": "auto"}),
+    ("wallfacer", {"tensor_model_parallel_size": 2, "context_parallel_size": 2,
+                   "sequence_parallel": True, "world_size": 8, "global_batch_size": 2}),
+    ("tp", {"pipeline_model_parallel_size": 4, "tensor_model_parallel_size": 2, "world_size": 8,
+            "num_layers": 8, "virtual_pipeline_model_parallel_size": 2, "global_batch_size": 1}),
+]
+
+# (id, mode, overrides, flag the message must name, fragment of the message)
+BAD = [
+    ("unknown-mode", "tp", {"tensor_parallel_mode": "ulysses"}, "--tensor-parallel-mode",
+     "choose one of"),
+    ("world-not-product", "tp", {"world_size": 6}, "--tensor-model-parallel-size",
+     "multiple of 4"),
+    ("world-with-cp-pp", "tp", {"context_parallel_size": 2, "pipeline_model_parallel_size": 2,
+                                "world_size": 8}, "--context-parallel-size", "multiple of 16"),
+    ("size-zero", "tp", {"pipeline_model_parallel_size": 0}, "--pipeline-model-parallel-size",
+     ">= 1"),
+    ("pp-layers", "tp", {"pipeline_model_parallel_size": 2, "num_layers": 3, "world_size": 8,
+                         "tensor_model_parallel_size": 2, "global_batch_size": 2},
+     "--pipeline-model-parallel-size", "divisor of 3"),
+    ("vpp-layers", "tp", {"pipeline_model_parallel_size": 4, "tensor_model_parallel_size": 2,
+                          "num_layers": 8, "virtual_pipeline_model_parallel_size": 3,
+                          "global_batch_size": 1}, "--num-virtual-stages-per-pipeline-rank",
+     "does not divide"),
+    ("vpp-per-stage", "tp", {"pipeline_model_parallel_size": 2, "tensor_model_parallel_size": 4,
+                             "num_layers": 8, "num_layers_per_virtual_pipeline_stage": 3,
+                             "world_size": 8, "global_batch_size": 1},
+     "--num-layers-per-virtual-pipeline-stage", "does not divide"),
+    ("vpp-needs-pp", "tp", {"pipeline_model_parallel_size": 2, "tensor_model_parallel_size": 4,
+                            "num_layers": 8, "virtual_pipeline_model_parallel_size": 2,
+                            "overlap_p2p_comm": False, "global_batch_size": 1},
+     "--pipeline-model-parallel-size", ">= 3"),
+    ("hidden-heads", "tp", {"hidden_size": 60}, "--num-attention-heads", "dividing"),
+    ("groups-divide-heads", "tp", {"group_query_attention": True, "num_query_groups": 3},
+     "--num-query-groups", "must divide"),
+    ("gbs", "tp", {"global_batch_size": 3}, "--global-batch-size", "multiple of 2"),
+    ("tp-heads", "tp", {"num_attention_heads": 6, "hidden_size": 48}, "--num-attention-heads",
+     "divisible by --tensor-model-parallel-size"),
+    # 3 groups on TP 2: neither a multiple nor a divisor (Megatron-Core's TransformerConfig rule).
+    ("tp-groups-neither", "tp", {"tensor_model_parallel_size": 2, "group_query_attention": True,
+                                 "num_query_groups": 3, "num_attention_heads": 6,
+                                 "hidden_size": 48, "global_batch_size": 4},
+     "--num-query-groups", "multiple or a divisor"),
+    ("tp-ffn", "tp", {"ffn_hidden_size": 250}, "--ffn-hidden-size", "multiple of 4"),
+    ("tp-seq-sp", "tp", {"seq_length": 30}, "--seq-length", "--sequence-parallel"),
+    ("tp-cp-seq", "tp", {"context_parallel_size": 2, "world_size": 8, "seq_length": 34,
+                         "global_batch_size": 1}, "--seq-length", "load-balanced"),
+    ("metp-sp-off", "metp", {"sequence_parallel": False}, "--sequence-parallel",
+     "sequence-sharded"),
+    ("metp-cp", "metp", {"context_parallel_size": 2, "world_size": 8, "global_batch_size": 1},
+     "--context-parallel-size", "wallfacer"),
+    ("metp-moe", "metp", {"num_experts": 8}, "--num-experts", "drop --num-experts"),
+    ("metp-mla", "metp", {"multi_latent_attention": True}, "--multi-latent-attention", "MLA"),
+    ("metp-tp-overlap", "metp", {"tp_comm_overlap": True}, "--tp-comm-overlap", "overlap"),
+    ("metp-legacy", "metp", {"use_legacy_models": True}, "--use-legacy-models", "Megatron-Core"),
+    ("metp-ffn", "metp", {"ffn_hidden_size": 250}, "--ffn-hidden-size", "ring"),
+    ("metp-mtp", "metp", {"mtp_num_layers": 1}, "--mtp-num-layers", "multi-token"),
+    ("metp-hidden", "metp", {"hidden_size": 66, "num_attention_heads": 6,
+                             "tensor_model_parallel_size": 4}, "--hidden-size", "head group"),
+    ("metp-heads", "metp", {"hidden_size": 64, "num_attention_heads": 2, "world_size": 8},
+     "--num-attention-heads", "head groups"),
+    ("metp-groups", "metp", {"group_query_attention": True, "num_query_groups": 2},
+     "--num-query-groups", "not replicated"),
+    ("metp-seq", "metp", {"seq_length": 30}, "--seq-length", "s/p"),
+    ("metp-spec", "metp", {"spec": ["my.module", "my_spec"]}, "--spec", "drop --spec"),
+    ("metp-team-size", "metp", {"wallfacer_team_size": 2}, "--wallfacer-team-size",
+     "applies only"),
+    ("metp-cp-comm-type", "metp", {"cp_comm_type": ["wallfacer"]}, "--cp-comm-type",
+     "needs --tensor-parallel-mode wallfacer"),
+    ("metp-mlp-groups-tp-rule", "metp_mlp", {"group_query_attention": True,
+                                             "num_query_groups": 2, "num_attention_heads": 6,
+                                             "hidden_size": 48, "ffn_hidden_size": 192},
+     "--num-attention-heads", "divisible"),
+    ("wf-team-not-square-divisor", "wallfacer", {"wallfacer_team_size": 2,
+                                                 "context_parallel_size": 2, "global_batch_size": 4},
+     "--wallfacer-team-size", "valid C for P = 2: 1"),
+    ("wf-team-3", "wallfacer", {"wallfacer_team_size": 3, "context_parallel_size": 8},
+     "--wallfacer-team-size", "does not divide"),
+    ("wf-team-bad-string", "wallfacer", {"wallfacer_team_size": "two"}, "--wallfacer-team-size",
+     "'auto'"),
+    ("wf-seq-zigzag", "wallfacer", {"seq_length": 72}, "--seq-length", "2P-1-r"),
+    ("wf-cp-comm-type", "wallfacer", {"cp_comm_type": ["a2a"]}, "--cp-comm-type",
+     "drop --cp-comm-type"),
+    ("wf-placement", "wallfacer", {"wallfacer_placement": "node-major"}, "--wallfacer-placement",
+     "team-consecutive"),
+    ("wf-moe", "wallfacer", {"num_experts": 4}, "--num-experts", "no MoE"),
+    ("wf-hier-cp", "wallfacer", {"hierarchical_context_parallel_sizes": [2, 4]},
+     "--hierarchical-context-parallel-sizes", "sub-rings"),
+    ("wf-tp-inside-heads", "wallfacer", {"tensor_model_parallel_size": 2,
+                                         "context_parallel_size": 2, "sequence_parallel": True,
+                                         "num_attention_heads": 3, "hidden_size": 48,
+                                         "global_batch_size": 2},
+     "--num-attention-heads", "divisible"),
+    ("wf-team-zero", "wallfacer", {"wallfacer_team_size": 0}, "--wallfacer-team-size", ">= 1"),
+]
+
+@pytest.mark.parametrize("mode,kw", GOOD, ids=[f"{m}-{i}" for i, (m, _) in enumerate(GOOD)])
+def test_valid_configurations_pass(mode, kw):
+    ns = _ns(mode, **kw)
+    assert validate_args(ns, flash_attn_available=lambda: False) is ns
+
+
+@pytest.mark.parametrize("case,mode,kw,flag,fragment", BAD, ids=[b[0] for b in BAD])
+def test_bad_configuration_names_the_flag(case, mode, kw, flag, fragment):
+    ns = _ns(mode, **kw)
+    t0 = time.perf_counter()
+    with pytest.raises(MetpConfigError) as info:
+        validate_args(ns, flash_attn_available=lambda: True)
+    elapsed = time.perf_counter() - t0
+    msg = str(info.value)
+    assert isinstance(info.value, ValueError)
+    assert flag in msg, msg
+    assert fragment in msg, msg
+    assert elapsed < 1.0  # pure argument checks; no process group, no import of a model
+
+
+def test_flash_attn_requested_but_absent():
+    with pytest.raises(MetpConfigError, match="--use-flash-attn"):
+        validate_args(_ns("metp", use_flash_attn=True), flash_attn_available=lambda: False)
+    # Present: the same configuration passes.
+    validate_args(_ns("metp", use_flash_attn=True), flash_attn_available=lambda: True)
+
+
+def test_rules_count():
+    # Issue 7 asks for at least 20 table-driven cases.
+    assert len(BAD) + 1 >= 20
+
+
+def test_valid_team_sizes():
+    assert valid_team_sizes(8) == [1, 2]
+    assert valid_team_sizes(16) == [1, 2, 4]
+    assert valid_team_sizes(64) == [1, 2, 4, 8]
+    assert valid_team_sizes(6) == [1]
