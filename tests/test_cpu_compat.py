@@ -1,0 +1,224 @@
+"""Each CPU stand-in in ``megatron_metp.cpu_compat`` makes the Megatron-Core code it covers work.
+
+Every check calls the Megatron function itself (not the stand-in) and compares its result with
+an independent computation. End-to-end use (GPTModel, DDP, optimizer, dist-checkpointing) is in
+tests/test_tp_baseline.py.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests import _models as M
+from tests._harness import run_ranks
+
+
+def _current_device_users():
+    """Stand-in 1 (torch.cuda.current_device): SP mappings, GlobalMemoryBuffer, RoPE, DDP."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.tensor_parallel import (
+        gather_from_sequence_parallel_region,
+        reduce_scatter_to_sequence_parallel_region,
+    )
+    from megatron.core.utils import GlobalMemoryBuffer
+
+    assert torch.cuda.current_device() == torch.device("cpu")
+    M.setup(tp=2)
+    rank = mpu.get_tensor_model_parallel_rank()
+
+    # SP all-gather along the sequence (mappings._gather_along_first_dim) and its transpose.
+    x_shard_s = torch.full((3, 2, 4), float(rank + 1), requires_grad=True)
+    x_full = gather_from_sequence_parallel_region(x_shard_s)
+    assert torch.equal(x_full, torch.cat([torch.full((3, 2, 4), 1.0), torch.full((3, 2, 4), 2.0)]))
+    y_shard_s = reduce_scatter_to_sequence_parallel_region(x_full * (rank + 1))
+    # Reduce-scatter: sum over ranks (1 + 2) x the block this rank owns.
+    assert torch.equal(y_shard_s, torch.full((3, 2, 4), 3.0 * (rank + 1)))
+
+    # GlobalMemoryBuffer.get_tensor (used by the SP all-gather with a global buffer).
+    buf = GlobalMemoryBuffer().get_tensor((2, 3), torch.float32, "probe")
+    assert buf.device.type == "cpu" and buf.shape == (2, 3)
+
+    # RotaryEmbedding.get_emb moves inv_freq to the "current device".
+    d, s = 8, 5
+    emb = RotaryEmbedding(kv_channels=d, rotary_percent=1.0, use_cpu_initialization=True)(s)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    freqs = torch.outer(torch.arange(s, dtype=torch.float64), inv_freq)
+    expect = torch.cat([freqs, freqs], dim=-1)[:, None, None, :]
+    torch.testing.assert_close(emb.double(), expect, rtol=1e-6, atol=1e-6)  # fp32 angles < 5 rad
+    return True
+
+
+def _ddp_data_parallel():
+    """Stand-in 1 in DDP's grad buffers (param_and_grad_buffer): DP = 2 averages gradients."""
+    from megatron.core.distributed import finalize_model_grads
+
+    M.setup(tp=1)  # 2 ranks -> data-parallel size 2
+    model = M.build("tp", "gpt", num_layers=1)
+    plain = M.build("tp", "gpt", num_layers=1)  # same seed: same weights, no DDP
+    ddp = M.wrap_ddp(model)
+    b = M.batch(seed=dist.get_rank())  # each DP rank its own micro-batch
+    ddp.zero_grad_buffer()
+    token_losses = ddp(b["tokens"], b["position_ids"], b["attention_mask"], labels=b["labels"])
+    token_losses.mean().backward()
+    finalize_model_grads([ddp])
+    loss = plain(b["tokens"], b["position_ids"], b["attention_mask"], labels=b["labels"]).mean()
+    loss.backward()
+    for (n, p), (_, q) in zip(model.named_parameters(), plain.named_parameters()):
+        local = [torch.empty_like(q.grad) for _ in range(2)]
+        dist.all_gather(local, q.grad)
+        # DDP averages over data-parallel ranks (fp32 sum of 2 then scale: exact to ~1 ulp).
+        torch.testing.assert_close(p.main_grad, (local[0] + local[1]) / 2, rtol=1e-6, atol=1e-7)
+    return True
+
+
+def _synchronize_users():
+    """Stand-in 2 (torch.cuda.synchronize): dist-checkpointing's D2H preload."""
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    assert torch.cuda.synchronize() is None
+    t = torch.arange(6.0)
+    bucket = ("file", "key", ([], [("item", t)]))
+    # non_blocking=True is the path that ends in torch.cuda.synchronize().
+    (out,) = FileSystemWriterAsync.preload_tensors([bucket], non_blocking=True)
+    assert torch.equal(out[2][1][0][1], t)
+    return True
+
+
+def _rng_tracker():
+    """Stand-in 3: Megatron's RNG tracker, seeding, fork and activation recomputation."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core import tensor_parallel
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    M.setup(tp=2, seed=77)
+    tp_rank = mpu.get_tensor_model_parallel_rank()
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    assert set(tracker.get_states()) >= {"model-parallel-rng", "data-parallel-rng"}
+
+    def draws(seed):
+        model_parallel_cuda_manual_seed(seed)
+        torch.manual_seed(seed)
+        with tracker.fork():
+            inside = torch.rand(4)
+        after = torch.rand(4)
+        return inside, after
+
+    inside, after = draws(77)
+    # Megatron's rule: the TP stream is seeded with seed + 2718 + tp_rank.
+    assert torch.equal(inside, torch.rand(4, generator=torch.Generator().manual_seed(77 + 2718 + tp_rank)))
+    # The fork leaves the default stream where it was.
+    torch.manual_seed(77)
+    assert torch.equal(after, torch.rand(4))
+    # TP ranks draw different masks inside the fork, the same ones outside it.
+    both = [torch.empty(4) for _ in range(2)], [torch.empty(4) for _ in range(2)]
+    dist.all_gather(both[0], inside)
+    dist.all_gather(both[1], after)
+    assert not torch.equal(both[0][0], both[0][1]) and torch.equal(both[1][0], both[1][1])
+    # Reproducible after re-seeding.
+    assert torch.equal(draws(77)[0], inside)
+
+    # Activation recomputation (CheckpointFunction) saves and restores the tracked states so the
+    # recomputed dropout mask equals the forward one: gradients equal the non-recomputed ones.
+    def block(x):
+        with tracker.fork():
+            return torch.nn.functional.dropout(x * 2, p=0.5, training=True).sum(dim=0)
+
+    x = torch.randn(64, 8, requires_grad=True)
+    model_parallel_cuda_manual_seed(5)
+    y_ref = block(x)
+    y_ref.square().sum().backward()
+    g_ref, x.grad = x.grad, None
+    model_parallel_cuda_manual_seed(5)
+    y = tensor_parallel.checkpoint(block, False, x)
+    torch.rand(3)  # move the default stream between forward and recomputation
+    y.square().sum().backward()
+    assert torch.equal(y, y_ref) and torch.equal(x.grad, g_ref)
+    return True
+
+
+def _device_literals():
+    """Stand-ins 4-5: optimizer, grad norm / clipping / zero count, dist-ckpt plan check."""
+    from megatron.core.dist_checkpointing.strategies.state_dict_saver import verify_global_md_reuse
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer.clip_grads import (
+        clip_grad_by_total_norm_fp32,
+        count_zeros_fp32,
+        get_grad_norm_fp32,
+    )
+    from megatron.core.optimizer.optimizer import FP32Optimizer
+    from torch.distributed.checkpoint.planner import SavePlan
+    from torch.distributed.checkpoint.utils import _DistWrapper
+
+    M.setup(tp=1)
+    rank = dist.get_rank()
+    world = dist.group.WORLD
+
+    p = torch.nn.Parameter(torch.zeros(4))
+    opt = FP32Optimizer(torch.optim.SGD([p], lr=0.1), OptimizerConfig(lr=0.1), None)
+    assert opt.get_loss_scale().device.type == "cpu" and opt.get_loss_scale().item() == 1.0
+
+    g = torch.tensor([3.0, 0.0, 4.0 * (rank + 1), 0.0])
+    # get_grad_norm_fp32: L2 over ranks = sqrt(sum_r ||g_r||^2), and the inf-norm.
+    expect = math.sqrt((9 + 16) + (9 + 64))
+    assert get_grad_norm_fp32([g.clone()], grad_stats_parallel_group=world) == pytest.approx(expect, rel=1e-6)
+    assert get_grad_norm_fp32([g.clone()], norm_type=math.inf, grad_stats_parallel_group=world) == 8.0
+
+    params = [torch.nn.Parameter(torch.zeros(4)) for _ in range(2)]
+    params[0].grad, params[1].grad = g.clone(), torch.ones(4)
+    # count_zeros_fp32: zeros summed over ranks (2 per rank in params[0]).
+    assert count_zeros_fp32(params, grad_stats_parallel_group=world) == 4
+    # clip_grad_by_total_norm_fp32 scales by max_norm / (total + 1e-6) when that is below 1.
+    clip_grad_by_total_norm_fp32(params, max_norm=1.0, total_norm=10.0)
+    torch.testing.assert_close(params[1].grad, torch.full((4,), 1.0 / (10.0 + 1e-6)))
+    clip_grad_by_total_norm_fp32(params, max_norm=100.0, total_norm=10.0)  # no-op above 1
+    torch.testing.assert_close(params[1].grad, torch.full((4,), 1.0 / (10.0 + 1e-6)))
+
+    # verify_global_md_reuse all-reduces (MIN) whether every rank's plan matches the stored one.
+    wrapper = _DistWrapper(group=None, use_dist=True, coordinator_rank=0)
+    same = SavePlan(items=[])
+    assert verify_global_md_reuse([same, same], same, rank, wrapper) is True
+    other = SavePlan(items=[], planner_data="changed")
+    mine = other if rank == 1 else same
+    assert verify_global_md_reuse([same, same], mine, rank, wrapper) is False
+    return True
+
+
+def test_current_device_users():
+    assert all(run_ranks(2, _current_device_users))
+
+
+def test_ddp_grad_buffers_data_parallel():
+    assert all(run_ranks(2, _ddp_data_parallel))
+
+
+def test_synchronize_users():
+    assert all(run_ranks(1, _synchronize_users))
+
+
+def test_rng_tracker():
+    assert all(run_ranks(2, _rng_tracker))
+
+
+def test_device_literals():
+    assert all(run_ranks(2, _device_literals))
+
+
+def _idempotent():
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    from megatron_metp import cpu_compat
+
+    before = (optimizer.FP32Optimizer.__init__, clip_grads.get_grad_norm_fp32, torch.cuda.current_device)
+    cpu_compat.apply()
+    cpu_compat._APPLIED = False  # force a second installation: nothing may be wrapped twice
+    cpu_compat.apply()
+    after = (optimizer.FP32Optimizer.__init__, clip_grads.get_grad_norm_fp32, torch.cuda.current_device)
+    assert before == after
+    return True
+
+
+def test_apply_is_idempotent():
+    assert all(run_ranks(1, _idempotent))
