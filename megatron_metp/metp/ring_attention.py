@@ -1,0 +1,193 @@
+"""METP's attention inner loop (paper Alg. 3-4): each rank keeps its queries, K/V travel a ring.
+
+Shapes on rank r of a ring of p ranks (rank r owns tokens [r*s/p, (r+1)*s/p), contiguous)::
+
+    q_shard_s     [b, n,   s/p, d]   this rank's queries (never leave the rank)
+    k_shard_s     [b, n_kv, s/p, d]  this rank's keys / values; travel the ring
+    v_shard_s     [b, n_kv, s/p, d]
+    out_shard_s   [b, n,   s/p, d]   q's dtype
+    lse_shard_s   [b, n,   s/p]      fp32 (fp64 for fp64 inputs)
+
+Forward, step j = 0 .. p-1: rank r holds the K/V block of rank src = (r - j) mod p (RingComm
+sends to r+1 and receives from r-1), posts the transfer of that block to r+1 (receiving the
+next into the other half of a double buffer), attends its queries to the block through the
+kernel boundary (``megatron_metp.kernels``), merges the partial result into an fp32 accumulator
+with the max-subtracted log-sum-exp merge, then waits for the transfer. The paper's Alg. 3 keeps
+an unnormalised sum and a row sum (lines 5-7, 12); merging normalised blocks by their lse is the
+same computation without the exp overflow.
+
+Causal with contiguous shards::
+
+              key block src ->   0     1     2     3
+    query rank 0              [  \  |  .  |  .  |  .  ]    \  diagonal: causal mask
+               1              [  #  |  \  |  .  |  .  ]    #  below: fully visible
+               2              [  #  |  #  |  \  |  .  ]    .  above: skipped (the block is
+               3              [  #  |  #  |  #  |  \  ]       still forwarded on the ring)
+
+Backward (Alg. 4): K/V make the same trip; dQ accumulates locally in fp32; the dK/dV of a block
+travel with it so they end at its owner. The owner keeps its own (step 0) contribution local;
+the travelling accumulator is born at rank src+1 and reaches the owner after p-1 hops, each
+one sent while the next block is computed. dK/dV travel in fp32 (accumulating p-1 partial sums
+in bf16 would lose bits the TP baseline keeps).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron_metp.comm import DoubleBuffer, RingComm
+from megatron_metp.kernels import attention_backward, attention_forward, merge_partial
+
+
+def _block_mode(causal: bool, rank: int, src: int) -> Optional[bool]:
+    """None: skip the block; otherwise the ``causal`` flag of the kernel call."""
+    if not causal:
+        return False
+    if src == rank:
+        return True
+    return False if src < rank else None
+
+
+def ring_attention_forward(
+    group: Optional[dist.ProcessGroup],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    softmax_scale: Optional[float] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Attention of this rank's queries to every rank's keys; returns ``(out, lse)``."""
+    p = dist.get_world_size(group) if group is not None or dist.is_initialized() else 1
+    rank = dist.get_rank(group) if p > 1 else 0
+    comm = RingComm(group) if p > 1 else None
+    k_buf, v_buf = DoubleBuffer(k), DoubleBuffer(v)
+    out = lse = None
+    for j in range(p):
+        src = (rank - j) % p
+        if j < p - 1:
+            # Post the block we compute on: the receive lands in the *other* half of each
+            # double buffer, so the transfer never writes what the kernel reads.
+            comm.send_recv(k_buf.current, k_buf.recv_buffer())
+            comm.send_recv(v_buf.current, v_buf.recv_buffer())
+            comm.commit()
+        mode = _block_mode(causal, rank, src)
+        if mode is not None:
+            blk_out, blk_lse = attention_forward(
+                q, k_buf.current, v_buf.current, causal=mode, softmax_scale=softmax_scale
+            )
+            out, lse = merge_partial(out, lse, blk_out, blk_lse)
+        if j < p - 1:
+            comm.wait()
+            k_buf.advance()
+            v_buf.advance()
+    # The diagonal block is never skipped, so every row has seen at least one key.
+    return out.to(q.dtype), lse
+
+
+def ring_attention_backward(
+    group: Optional[dist.ProcessGroup],
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    softmax_scale: Optional[float] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`ring_attention_forward`: ``(dq, dk, dv)`` for this rank's shards.
+
+    ``out`` / ``lse`` are this rank's merged forward results (the kernels recompute each
+    block's probabilities from them).
+    """
+    p = dist.get_world_size(group) if group is not None or dist.is_initialized() else 1
+    rank = dist.get_rank(group) if p > 1 else 0
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    kv_comm = RingComm(group) if p > 1 else None
+    # A second ring for the gradient accumulators: their transfer overlaps the next block's
+    # compute. Every rank issues the two rings' batches in the same program order, so the
+    # pairwise message order (gloo) / communicator order (NCCL) matches on both ends.
+    dkv_comm = RingComm(group) if p > 1 else None
+    k_buf, v_buf = DoubleBuffer(k), DoubleBuffer(v)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dk_own = dv_own = None
+    dk_travel = dv_travel = None  # accumulator of the block currently held (rank src's)
+    dkv_bufs = None
+    for j in range(p):
+        src = (rank - j) % p
+        if j < p - 1:
+            kv_comm.send_recv(k_buf.current, k_buf.recv_buffer())
+            kv_comm.send_recv(v_buf.current, v_buf.recv_buffer())
+            kv_comm.commit()
+        mode = _block_mode(causal, rank, src)
+        if mode is not None:
+            dq_b, dk_b, dv_b = attention_backward(
+                dout, q, k_buf.current, v_buf.current, out, lse,
+                causal=mode, softmax_scale=softmax_scale,
+            )
+            dq += dq_b
+        else:
+            dk_b = dv_b = None
+        if j == 0:
+            # The owner's contribution never travels.
+            dk_own, dv_own = dk_b.to(acc), dv_b.to(acc)
+        else:
+            if j == 1:
+                # The accumulator of block src is born here (src + 1 is the first visitor).
+                dkv_bufs = [torch.zeros((2, *k.shape), dtype=acc, device=k.device) for _ in range(2)]
+                cur = dkv_bufs[0]
+            else:
+                # It arrived during this step's compute, from rank - 1 (its previous visitor).
+                dkv_comm.wait()
+                cur = dkv_bufs[(j - 1) % 2]
+            if dk_b is not None:
+                cur[0] += dk_b
+                cur[1] += dv_b
+            # Send to rank + 1: the next visitor of block src, or its owner after the last step.
+            # The receive goes to the other buffer, which the previous send (completed by the
+            # wait above) no longer reads.
+            dkv_comm.send_recv(cur, dkv_bufs[j % 2])
+            dkv_comm.commit()
+        if j < p - 1:
+            kv_comm.wait()
+            k_buf.advance()
+            v_buf.advance()
+    if p > 1:
+        dkv_comm.wait()
+        mine = dkv_bufs[(p - 1) % 2]
+        dk_own, dv_own = dk_own + mine[0], dv_own + mine[1]
+    return dq.to(q.dtype), dk_own.to(k.dtype), dv_own.to(v.dtype)
+
+
+class RingAttentionFunction(torch.autograd.Function):
+    """Autograd wrapper: fills ``ctx`` and delegates to the stateless functions above."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal, softmax_scale):
+        out, lse = ring_attention_forward(group, q, k, v, causal, softmax_scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.causal, ctx.softmax_scale = group, causal, softmax_scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ring_attention_backward(
+            ctx.group, dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale
+        )
+        return dq, dk, dv, None, None, None
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: Optional[dist.ProcessGroup],
+    causal: bool = True,
+    softmax_scale: Optional[float] = None,
+) -> torch.Tensor:
+    """Differentiable ring attention over ``group`` (shapes in the module docstring)."""
+    return RingAttentionFunction.apply(q, k, v, group, causal, softmax_scale)
