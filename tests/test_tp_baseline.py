@@ -121,6 +121,47 @@ def test_tp2_sp_equals_tp1(tp1_reference, report):
         )
 
 
+def _tp1_against_fp64_reference():
+    """Megatron's GPTModel (TP = 1, fp64) against tests._models.reference_gpt_loss (fp64)."""
+    M.setup(tp=1)
+    out = {}
+    for style in STYLES:
+        model = M.build("tp", style, params_dtype=torch.float64).double()
+        g = torch.Generator().manual_seed(3)
+        with torch.no_grad():  # non-trivial biases and norm weights (Megatron inits them 0 / 1)
+            for p in model.parameters():
+                p.add_(0.1 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+        b = M.batch()
+        logits_bsv = model(b["tokens"], b["position_ids"], b["attention_mask"])
+        # Megatron's vocab-parallel cross entropy computes in fp32 by design; it is checked at
+        # fp32 precision (rtol 1e-6: a mean of 32 log-softmax terms rounds to a few 1e-7), and
+        # the fp64 backward runs from an fp64 cross entropy of Megatron's own logits.
+        mcore_loss = model.compute_language_model_loss(
+            b["labels"], logits_bsv.transpose(0, 1).contiguous()
+        ).mean()
+        loss = torch.nn.functional.cross_entropy(logits_bsv.flatten(0, 1), b["labels"].flatten())
+        loss.backward()
+        ref_params = {n: p.detach().clone().requires_grad_() for n, p in model.named_parameters()}
+        ref_loss, ref_logits = M.reference_gpt_loss(ref_params, model.config, b, rope=style == "llama")
+        ref_loss.backward()
+        assert mcore_loss.item() == pytest.approx(ref_loss.item(), rel=1e-6)
+        # fp64 (eps 1.1e-16): the two computations differ only in operation order, a few hundred
+        # ulps at most through 2 layers; 1e-10 is far above that and far below any real mismatch.
+        tol = dict(rtol=1e-10, atol_scale=1e-10)
+        M.assert_close_dict({"logits": logits_bsv}, {"logits": ref_logits}, **tol, what=style)
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        worst = M.assert_close_dict(grads, {n: p.grad for n, p in ref_params.items()}, **tol, what=style)
+        out[style] = (M.max_errors(logits_bsv, ref_logits)[0], worst)
+    return out
+
+
+def test_tp1_equals_fp64_reference(report):
+    (errs,) = run_ranks(1, _tp1_against_fp64_reference)
+    for style, (logit_err, grad_err) in errs.items():
+        report(f"tp baseline {style}: TP=1 fp64 vs pure-PyTorch fp64 reference: max logit err "
+               f"{logit_err:.2e}, max grad err {grad_err:.2e}")
+
+
 def _save_and_reload(ckpt_dir: str):
     """TP = 2: train one step, save with dist_checkpointing, load into a differently seeded model."""
     from megatron.core import dist_checkpointing
