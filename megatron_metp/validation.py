@@ -29,21 +29,23 @@ wallfacer  C >= 1 and C^2 | P; sequence % 2P (each rank holds chunks r and 2P-1-
            models; any TP inside composes under TP's rules
 =========  =================================================================================
 
-Module-level checks written next to the code they protect are called from here when present
-(:func:`_module_checks`), so each rule lives in one place.
+Rules that belong to a module live beside it and are called from here (C^2 | P:
+``megatron_metp.wallfacer.config_generator.check_team_size``), re-raised as MetpConfigError.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import math
 import os
 from argparse import Namespace
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 MODES = ("tp", "metp", "metp_mlp", "wallfacer")
 CLI_MODES = ("tp", "metp", "wallfacer")
+# --wallfacer-placement values, and the names megatron_metp.wallfacer.config_generator uses.
 PLACEMENTS = ("team-consecutive", "ring-consecutive")
+PLACEMENT_ALIASES = {"team-consecutive": "collective_intra", "ring-consecutive": "p2p_intra"}
+PLACEMENT_NAMES = PLACEMENTS + tuple(PLACEMENT_ALIASES.values())
 WALLFACER_CP_COMM_TYPE = "wallfacer"
 
 # (namespace attribute, Megatron-LM flag, why a METP/WallFacer layer cannot honour it)
@@ -159,7 +161,6 @@ def validate_args(
         _check_metp(ns, tp, cp, mode)
     else:
         _check_wallfacer(ns, tp, cp)
-    _module_checks(ns, mode, tp, cp)
     return ns
 
 
@@ -329,18 +330,18 @@ def _check_wallfacer(ns: Namespace, tp: int, cp: int) -> None:
         _fail(f"--cp-comm-type {' '.join(types)} conflicts with --tensor-parallel-mode "
               f"wallfacer: drop --cp-comm-type (the mode sets it to '{WALLFACER_CP_COMM_TYPE}')")
     placement = getattr(ns, "wallfacer_placement", None) or PLACEMENTS[0]
-    if placement not in PLACEMENTS:
+    if placement not in PLACEMENT_NAMES:
         _fail(f"--wallfacer-placement {placement!r} is unknown: choose one of "
               f"{', '.join(PLACEMENTS)}")
     c = team_size(ns)
     if c is not None:
-        if c < 1:
-            _fail(f"--wallfacer-team-size {c}: the team size C is >= 1")
-        if cp % (c * c):
-            ok = [k for k in range(1, math.isqrt(cp) + 1) if cp % (k * k) == 0]
-            _fail(f"--wallfacer-team-size {c}: C^2 = {c * c} does not divide the WallFacer group "
-                  f"size P = --context-parallel-size {cp}; valid C for P = {cp}: "
-                  f"{', '.join(map(str, ok))} (or 'auto')")
+        # The rule C^2 | P lives beside the configuration generator that depends on it.
+        from megatron_metp.wallfacer.config_generator import check_team_size
+
+        try:
+            check_team_size(cp, c)
+        except ValueError as e:
+            raise MetpConfigError(f"{e} (or 'auto' to let the topology scheduler pick)") from e
     # WallFacer heads need not divide P (every rank keeps all heads for its tokens); any TP
     # inside each CP rank follows Megatron's TP rules.
     _check_tp_sharding(ns, tp, cp, "wallfacer")
@@ -349,30 +350,6 @@ def _check_wallfacer(ns: Namespace, tp: int, cp: int) -> None:
         _fail(f"--ffn-hidden-size {ffn} is not divisible by --tensor-model-parallel-size {tp}")
 
 
-def _module_checks(ns: Namespace, mode: str, tp: int, cp: int) -> None:
-    """Checks owned by the modules themselves, called when those modules provide them."""
-    if mode == "wallfacer":
-        fn = _optional("megatron_metp.wallfacer.config", "validate_wallfacer")
-        c = team_size(ns)
-        if fn is not None and c is not None:
-            try:
-                fn(P=cp, C=c, seq_length=getattr(ns, "seq_length", None),
-                   placement=getattr(ns, "wallfacer_placement", None) or PLACEMENTS[0])
-            except MetpConfigError:
-                raise
-            except ValueError as e:  # same rule, re-raised under the one start-up error type
-                raise MetpConfigError(str(e)) from e
-
-
-def _optional(module: str, name: str):
-    try:
-        if importlib.util.find_spec(module) is None:
-            return None
-        return getattr(importlib.import_module(module), name, None)
-    except ImportError:
-        return None
-
-
-def valid_team_sizes(P: int) -> Sequence[int]:
-    """Every C with C^2 | P (C = 1 is ring attention; C = sqrt(P) leaves rings of length 1)."""
-    return [c for c in range(1, math.isqrt(P) + 1) if P % (c * c) == 0]
+def groups_placement(name: str) -> str:
+    """The placement name of ``megatron_metp.wallfacer.config_generator`` for a flag value."""
+    return PLACEMENT_ALIASES.get(name, name)

@@ -12,7 +12,8 @@ from argparse import Namespace
 
 import pytest
 
-from megatron_metp.validation import MetpConfigError, valid_team_sizes, validate_args
+from megatron_metp.validation import MetpConfigError, groups_placement, validate_args
+from megatron_metp.wallfacer.config_generator import PLACEMENTS as GROUP_PLACEMENTS
 
 
 def _ns(mode="tp", **kw) -> Namespace:
@@ -123,9 +124,9 @@ BAD = [
      "--num-attention-heads", "divisible"),
     ("wf-team-not-square-divisor", "wallfacer", {"wallfacer_team_size": 2,
                                                  "context_parallel_size": 2, "global_batch_size": 4},
-     "--wallfacer-team-size", "valid C for P = 2: 1"),
+     "--wallfacer-team-size", "valid team sizes for P = 2 are [1]"),
     ("wf-team-3", "wallfacer", {"wallfacer_team_size": 3, "context_parallel_size": 8},
-     "--wallfacer-team-size", "does not divide"),
+     "--wallfacer-team-size", "C^2"),
     ("wf-team-bad-string", "wallfacer", {"wallfacer_team_size": "two"}, "--wallfacer-team-size",
      "'auto'"),
     ("wf-seq-zigzag", "wallfacer", {"seq_length": 72}, "--seq-length", "2P-1-r"),
@@ -141,7 +142,7 @@ BAD = [
                                          "num_attention_heads": 3, "hidden_size": 48,
                                          "global_batch_size": 2},
      "--num-attention-heads", "divisible"),
-    ("wf-team-zero", "wallfacer", {"wallfacer_team_size": 0}, "--wallfacer-team-size", ">= 1"),
+    ("wf-team-zero", "wallfacer", {"wallfacer_team_size": 0}, "--wallfacer-team-size", "C^2"),
 ]
 
 @pytest.mark.parametrize("mode,kw", GOOD, ids=[f"{m}-{i}" for i, (m, _) in enumerate(GOOD)])
@@ -176,8 +177,10 @@ def test_rules_count():
     assert len(BAD) + 1 >= 20
 
 
-def test_valid_team_sizes():
-    assert valid_team_sizes(8) == [1, 2]
-    assert valid_team_sizes(16) == [1, 2, 4]
-    assert valid_team_sizes(64) == [1, 2, 4, 8]
-    assert valid_team_sizes(6) == [1]
+def test_placement_names_map_to_the_config_generator():
+    assert groups_placement("team-consecutive") == "collective_intra"
+    assert groups_placement("ring-consecutive") == "p2p_intra"
+    assert {groups_placement(p) for p in ("team-consecutive", "ring-consecutive")} == set(
+        GROUP_PLACEMENTS)
+    # The generator's own names are accepted too (e.g. from a metp train config).
+    validate_args(_ns("wallfacer", wallfacer_placement="p2p_intra"))

@@ -1,0 +1,318 @@
+"""Megatron-LM integration: the plugin's flags, the WallFacer mode remap, and a GPT model builder.
+
+Tested against Megatron-LM tag ``core_v0.16.1`` (commit 55ac7082517c3878ae653c07c09c534b8aed49f6),
+whose ``pretrain_gpt.py`` calls::
+
+    pretrain(train_valid_test_datasets_provider, partial(model_provider, gpt_builder),
+             ModelType.encoder_or_decoder, forward_step, args_defaults=...,
+             extra_args_provider=..., store=..., get_embedding_ranks=...)
+
+and whose ``model_provider(model_builder, pre_process, post_process, vp_stage, config,
+pg_collection)`` calls ``model_builder(args, pre_process, post_process, vp_stage, config=,
+pg_collection=)``. Three pieces plug into that, used by ``scripts/pretrain_gpt_metp.py`` (no
+patch) and by ``patches/pretrain_gpt_metp.patch``:
+
+``extra_args_provider(parser)``
+    Adds ``--tensor-parallel-mode {tp,metp,wallfacer}``, ``--wallfacer-team-size {C,auto}`` and
+    ``--wallfacer-placement {team-consecutive,ring-consecutive}``. :func:`chain_providers`
+    composes it with another provider (e.g. ModelOpt's ``add_modelopt_args``).
+
+``prepare_argv()``
+    Megatron's ``extra_args_provider`` can only *add* arguments, and ``pretrain()`` parses
+    ``sys.argv`` itself, so the remap must happen before ``pretrain()``: parse the command line
+    once with Megatron-LM's parser, apply :func:`apply_mode_remap`, run
+    :func:`megatron_metp.validation.validate_args` (before any group or weight exists), and
+    append the remapped sizes to ``sys.argv`` (argparse keeps the last value of a flag), so
+    Megatron's own initialisation builds a context-parallel group of size P for WallFacer.
+
+``make_gpt_builder(fallback)``
+    A builder with ``gpt_builder``'s signature: validates ``get_args()``, registers the
+    plugin's groups after Megatron's, and builds a ``GPTModel`` with the mode's layer spec
+    from :mod:`megatron_metp.specs`; ``tp`` falls through to ``fallback`` (Megatron-LM's own
+    ``gpt_builders.gpt_builder``, Transformer Engine spec by default).
+
+Placements (``--wallfacer-placement``)
+    ``team-consecutive`` puts each team of C ranks on consecutive CP ranks (the paper's Alg. 2:
+    the team all-gather / reduce-scatter stays inside a node); ``ring-consecutive`` puts each
+    sub-ring on consecutive CP ranks (the ring P2P stays inside a node).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Callable, Iterable, List, Optional, Sequence
+
+from megatron_metp.validation import (
+    CLI_MODES,
+    MODES,
+    PLACEMENTS,
+    WALLFACER_CP_COMM_TYPE,
+    MetpConfigError,
+    groups_placement,
+    team_size,
+    validate_args,
+)
+
+Provider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
+
+
+# ----------------------------------------------------------------------------- arguments
+def _team_size_arg(value: str):
+    if value == "auto":
+        return value
+    try:
+        c = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer C >= 1 or 'auto', got {value!r}")
+    if c < 1:
+        raise argparse.ArgumentTypeError(f"the team size C is >= 1, got {c}")
+    return c
+
+
+def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the plugin's flags to Megatron-LM's parser (``pretrain(extra_args_provider=...)``)."""
+    group = parser.add_argument_group(title="megatron-metp")
+    group.add_argument(
+        "--tensor-parallel-mode", choices=CLI_MODES, default="tp",
+        help="tp: Megatron's TP+SP (its own spec); metp: METP weight-ring MLP and two-level "
+             "attention over the --tensor-model-parallel-size ring; wallfacer: multi-ring "
+             "sequence-parallel attention (with --context-parallel-size 1 the requested TP size "
+             "becomes the WallFacer/CP size and TP becomes 1)")
+    group.add_argument(
+        "--wallfacer-team-size", type=_team_size_arg, default=None, metavar="{C,auto}",
+        help="WallFacer team size C (C^2 must divide the WallFacer size P; default 1 = ring "
+             "attention); 'auto' profiles every valid C and placement at start-up")
+    group.add_argument(
+        "--wallfacer-placement", choices=PLACEMENTS, default=PLACEMENTS[0],
+        help="team-consecutive: each team of C on consecutive ranks (team collectives in a "
+             "node); ring-consecutive: each sub-ring on consecutive ranks (ring P2P in a node)")
+    return parser
+
+
+def chain_providers(*providers: Optional[Provider]) -> Provider:
+    """One provider that applies ``extra_args_provider`` then every non-None provider given."""
+    chain = [extra_args_provider] + [p for p in providers if p is not None]
+
+    def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        for p in chain:
+            out = p(parser)
+            parser = parser if out is None else out
+        return parser
+
+    return provider
+
+
+# ----------------------------------------------------------------------------- remap
+def _log(msg: str) -> None:
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"[megatron-metp] {msg}", flush=True)
+
+
+def explicit_flags(argv: Iterable[str]) -> set:
+    """The long flags present on a command line (``--x v`` and ``--x=v`` forms)."""
+    return {a.split("=", 1)[0] for a in argv if a.startswith("--")}
+
+
+def _types(ns: argparse.Namespace) -> List[str]:
+    t = getattr(ns, "cp_comm_type", None)
+    return [] if t is None else ([t] if isinstance(t, str) else list(t))
+
+
+def apply_mode_remap(
+    ns: argparse.Namespace,
+    *,
+    explicit: Optional[set] = None,
+    log: Callable[[str], None] = _log,
+) -> argparse.Namespace:
+    """Map ``--tensor-parallel-mode wallfacer`` onto Megatron's context parallelism, in place.
+
+    With ``--context-parallel-size 1``: CP := the requested ``--tensor-model-parallel-size``
+    (the WallFacer group P), TP := 1, sequence parallelism off, ``cp_comm_type := 'wallfacer'``.
+    With an explicit CP > 1 the WallFacer group is that CP group and TP stays (TP inside each
+    CP rank). ``explicit`` (flags given on the command line) tells a user's ``--cp-comm-type
+    p2p`` from Megatron's default ``p2p``; without it only non-default values conflict.
+    Idempotent: a second call finds CP = P and changes nothing.
+    """
+    mode = getattr(ns, "tensor_parallel_mode", None) or "tp"
+    if mode != "wallfacer":
+        return ns
+    types = _types(ns)
+    user_types = types if (explicit is None or "--cp-comm-type" in explicit) else []
+    allowed = {WALLFACER_CP_COMM_TYPE} if explicit is not None else {WALLFACER_CP_COMM_TYPE, "p2p"}
+    bad = [t for t in user_types if t not in allowed]
+    if bad:
+        raise MetpConfigError(
+            f"--cp-comm-type {' '.join(types)} conflicts with --tensor-parallel-mode wallfacer: "
+            f"drop --cp-comm-type (the mode sets it to '{WALLFACER_CP_COMM_TYPE}')")
+    tp = getattr(ns, "tensor_model_parallel_size", 1) or 1
+    cp = getattr(ns, "context_parallel_size", 1) or 1
+    if cp == 1:
+        ns.context_parallel_size, ns.tensor_model_parallel_size = tp, 1
+        ns.sequence_parallel = False
+        log(f"--tensor-parallel-mode wallfacer: WallFacer group P = {tp} as "
+            f"--context-parallel-size {tp}; --tensor-model-parallel-size 1, sequence "
+            f"parallelism off, --cp-comm-type {WALLFACER_CP_COMM_TYPE}")
+    elif getattr(ns, "_metp_remap_logged", False) is False:
+        log(f"--tensor-parallel-mode wallfacer: WallFacer group = --context-parallel-size {cp}, "
+            f"composed with --tensor-model-parallel-size {tp}")
+    ns._metp_remap_logged = True
+    has_list = isinstance(getattr(ns, "cp_comm_type", None), (list, tuple))
+    ns.cp_comm_type = [WALLFACER_CP_COMM_TYPE] if has_list else WALLFACER_CP_COMM_TYPE
+    return ns
+
+
+def remapped_argv(argv: Sequence[str], ns: argparse.Namespace) -> List[str]:
+    """``argv`` rewritten so that a fresh parse yields ``ns``'s remapped sizes.
+
+    ``--sequence-parallel`` is dropped when the remap turned it off; the sizes and the CP
+    communication type are appended, and argparse keeps the last occurrence of a flag.
+    """
+    if (getattr(ns, "tensor_parallel_mode", None) or "tp") != "wallfacer":
+        return list(argv)
+    out = [a for a in argv if not (a == "--sequence-parallel" and not ns.sequence_parallel)]
+    return out + [
+        "--tensor-model-parallel-size", str(ns.tensor_model_parallel_size),
+        "--context-parallel-size", str(ns.context_parallel_size),
+        "--cp-comm-type", WALLFACER_CP_COMM_TYPE,
+    ]
+
+
+def _megatron_parse(argv: List[str], provider: Provider) -> argparse.Namespace:
+    from megatron.training.arguments import parse_args  # Megatron-LM's training package
+
+    saved = sys.argv
+    sys.argv = [saved[0] if saved else "pretrain_gpt.py"] + list(argv)
+    try:
+        return parse_args(provider)
+    finally:
+        sys.argv = saved
+
+
+def prepare_argv(
+    argv: Optional[List[str]] = None,
+    extra_args_provider: Optional[Provider] = None,
+    *,
+    parse: Callable[[List[str], Provider], argparse.Namespace] = _megatron_parse,
+) -> List[str]:
+    """Parse, remap, validate; return the rewritten argv (and write it to ``sys.argv`` when
+    ``argv`` is None). Call before ``pretrain()``: nothing is initialised here."""
+    in_place = argv is None
+    args_in = list(sys.argv[1:] if in_place else argv)
+    provider = extra_args_provider or chain_providers()
+    ns = parse(args_in, provider)
+    apply_mode_remap(ns, explicit=explicit_flags(args_in))
+    validate_args(ns)
+    out = remapped_argv(args_in, ns)
+    if in_place:
+        sys.argv[1:] = out
+    return out
+
+
+# ----------------------------------------------------------------------------- builder
+def initialize_plugin_groups(args: argparse.Namespace) -> None:
+    """Register the plugin's groups; call after Megatron-Core's ``initialize_model_parallel``."""
+    from megatron_metp import parallel_state as ps
+
+    mode = getattr(args, "tensor_parallel_mode", None) or "tp"
+    if mode in ("metp", "metp_mlp") and not ps.metp_is_initialized():
+        ps.initialize_metp()
+    if mode == "wallfacer" and not ps.wallfacer_is_initialized():
+        from megatron_metp.wallfacer import groups as wf_groups
+
+        c = team_size(args)
+        placement = getattr(args, "wallfacer_placement", None) or PLACEMENTS[0]
+        if c is None:  # 'auto': the topology scheduler profiles the live CP group
+            c, placement = _auto_team_size(args)
+        wf_groups.initialize_wallfacer(team_size=c, placement=groups_placement(placement))
+
+
+def _auto_team_size(args: argparse.Namespace):
+    """Resolve ``--wallfacer-team-size auto`` with the topology scheduler, when installed."""
+    try:
+        from megatron_metp.wallfacer import scheduler
+    except ImportError as e:
+        raise MetpConfigError(
+            "--wallfacer-team-size auto needs megatron_metp.wallfacer.scheduler, which this "
+            "installation lacks; give an integer C with C^2 dividing --context-parallel-size"
+        ) from e
+    c, placement = scheduler.pick_team_size_and_placement()
+    _log(f"--wallfacer-team-size auto picked C = {c}, placement {placement}")
+    args.wallfacer_team_size, args.wallfacer_placement = c, placement
+    return c, placement
+
+
+def layer_spec_for(args: argparse.Namespace, config, vp_stage: Optional[int] = None):
+    """The mode's decoder-block spec (this stage's layers plus the SP-aware final norm), every
+    lazily named class checked importable so a missing mode fails here, not mid-build."""
+    from megatron_metp import specs
+
+    mode = getattr(args, "tensor_parallel_mode", None) or "tp"
+    spec = specs.get_gpt_block_spec(config, mode, vp_stage=vp_stage)
+    specs.check_spec_importable(spec)
+    return spec
+
+
+def _config_from_args(args: argparse.Namespace):
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    if getattr(args, "yaml_cfg", None) is not None:
+        from megatron.training.yaml_arguments import core_transformer_config_from_yaml
+
+        return core_transformer_config_from_yaml(args, "language_model")
+    return core_transformer_config_from_args(args)
+
+
+def gpt_builder(args, pre_process=True, post_process=True, vp_stage=None, config=None,
+                pg_collection=None, *, fallback: Optional[Callable] = None):
+    """Megatron-LM ``gpt_builder`` signature; see the module docstring."""
+    validate_args(args)
+    mode = getattr(args, "tensor_parallel_mode", None) or "tp"
+    if mode == "tp":
+        if fallback is None:
+            from gpt_builders import gpt_builder as fallback  # Megatron-LM's, on sys.path there
+        return fallback(args, pre_process, post_process, vp_stage, config=config,
+                        pg_collection=pg_collection)
+    from megatron.core.models.gpt import GPTModel
+
+    if config is None:
+        config = _config_from_args(args)
+    spec = layer_spec_for(args, config, vp_stage)  # a mode missing from this install fails here
+    initialize_plugin_groups(args)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        fp16_lm_cross_entropy=getattr(args, "fp16_lm_cross_entropy", False),
+        parallel_output=True,
+        share_embeddings_and_output_weights=not getattr(
+            args, "untie_embeddings_and_output_weights", False),
+        position_embedding_type=getattr(args, "position_embedding_type", "learned_absolute"),
+        rotary_percent=getattr(args, "rotary_percent", 1.0),
+        rotary_base=getattr(args, "rotary_base", 10000),
+        rope_scaling=getattr(args, "use_rope_scaling", False),
+        vp_stage=vp_stage,
+        pg_collection=pg_collection,
+    )
+
+
+def make_gpt_builder(fallback: Optional[Callable] = None) -> Callable:
+    """``gpt_builder`` bound to Megatron-LM's own builder for ``tp``."""
+
+    def builder(args, pre_process=True, post_process=True, vp_stage=None, config=None,
+                pg_collection=None):
+        return gpt_builder(args, pre_process, post_process, vp_stage, config=config,
+                           pg_collection=pg_collection, fallback=fallback)
+
+    return builder
+
+
+__all__ = [
+    "MODES", "MetpConfigError", "extra_args_provider", "chain_providers", "apply_mode_remap",
+    "explicit_flags", "remapped_argv", "prepare_argv", "initialize_plugin_groups",
+    "layer_spec_for", "gpt_builder", "make_gpt_builder",
+]
