@@ -1,0 +1,187 @@
+"""The ``metp`` command: ``metp train`` (and, as they land, ``bench`` / ``plan``).
+
+Adding a subcommand is one function decorated with :func:`subcommand`: it receives its
+``argparse`` sub-parser, adds its flags, and returns the function that runs it::
+
+    @subcommand("bench", "measure memory, communication and time per mode")
+    def _bench(parser):
+        parser.add_argument(...)
+        return run_bench            # run_bench(args, explicit_flags) -> exit code
+
+Distributed subcommands call :func:`launch_or_run`: under an existing launcher (``torchrun``
+sets RANK/WORLD_SIZE; ``srun`` sets SLURM_PROCID/SLURM_NTASKS) the command runs in place;
+otherwise it starts ``python -m torch.distributed.run --standalone`` with ``--nproc-per-node``
+ranks (default: 4 on CPU with gloo, every visible GPU with NCCL) running the same command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from typing import Callable, Dict, List, Optional, Tuple
+
+_SUBCOMMANDS: Dict[str, Tuple[str, Callable]] = {}
+
+
+def subcommand(name: str, help: str):
+    """Register ``fn(parser) -> runner`` as ``metp NAME``."""
+
+    def deco(fn: Callable) -> Callable:
+        _SUBCOMMANDS[name] = (help, fn)
+        return fn
+
+    return deco
+
+
+# ------------------------------------------------------------------------------------------
+# launching
+
+
+def _slurm_env() -> bool:
+    """Under ``srun`` with several tasks and no torchrun: take the ranks from SLURM."""
+    if "SLURM_PROCID" not in os.environ or int(os.environ.get("SLURM_NTASKS", "1")) <= 1:
+        return False
+    os.environ.setdefault("RANK", os.environ["SLURM_PROCID"])
+    os.environ.setdefault("WORLD_SIZE", os.environ["SLURM_NTASKS"])
+    os.environ.setdefault("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
+    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        raise ValueError("running under srun with several tasks: export MASTER_ADDR (the first "
+                         "node's host name) and MASTER_PORT before srun, or run one task per "
+                         "node that starts torchrun (see scripts/slurm/)")
+    return True
+
+
+def under_launcher() -> bool:
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return True
+    return _slurm_env()
+
+
+def default_nproc() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 4
+
+
+def launch_or_run(argv: List[str], nproc: Optional[int], run: Callable[[], int]) -> int:
+    """Run in place under a launcher; otherwise start ``nproc`` ranks of ``metp ARGV``."""
+    if under_launcher():
+        return run()
+    n = nproc or default_nproc()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={n}", "-m", "megatron_metp.cli", *argv]
+    env = dict(os.environ)
+    # Several CPU ranks share the cores: one intra-op thread each avoids oversubscription.
+    env.setdefault("OMP_NUM_THREADS", "1")
+    print(f"[metp] launching {n} ranks: {' '.join(cmd[1:])}", flush=True)
+    return subprocess.call(cmd, env=env)
+
+
+# ------------------------------------------------------------------------------------------
+# metp train
+
+MODES = ("tp", "metp", "wallfacer")
+
+
+def _modes(value: str) -> List[str]:
+    modes = [m.strip() for m in value.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise argparse.ArgumentTypeError(
+            f"--compare {value!r}: give a comma-separated list of {', '.join(MODES)}")
+    return modes
+
+
+@subcommand("train", "train a GPT model with Megatron-Core under tp, metp or wallfacer")
+def _train_parser(p: argparse.ArgumentParser) -> Callable:
+    # Every default is None so that the model config's training defaults apply unless a flag is
+    # given (megatron_metp.train.DEFAULTS holds the rest).
+    a = p.add_argument
+    a("--config", default="tiny-gpt",
+      help="configs/<name>.yaml or a path (default tiny-gpt)")
+    a("--tensor-parallel-mode", choices=MODES, default=None,
+      help="tp (Megatron TP+SP), metp (METP weight rings), wallfacer (multi-ring attention)")
+    a("--compare", type=_modes, default=None, metavar="MODES",
+      help="e.g. tp,metp,wallfacer: same seed and data under each mode, dropout 0; prints the "
+           "loss curves side by side and the largest difference")
+    a("--tensor-model-parallel-size", type=int, default=None)
+    a("--context-parallel-size", type=int, default=None)
+    a("--pipeline-model-parallel-size", type=int, default=None)
+    a("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
+      help="default: on when --tensor-model-parallel-size > 1 (metp needs it)")
+    a("--wallfacer-team-size", default=None, help="C (C^2 divides P) or 'auto'")
+    a("--wallfacer-placement", default=None, help="team-consecutive or ring-consecutive")
+    a("--cp-comm-type", default=None)
+    a("--seq-length", type=int, default=None)
+    a("--micro-batch-size", type=int, default=None)
+    a("--global-batch-size", type=int, default=None)
+    a("--lr", type=float, default=None)
+    a("--min-lr", type=float, default=None)
+    a("--lr-warmup-iters", type=int, default=None)
+    a("--train-iters", type=int, default=None)
+    a("--weight-decay", type=float, default=None)
+    a("--clip-grad", type=float, default=None)
+    a("--hidden-dropout", type=float, default=None)
+    a("--attention-dropout", type=float, default=None)
+    a("--bf16", action="store_true", help="bf16 parameters and compute (GPU only)")
+    a("--seed", type=int, default=None)
+    a("--data-path", default=None,
+      help="Megatron indexed dataset PREFIX (PREFIX.bin/.idx); default: the shipped corpus")
+    a("--vocab-size", type=int, default=None,
+      help="tokenizer vocabulary of --data-path (default: the config's, else 258 bytes)")
+    a("--make-vocab-size-divisible-by", type=int, default=None)
+    a("--save", default=None, help="checkpoint directory (Megatron-Core dist_checkpointing)")
+    a("--load", default=None, help="resume from the newest checkpoint in this directory")
+    a("--save-interval", type=int, default=None)
+    a("--distributed-timeout-minutes", type=int, default=None)
+    a("--log-json", default=None, metavar="PATH",
+      help="write one JSON object per iteration (iteration, loss, tokens/s, ...)")
+    a("--no-progress", action="store_true", help="plain lines instead of a progress bar")
+    a("--nproc-per-node", type=int, default=None,
+      help="ranks to launch when not already under torchrun/srun (default: 4 on CPU, #GPUs)")
+
+    def run(args: argparse.Namespace, explicit: set, argv: List[str]) -> int:
+        def in_rank() -> int:
+            from megatron_metp import train
+
+            return train.run(args, explicit)
+
+        return launch_or_run(argv, args.nproc_per_node, in_rank)
+
+    return run
+
+
+# ------------------------------------------------------------------------------------------
+
+
+def build_parser() -> Tuple[argparse.ArgumentParser, Dict[str, Callable]]:
+    parser = argparse.ArgumentParser(prog="metp", description=__doc__.split("\n")[0])
+    subs = parser.add_subparsers(dest="command", required=True)
+    runners = {}
+    for name, (help_text, fn) in _SUBCOMMANDS.items():
+        runners[name] = fn(subs.add_parser(name, help=help_text))
+    return parser, runners
+
+
+def explicit_flags(argv: List[str]) -> set:
+    """The ``--flags`` given on the command line (tells a user's value from a default)."""
+    return {tok.split("=", 1)[0] for tok in argv if tok.startswith("--")}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser, runners = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return runners[args.command](args, explicit_flags(argv), argv) or 0
+    except ValueError as e:  # configuration errors: one clear line, no traceback
+        rank = os.environ.get("RANK", "0")
+        if rank == "0":
+            print(f"metp {args.command}: error: {e}", file=sys.stderr, flush=True)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

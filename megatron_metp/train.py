@@ -1,0 +1,323 @@
+"""The ``metp train`` loop on one rank: Megatron-Core's GPTModel, DDP, optimizer and schedules.
+
+Per mode (one mode, or each of ``--compare``'s in turn inside the same processes)::
+
+    namespace (flags over config) -> apply_mode_remap -> validate_args     before any group
+    initialize_parallel(TP, PP, CP, seed, mode)                            Megatron + plugin groups
+    GPTModel (this pipeline stage, the mode's spec) -> DDP -> get_megatron_optimizer
+    for it in iterations: get_forward_backward_func()(...) -> optimizer.step -> lr step -> log
+    destroy_model_parallel
+
+Data x tensor/context x pipeline parallel come from Megatron's own groups; every rank computes
+its micro-batches from the iteration number (``GPTSamples``), so no data broadcast is needed.
+On CPU the distributed optimizer is off: Megatron's ``DistributedOptimizer`` (like its bf16
+optimizer) checks for CUDA tensors, so the plain Megatron optimizer with DDP gradient
+all-reduce is used instead (the model states are replicated across data-parallel ranks).
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import functools
+import json
+import math
+import os
+import resource
+import sys
+import time
+from argparse import Namespace
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron_metp.config import ModelConfig, load_config
+from megatron_metp.data import GPTSamples, load_tokens, padded_vocab_size
+from megatron_metp.flops import FlopModel, gpu_peak_tflops, throughput, training_flops
+from megatron_metp.train_report import Reporter
+
+# Hard defaults, used when neither a flag nor the config gives a value (Megatron-LM's where it
+# has one: dropout 0.1, seed 1234, timeout 10 min, vocab padding 128).
+DEFAULTS = dict(
+    tensor_parallel_mode="tp", tensor_model_parallel_size=1, context_parallel_size=1,
+    pipeline_model_parallel_size=1, seq_length=64, micro_batch_size=4, global_batch_size=None,
+    lr=3e-3, min_lr=None, lr_warmup_iters=0, train_iters=50, weight_decay=0.01, clip_grad=1.0,
+    hidden_dropout=0.1, attention_dropout=0.1, seed=1234, wallfacer_team_size="1",
+    wallfacer_placement=None, save_interval=None, distributed_timeout_minutes=10,
+    make_vocab_size_divisible_by=128,
+)
+
+
+def resolve_namespace(args: Namespace, cfg: ModelConfig, mode: str) -> Namespace:
+    """Flags over the config's training defaults over :data:`DEFAULTS`, as Megatron-LM names."""
+    ns = Namespace(**cfg.megatron_args())
+    for key, default in DEFAULTS.items():
+        flag = getattr(args, key, None)
+        setattr(ns, key, flag if flag is not None else cfg.train.get(key, default))
+    ns.tensor_parallel_mode = mode
+    ns.world_size = int(os.environ["WORLD_SIZE"])
+    if args.compare:  # same numerics in every mode: dropout off
+        ns.hidden_dropout = ns.attention_dropout = 0.0
+    if ns.max_position_embeddings is None:
+        ns.max_position_embeddings = ns.seq_length
+    ns.sequence_parallel = (args.sequence_parallel if args.sequence_parallel is not None
+                            else ns.tensor_model_parallel_size > 1)
+    ns.cp_comm_type = args.cp_comm_type
+    ns.bf16 = bool(args.bf16)
+    ns.vocab_size = args.vocab_size or cfg.vocab_size or 258
+    ns.data_path = args.data_path
+    return ns
+
+
+def _parallel_setup(ns: Namespace, explicit: set) -> Namespace:
+    """The WallFacer remap, then the whole configuration validated (nothing built yet)."""
+    from megatron_metp.megatron_lm import apply_mode_remap
+    from megatron_metp.validation import validate_args
+
+    apply_mode_remap(ns, explicit=explicit, log=lambda m: _print0(f"[metp] {m}"))
+    dp = ns.world_size // (ns.tensor_model_parallel_size * ns.context_parallel_size
+                           * ns.pipeline_model_parallel_size or 1)
+    if ns.global_batch_size is None:
+        ns.global_batch_size = ns.micro_batch_size * max(dp, 1)
+    validate_args(ns)
+    return ns
+
+
+def _print0(msg: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(msg, flush=True)
+
+
+def _transformer_config(ns: Namespace, cfg: ModelConfig):
+    from megatron_metp.model import make_config
+
+    dtype = torch.bfloat16 if ns.bf16 else torch.float32
+    kw = dict(
+        num_layers=ns.num_layers, hidden_size=ns.hidden_size,
+        num_attention_heads=ns.num_attention_heads, num_query_groups=ns.num_query_groups,
+        ffn_hidden_size=ns.ffn_hidden_size, kv_channels=ns.kv_channels,
+        normalization=cfg.normalization, layernorm_epsilon=cfg.norm_epsilon,
+        activation_func=F.silu if cfg.swiglu else F.gelu, gated_linear_unit=cfg.swiglu,
+        add_bias_linear=cfg.add_bias_linear, hidden_dropout=ns.hidden_dropout,
+        attention_dropout=ns.attention_dropout,
+        tensor_model_parallel_size=ns.tensor_model_parallel_size,
+        pipeline_model_parallel_size=ns.pipeline_model_parallel_size,
+        context_parallel_size=ns.context_parallel_size, sequence_parallel=ns.sequence_parallel,
+        bf16=ns.bf16, params_dtype=dtype,
+    )
+    if ns.pipeline_model_parallel_size > 1:
+        kw["pipeline_dtype"] = dtype
+    if getattr(ns, "cp_comm_type", None):
+        kw["cp_comm_type"] = ns.cp_comm_type
+    return make_config(style="llama" if cfg.swiglu else "gpt", **kw)
+
+
+def _initialize(ns: Namespace) -> None:
+    import inspect
+
+    from megatron_metp.model import initialize_parallel
+
+    kw = dict(tensor_model_parallel_size=ns.tensor_model_parallel_size,
+              pipeline_model_parallel_size=ns.pipeline_model_parallel_size,
+              context_parallel_size=ns.context_parallel_size, seed=ns.seed,
+              mode=ns.tensor_parallel_mode, wallfacer_team_size=ns.wallfacer_team_size,
+              wallfacer_placement=ns.wallfacer_placement)
+    accepted = inspect.signature(initialize_parallel).parameters
+    initialize_parallel(**{k: v for k, v in kw.items() if k in accepted})
+
+
+def _loss_func(loss_mask: torch.Tensor, cp_size: int, output_tensor: torch.Tensor):
+    """Mean loss over this micro-batch's tokens of the whole context-parallel group.
+
+    ``output_tensor`` [b, s/CP] per-token losses. The token count is summed over the CP group
+    (detached); the local sum is scaled by CP because DDP averages gradients over DP x CP ranks,
+    so the CP ranks' gradients add up to the gradient of the global mean.
+    """
+    from megatron.core import parallel_state as mpu
+
+    losses = output_tensor.float().reshape(-1)
+    mask = loss_mask.reshape(-1).float()
+    stats = torch.stack([(losses * mask).sum().detach(), mask.sum()])
+    if cp_size > 1:
+        dist.all_reduce(stats, group=mpu.get_context_parallel_group())
+    loss = (losses * mask).sum() / stats[1].clamp(min=1)
+    return loss * cp_size, {"lm loss": stats[0] / stats[1].clamp(min=1)}
+
+
+def _forward_step(cp_size: int, device: torch.device, data_iterator, model):
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    batch = {k: v.to(device) for k, v in next(data_iterator).items()}
+    if cp_size > 1:  # Megatron's load-balanced layout: chunks r and 2CP-1-r of 2CP
+        batch = get_batch_on_this_cp_rank(batch)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, functools.partial(_loss_func, batch["loss_mask"], cp_size)
+
+
+def _peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    # CPU: the process's peak resident set (KiB on Linux), all allocations included.
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def train_one_mode(args: Namespace, cfg: ModelConfig, mode: str, explicit: set,
+                   device: torch.device, reporter: Reporter) -> Dict:
+    """Train ``cfg`` under ``mode``; return {'losses': [...], 'summary': {...}} (rank 0 prints)."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_metp import train_checkpoint as checkpoint_io
+    from megatron_metp.model import build_gpt_model
+
+    ns = _parallel_setup(resolve_namespace(args, cfg, mode), explicit)
+    _initialize(ns)
+    try:
+        tp, cp = ns.tensor_model_parallel_size, ns.context_parallel_size
+        vocab = padded_vocab_size(ns.vocab_size, tp, ns.make_vocab_size_divisible_by)
+        tconf = _transformer_config(ns, cfg)
+        model = build_gpt_model(
+            tconf, mode, vocab_size=vocab, max_sequence_length=ns.max_position_embeddings,
+            position_embedding_type=cfg.position_embedding_type,
+            pre_process=mpu.is_pipeline_first_stage(), post_process=mpu.is_pipeline_last_stage(),
+            share_embeddings_and_output_weights=not cfg.untie_embeddings_and_output_weights,
+        ).to(device)
+        use_dist_opt = device.type == "cuda"
+        ddp = DistributedDataParallel(
+            config=tconf, module=model,
+            ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                                     use_distributed_optimizer=use_dist_opt))
+        opt_config = OptimizerConfig(
+            optimizer="adam", lr=ns.lr, min_lr=ns.min_lr if ns.min_lr is not None else ns.lr / 10,
+            weight_decay=ns.weight_decay, adam_beta1=0.9, adam_beta2=0.95,
+            clip_grad=ns.clip_grad, bf16=ns.bf16, params_dtype=tconf.params_dtype,
+            use_distributed_optimizer=use_dist_opt)
+        # gloo copies of the DP groups are not built (initialize_parallel passes
+        # create_gloo_process_groups=False); the non-distributed optimizer does not need them.
+        optimizer = get_megatron_optimizer(opt_config, [ddp], use_gloo_process_groups=False)
+        scheduler = OptimizerParamScheduler(
+            optimizer, init_lr=0.0, max_lr=ns.lr, min_lr=opt_config.min_lr,
+            lr_warmup_steps=ns.lr_warmup_iters, lr_decay_steps=max(ns.train_iters, 1),
+            lr_decay_style="cosine", start_wd=ns.weight_decay, end_wd=ns.weight_decay,
+            wd_incr_steps=max(ns.train_iters, 1), wd_incr_style="constant")
+        tconf.finalize_model_grads_func = finalize_model_grads
+        tconf.grad_scale_func = optimizer.scale_loss
+        tconf.no_sync_func = ddp.no_sync
+
+        start_iter = 0
+        if args.load:
+            start_iter = checkpoint_io.load(args.load, [ddp], optimizer, scheduler)
+            _print0(f"[metp] resumed from {args.load} at iteration {start_iter}")
+        dp = mpu.get_data_parallel_world_size()
+        dp_rank = mpu.get_data_parallel_rank()
+        num_micro = ns.global_batch_size // (ns.micro_batch_size * dp)
+        samples = GPTSamples(load_tokens(ns.data_path, ns.vocab_size), ns.seq_length, ns.seed)
+        flop_model = FlopModel(
+            num_layers=ns.num_layers, hidden_size=ns.hidden_size,
+            num_attention_heads=ns.num_attention_heads, num_query_groups=ns.num_query_groups,
+            kv_channels=ns.kv_channels, ffn_hidden_size=ns.ffn_hidden_size,
+            padded_vocab_size=vocab, swiglu=cfg.swiglu, causal=cfg.causal)
+        flops = training_flops(flop_model, ns.global_batch_size, ns.seq_length)
+        peak = gpu_peak_tflops() if device.type == "cuda" else None
+        reporter.start_mode(mode, ns, total=ns.train_iters, start=start_iter,
+                            layout=dict(dp=dp, tp=tp, cp=cp, pp=ns.pipeline_model_parallel_size))
+        is_reporter = (mpu.is_pipeline_last_stage() and mpu.get_tensor_model_parallel_rank() == 0
+                       and mpu.get_context_parallel_rank() == 0)
+        fwd_bwd = get_forward_backward_func()
+        if device.type == "cpu":
+            # The schedules allocate their token counter with a device="cuda" literal
+            # (schedules.forward_backward_no_pipelining / _pipelining_*); cpu_compat's
+            # literal rewriter puts it on CPU. (To move into cpu_compat.apply.)
+            from megatron_metp.cpu_compat import _cuda_literals_on_cpu
+
+            fwd_bwd = _cuda_literals_on_cpu(fwd_bwd)
+        world = dist.get_world_size()
+        for it in range(start_iter, ns.train_iters):
+            t0 = time.perf_counter()
+            ddp.zero_grad_buffer()
+            optimizer.zero_grad()
+            data = samples.iterate(it, num_micro, global_batch_size=ns.global_batch_size,
+                                   micro_batch_size=ns.micro_batch_size, dp_rank=dp_rank,
+                                   dp_size=dp)
+            out = fwd_bwd(forward_step_func=functools.partial(_forward_step, cp, device),
+                          data_iterator=data, model=[ddp], num_microbatches=num_micro,
+                          seq_length=ns.seq_length, micro_batch_size=ns.micro_batch_size,
+                          forward_only=False)
+            _, grad_norm, _ = optimizer.step()
+            scheduler.step(increment=1)
+            # One world all-reduce brings the data-parallel mean loss to rank 0 (and syncs).
+            local = (torch.stack([d["lm loss"].float() for d in out]).mean()
+                     if is_reporter and out else torch.zeros((), device=device))
+            stat = torch.stack([local.to(device), torch.tensor(float(is_reporter), device=device)])
+            dist.all_reduce(stat)
+            mem = torch.tensor([_peak_memory_bytes(device)], dtype=torch.float64, device=device)
+            dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+            seconds = time.perf_counter() - t0
+            tflops, mfu = throughput(flops, seconds, world, peak)
+            reporter.iteration(dict(
+                mode=mode, iteration=it + 1, loss=float(stat[0] / stat[1]),
+                lr=float(scheduler.get_lr(optimizer.param_groups[0])),
+                grad_norm=None if grad_norm is None else float(grad_norm),
+                iter_time_s=seconds, tokens_per_s=ns.global_batch_size * ns.seq_length / seconds,
+                tflops_per_device=tflops, mfu=mfu, peak_mem_bytes=int(mem.item())))
+            if args.save and ns.save_interval and (it + 1) % ns.save_interval == 0:
+                checkpoint_io.save(args.save, it + 1, [ddp], optimizer, scheduler)
+        if args.save and (not ns.save_interval or ns.train_iters % ns.save_interval):
+            checkpoint_io.save(args.save, ns.train_iters, [ddp], optimizer, scheduler)
+        return reporter.end_mode()
+    finally:
+        from megatron_metp import parallel_state as metp_state
+
+        mpu.destroy_model_parallel()
+        metp_state.destroy()
+
+
+def run(args: Namespace, explicit: set) -> int:
+    """Entry point on every rank (already under torchrun / srun)."""
+    cfg = load_config(args.config)
+    if not cfg.causal or cfg.architecture != "gpt":
+        raise ValueError(f"--config {args.config}: a {cfg.architecture} model with "
+                         f"{'causal' if cfg.causal else 'bidirectional'} attention; metp train "
+                         f"trains causal GPT models only (use it with metp bench / metp plan)")
+    use_cuda = torch.cuda.is_available()
+    if args.bf16 and not use_cuda:
+        raise ValueError("--bf16 needs a GPU: Megatron-Core's mixed-precision optimizer "
+                         "(Float16OptimizerWithFloat16Params) refuses CPU tensors; drop --bf16 "
+                         "on CPU")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    minutes = args.distributed_timeout_minutes or DEFAULTS["distributed_timeout_minutes"]
+    dist.init_process_group("nccl" if use_cuda else "gloo",
+                            timeout=datetime.timedelta(minutes=minutes))
+    try:
+        import warnings
+
+        from megatron_metp import cpu_compat
+
+        # Megatron-Core's deprecation notices and CPU-irrelevant hints, once per rank, bury the
+        # training log; errors are not affected.
+        for cat in (UserWarning, FutureWarning, DeprecationWarning):
+            warnings.filterwarnings("ignore", category=cat)
+
+        cpu_compat.apply()
+        modes = args.compare or [args.tensor_parallel_mode or cfg.train.get(
+            "tensor_parallel_mode", DEFAULTS["tensor_parallel_mode"])]
+        reporter = Reporter(rank=dist.get_rank(), log_json=args.log_json,
+                            interactive=sys.stdout.isatty() and not args.no_progress)
+        results = {}
+        for mode in modes:
+            results[mode] = train_one_mode(args, cfg, mode, explicit, device, reporter)
+        reporter.final(results, compare=bool(args.compare))
+        return 0
+    finally:
+        dist.destroy_process_group()
