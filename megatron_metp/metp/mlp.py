@@ -1,0 +1,158 @@
+"""``MetpMLP``: Megatron-Core's MLP with METP's weight ring (paper Alg. 1-2) as its forward.
+
+A drop-in for ``megatron.core.transformer.mlp.MLP`` in a layer spec (``megatron_metp.specs``):
+same constructor, same submodules, same parameters. ``linear_fc1`` (``ColumnParallelLinear``) and
+``linear_fc2`` (``RowParallelLinear``) are built exactly as the TP MLP builds them and kept as
+parameter containers, so parameter names, shapes, TP attributes (``partition_dim``,
+``partition_stride`` 2 for SwiGLU's fc1) and ``sharded_state_dict`` keys (including SwiGLU's
+fc1 factory) are TP's: a checkpoint written in ``tp`` mode loads here and back. Only the forward
+differs: instead of all-gathering the sequence (``[s/p, b, h] -> [s, b, h]``), computing on the
+fc1 column / fc2 row shards and reduce-scattering, the tokens stay put and the shards travel::
+
+    hidden_states  x_shard_s  [s/p, b, h]    this rank's sequence chunk (sequence parallel)
+    linear_fc1     w_in       [F'/p, h]      F' = F, or 2F as [gate_r; up_r] for gated units
+                   b_in       [F'/p]         travels with w_in
+    linear_fc2     w_out      [h, F/p]
+                   bias       [h]            not sharded; returned (skip_bias_add), added once
+    output         out_shard_s [s/p, b, h]   = sum_r f(x W_in_r^T + b_in_r) W_out_r^T
+
+Activation memory per rank: the forward keeps only ``x_shard_s`` and peaks at one step's
+``[s/p, b, F'/p]`` intermediate (Table 1: bsh/p + 4bsh/p^2 against TP+SP's bsh + 4bsh/p).
+
+``f`` is ``config.activation_func`` (GeLU, SiLU, ...), gated as Megatron gates it
+(``act(gate) * (up + glu_linear_offset)``, with ``activation_func_clamp_value``). Megatron's fused
+bias-activation kernels are not used: the unfused math is the same function.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import get_tensor_model_parallel_group_if_none
+
+from megatron_metp.metp.weight_ring import MetpMLPFunction
+from megatron_metp.validation import MetpConfigError
+
+__all__ = ["MetpMLP", "validate_metp_mlp", "make_activation"]
+
+
+def validate_metp_mlp(
+    config: TransformerConfig,
+    seq_length: Optional[int] = None,
+    tp_size: Optional[int] = None,
+    ffn_hidden_size: Optional[int] = None,
+) -> None:
+    """Refuse a configuration the METP MLP cannot run, naming the Megatron-LM flag.
+
+    Call at start-up with the training sequence length (``MetpMLP`` calls it at construction
+    without one). ``tp_size`` defaults to ``config.tensor_model_parallel_size`` (the METP ring is
+    the TP group). Raises :class:`~megatron_metp.validation.MetpConfigError` (a ``ValueError``).
+    """
+    p = tp_size if tp_size is not None else config.tensor_model_parallel_size
+    ffn = ffn_hidden_size if ffn_hidden_size is not None else config.ffn_hidden_size
+    if p > 1 and not config.sequence_parallel:
+        raise MetpConfigError(
+            f"the METP MLP keeps the sequence sharded over the {p} ranks of its ring, so it needs "
+            "sequence parallelism: add --sequence-parallel (or use --tensor-parallel-mode tp)"
+        )
+    if ffn % p:
+        raise MetpConfigError(
+            f"--ffn-hidden-size {ffn} is not divisible by --tensor-model-parallel-size {p}: the "
+            f"METP ring passes one fc1/fc2 shard per rank; pick a multiple of {p}"
+        )
+    if config.hidden_size % p:
+        raise MetpConfigError(
+            f"--hidden-size {config.hidden_size} is not divisible by "
+            f"--tensor-model-parallel-size {p}; pick a multiple of {p}"
+        )
+    if seq_length is not None and seq_length % p:
+        raise MetpConfigError(
+            f"--seq-length {seq_length} is not divisible by --tensor-model-parallel-size {p}: "
+            f"each METP rank holds s/p tokens; pad or pick a multiple of {p}"
+        )
+
+
+def make_activation(config: TransformerConfig) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``f`` of Eq. (1) for this config: ``[n, F'/p] -> [n, F/p]`` (gated) or elementwise."""
+    act = config.activation_func
+    if not config.gated_linear_unit:
+        return act
+    clamp = getattr(config, "activation_func_clamp_value", None)
+    offset = getattr(config, "glu_linear_offset", 0.0)
+
+    def glu(t: torch.Tensor) -> torch.Tensor:
+        # Each shard is [gate_r; up_r] (fc1's stride-2 layout), so halving the shard's own
+        # columns splits gate from up, exactly as Megatron's MLP does on its TP shard.
+        gate, up = torch.chunk(t, 2, dim=-1)
+        if clamp is not None:
+            gate = gate.clamp(min=None, max=clamp)
+            up = up.clamp(min=-clamp, max=clamp)
+        return act(gate) * (up + offset) if offset else act(gate) * up
+
+    return glu
+
+
+class MetpMLP(MLP):
+    """Megatron's ``MLP`` whose forward is METP's weight ring (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        submodules: MLPSubmodules,
+        is_expert: bool = False,
+        input_size: Optional[int] = None,
+        ffn_hidden_size: Optional[int] = None,
+        tp_group: Optional[dist.ProcessGroup] = None,
+    ):
+        if is_expert:
+            raise MetpConfigError(
+                "the METP MLP is not an expert MLP: MoE layers (--num-experts) keep Megatron's "
+                "expert parallelism; drop --num-experts or use --tensor-parallel-mode tp"
+            )
+        if getattr(config, "use_te_activation_func", False):
+            raise MetpConfigError(
+                "--use-te-activation-func is not supported by the METP MLP (it applies "
+                "config.activation_func itself); drop the flag"
+            )
+        group = get_tensor_model_parallel_group_if_none(tp_group, is_expert=False)
+        p = dist.get_world_size(group) if group is not None else 1
+        validate_metp_mlp(config, tp_size=p, ffn_hidden_size=ffn_hidden_size)
+        super().__init__(config, submodules, is_expert, input_size, ffn_hidden_size, tp_group)
+        # Built by MLP.__init__ from the same group; kept explicitly for the ring.
+        self.ring_group = group
+        self.ring_size = p
+        self._act = make_activation(config)
+        for name in ("linear_fc1", "linear_fc2"):
+            if not isinstance(getattr(getattr(self, name), "weight", None), torch.Tensor):
+                raise MetpConfigError(
+                    f"MetpMLP needs {name} to hold its weight as a tensor (Megatron's local "
+                    "ColumnParallelLinear / RowParallelLinear); use megatron_metp.specs' layer "
+                    "specs, not Transformer Engine's fused linears"
+                )
+
+    def forward(self, hidden_states: torch.Tensor, per_token_scale=None, **kwargs):
+        """``hidden_states`` x_shard_s [s/p, b, h] -> ``(out_shard_s [s/p, b, h], fc2 bias)``."""
+        if per_token_scale is not None:
+            raise ValueError("MetpMLP: per_token_scale is for MoE experts, which METP does not run")
+        fc1, fc2 = self.linear_fc1, self.linear_fc2
+        x_shard_s = hidden_states
+        s_local, b, h = x_shard_s.shape
+        out_2d = MetpMLPFunction.apply(
+            x_shard_s.reshape(s_local * b, h),
+            fc1.weight,
+            fc1.bias if fc1.bias is not None and fc1.bias.numel() else None,
+            fc2.weight,
+            self._act,
+            self.ring_group,
+        )
+        out_shard_s = out_2d.view(s_local, b, -1)
+        bias = fc2.bias if fc2.bias is not None and fc2.bias.numel() else None
+        # Megatron's MLP returns fc2's bias for the fused bias-dropout-add (skip_bias_add);
+        # honour the linear's setting if it was built otherwise.
+        if bias is not None and not fc2.skip_bias_add:
+            return out_shard_s + bias, None
+        return out_shard_s, bias

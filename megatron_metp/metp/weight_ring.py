@@ -1,0 +1,232 @@
+"""METP's weight ring for ``O = f(X W_in) W_out`` (paper Alg. 1-2), as stateless functions.
+
+Rank i of a ring of p ranks keeps its tokens and passes the weight shards around::
+
+    O_i = sum_r f(X_i W_in_r^T + b_in_r) W_out_r^T
+
+==============  ==================  ==============================================
+name            shape               meaning
+==============  ==================  ==============================================
+``x_shard_s``   [n/p, h_in]         this rank's tokens (n = s*b, sequence-sharded)
+``w_in``        [F'/p, h_in]        fc1 shard (F' = 2F for gated units: [gate_r; up_r])
+``b_in``        [F'/p] or None      fc1 bias shard, travels with w_in
+``w_out``       [h_out, F/p]        fc2 shard (by rows of W_out^T, Megatron's layout)
+``out``         [n/p, h_out]        O_i, without fc2's bias (the caller adds it once per token)
+==============  ==================  ==============================================
+
+Ring direction is :class:`~megatron_metp.comm.RingComm`'s: send to i+1, receive from i-1, so at
+step j rank i holds the shard of owner ``(i - j) % p``::
+
+    p = 4     step 0   step 1   step 2   step 3        (shard owner held by each rank)
+    rank 0      0        3        2        1
+    rank 1      1        0        3        2
+    rank 2      2        1        0        3
+    rank 3      3        2        1        0
+
+Forward: step 0 computes on the rank's own parameters while shard i-1 is in flight; p-1 hops.
+Backward: the weights circulate again (f's input is recomputed, never stored) and the weight
+gradient of shard r is built on the way: rank r keeps its own contribution (step 0) local; the
+travelling accumulator is created at rank r+1 (step 1), grows by one contribution per hop, and
+its last hop (from r-1) brings it home. Weights take p-1 hops and accumulators p-1 hops, so a
+rank sends (p-1)/p (|W_in| + |b_in| + |W_out|) elements in forward and twice that in backward:
+3(p-1)/p of the weights per forward+backward, Table 1's 24(p-1)/p h^2 for F = 4h without bias.
+
+Precision: partial outputs, the input gradient and the weight-gradient accumulators are summed
+in fp32 when the data is bf16/fp16 (in the data's dtype when it is fp32/fp64); each matmul runs
+in the data's dtype as in Megatron's linears. Accumulators therefore travel in fp32 for bf16/fp16
+models, which doubles the bytes (not the elements) of the backward's gradient hops.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron_metp.comm import DoubleBuffer, RingComm
+
+Weights = Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]  # (w_in, b_in, w_out)
+
+
+def accum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype of the sums over ring steps: fp32 for half types, else the data's own."""
+    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
+
+
+def _add_mm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``out += a @ b`` with the product in a's dtype and the sum in out's."""
+    if out.dtype == a.dtype:
+        out.addmm_(a, b)
+    else:
+        out.add_(torch.mm(a, b))
+
+
+def _fc1(x: torch.Tensor, w_in: torch.Tensor, b_in: Optional[torch.Tensor]) -> torch.Tensor:
+    # T_ij = X_i W_in_r^T (+ b_in_r) [n/p, F'/p]; addmm folds the bias without another temp.
+    return torch.addmm(b_in, x, w_in.t()) if b_in is not None else torch.mm(x, w_in.t())
+
+
+def _present(weights: Weights) -> List[torch.Tensor]:
+    return [t for t in weights if t is not None]
+
+
+def _unpack(present: Sequence[torch.Tensor], has_bias: bool) -> Weights:
+    if has_bias:
+        return present[0], present[1], present[2]
+    return present[0], None, present[1]
+
+
+def metp_mlp_forward(
+    x_shard_s: torch.Tensor,
+    weights: Weights,
+    act: Callable[[torch.Tensor], torch.Tensor],
+    group: Optional[dist.ProcessGroup],
+) -> torch.Tensor:
+    """Alg. 1: ``out [n/p, h_out]`` for this rank's tokens, in ``x_shard_s``'s dtype."""
+    p = dist.get_world_size(group) if group is not None or dist.is_initialized() else 1
+    has_bias = weights[1] is not None
+    w_out = weights[2]
+    out = torch.zeros(x_shard_s.shape[0], w_out.shape[0], dtype=accum_dtype(x_shard_s.dtype),
+                      device=x_shard_s.device)
+    comm = RingComm(group) if p > 1 else None
+    bufs = [DoubleBuffer(t) for t in _present(weights)]
+    for step in range(p):
+        w_in_r, b_in_r, w_out_r = _unpack([b.current for b in bufs], has_bias)
+        if step < p - 1:
+            # Shard i-step-1 lands in the buffer not being computed on. Safe: the current shard
+            # is only read while it is being sent, and the receive buffer was last sent from in
+            # step-1, whose batch wait() completed before this post.
+            for b in bufs:
+                comm.send_recv(b.current, b.recv_buffer())
+            comm.commit()
+        d = act(_fc1(x_shard_s, w_in_r, b_in_r))  # D_ij = f(T_ij) [n/p, F/p]; T_ij freed here
+        _add_mm(out, d, w_out_r.t())
+        del d
+        if step < p - 1:
+            comm.wait()
+            for b in bufs:
+                b.advance()
+    return out.to(x_shard_s.dtype)
+
+
+def _grad_step(
+    x: torch.Tensor,
+    g: torch.Tensor,
+    weights: Weights,
+    act: Callable[[torch.Tensor], torch.Tensor],
+    grads: Sequence[torch.Tensor],
+) -> torch.Tensor:
+    """One Alg. 2 step: add this rank's contribution to ``grads`` (same layout as the present
+    weights) and return ``dT [n/p, F'/p]`` for the input gradient."""
+    w_in, b_in, w_out = weights
+    t = _fc1(x, w_in, b_in).detach().requires_grad_(True)
+    with torch.enable_grad():
+        d = act(t)  # recomputed: f's input and output are never kept between passes
+    dd = torch.mm(g, w_out)  # dD_ij = dO_i W_out_r [n/p, F/p]
+    (dt,) = torch.autograd.grad(d, t, dd)
+    dw_in, db_in, dw_out = _unpack(grads, b_in is not None)
+    _add_mm(dw_out, g.t(), d.detach())  # dW_out_r += dO_i^T D_ij
+    _add_mm(dw_in, dt.t(), x)  # dW_in_r += dT_ij^T X_i
+    if db_in is not None:
+        db_in.add_(dt.sum(0, dtype=db_in.dtype))
+    return dt
+
+
+def metp_mlp_backward(
+    x_shard_s: torch.Tensor,
+    grad_out_shard_s: torch.Tensor,
+    weights: Weights,
+    act: Callable[[torch.Tensor], torch.Tensor],
+    group: Optional[dist.ProcessGroup],
+) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+    """Alg. 2: ``(grad_x [n/p, h_in], [grad w_in, grad b_in?, grad w_out])`` for the shards this
+    rank owns; gradients in the dtypes of their inputs."""
+    p = dist.get_world_size(group) if group is not None or dist.is_initialized() else 1
+    has_bias = weights[1] is not None
+    present = _present(weights)
+    gdt = accum_dtype(x_shard_s.dtype)
+    dev = x_shard_s.device
+    new = lambda: [torch.zeros_like(t, dtype=gdt) for t in present]  # noqa: E731
+    own = new()  # the owner's contribution never leaves the rank
+    grad_x = torch.zeros(x_shard_s.shape, dtype=gdt, device=dev)
+    comm = RingComm(group) if p > 1 else None
+    bufs = [DoubleBuffer(t) for t in present]
+    accs: List[List[torch.Tensor]] = [new(), new()] if p > 1 else []
+    scratch = new() if p > 2 else []
+    a = 0  # accs[a]: the accumulator completed in the previous step (sent in this one)
+    for step in range(p):
+        cur = _unpack([b.current for b in bufs], has_bias)
+        send_w = step < p - 1
+        send_acc = step >= 2
+        if send_w:
+            # The next weight shard is in flight while this step computes (as in forward).
+            for b in bufs:
+                comm.send_recv(b.current, b.recv_buffer())
+        if send_acc:
+            # Pass on the accumulator finished last step (shard i-step+1, for rank i+1's next
+            # contribution) and receive rank i-1's accumulator for the shard held now. Safe:
+            # accs[a] is only read here; accs[1-a] was last sent in step-1, completed by wait.
+            for k in range(len(present)):
+                comm.send_recv(accs[a][k], accs[1 - a][k])
+        if send_w or send_acc:
+            comm.commit()
+        # Step 0 adds straight into `own`; step 1 starts the travelling accumulator (nothing
+        # to receive yet); later steps compute into scratch and add after the receive.
+        target = own if step == 0 else (accs[0] if step == 1 else scratch)
+        if step >= 2:
+            for t in scratch:
+                t.zero_()
+        dt = _grad_step(x_shard_s, grad_out_shard_s, cur, act, target)
+        last = step == p - 1
+        if not last:
+            _add_mm(grad_x, dt, cur[0])  # dX_i += dT_ij W_in_r
+        if send_w or send_acc:
+            comm.wait()
+            for b in bufs if send_w else ():
+                b.advance()
+        if send_acc:
+            for acc_k, mine in zip(accs[1 - a], scratch):
+                acc_k.add_(mine)
+            a = 1 - a
+        if last:
+            if p > 1:
+                # Final hop: the accumulator of shard i+1 goes home; shard i's arrives from i-1.
+                # It overlaps the last input-gradient matmul below. Safe: accs[1-a] was last
+                # sent in this step's batch (or never), completed by the wait above.
+                for k in range(len(present)):
+                    comm.send_recv(accs[a][k], accs[1 - a][k])
+                comm.commit()
+            _add_mm(grad_x, dt, cur[0])
+            if p > 1:
+                comm.wait()
+                for mine, arrived in zip(own, accs[1 - a]):
+                    mine.add_(arrived)
+        del dt
+    grads = [g.to(t.dtype) for g, t in zip(own, present)]
+    return grad_x.to(x_shard_s.dtype), grads
+
+
+class MetpMLPFunction(torch.autograd.Function):
+    """``out = MetpMLPFunction.apply(x_shard_s, w_in, b_in, w_out, act, group)``.
+
+    Saves only ``x_shard_s`` (and references to the parameters); the group arrives as an
+    argument, so nothing global is read here.
+    """
+
+    @staticmethod
+    def forward(ctx, x_shard_s, w_in, b_in, w_out, act, group):
+        ctx.act, ctx.group = act, group
+        ctx.has_bias = b_in is not None
+        ctx.save_for_backward(x_shard_s, w_in, b_in, w_out)
+        return metp_mlp_forward(x_shard_s, (w_in, b_in, w_out), act, group)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        x_shard_s, w_in, b_in, w_out = ctx.saved_tensors
+        grad_x, grads = metp_mlp_backward(
+            x_shard_s, grad_out.contiguous(), (w_in, b_in, w_out), ctx.act, ctx.group
+        )
+        gw_in, gb_in, gw_out = _unpack(grads, ctx.has_bias)
+        return grad_x, gw_in, gb_in, gw_out, None, None
