@@ -1,0 +1,364 @@
+"""METP's two-level multi-head attention (paper Alg. 5-6) as a Megatron ``SelfAttention``.
+
+``MetpSelfAttention`` has ``SelfAttention``'s constructor, submodules and parameters: rank j of
+the METP ring (= Megatron's tensor-model-parallel group) stores exactly TP rank j's shards, so
+names, shapes and ``sharded_state_dict`` keys are the ``tp`` model's. Only the forward differs::
+
+    x_shard_s      [s/p, b, h]             this rank's tokens (sequence-parallel layout)
+    w_qkv_j        [ng/p * (n/ng + 2) * d, h]   head group j's linear_qkv shard (rank j's),
+                                            Megatron's per-group interleaved layout
+                                            (q_1..q_{n/ng}, k, v for each query group)
+    b_qkv_j        [ng/p * (n/ng + 2) * d]  its bias (if --add-bias-linear / --add-qkv-bias)
+    w_proj_j       [h, n/p * d]             head group j's linear_proj shard (rank j's)
+    out_shard_s    [s/p, b, h]             sum_j A_ij w_proj_j^T, bias returned apart (as
+                                            RowParallelLinear with skip_bias_add does)
+
+Forward on rank i (Alg. 5; its line 1 means W_qkv_i of shape h x 3h/p):
+
+    for j in 0..p-1:
+        broadcast (w_qkv_j, b_qkv_j, w_proj_j) from rank j   <- posted one step ahead (prefetch)
+        q_ij, k_ij, v_ij = split(x_shard_s w_qkv_j^T + b_qkv_j)  [+ q/k norm, RoPE at the
+                                                                   tokens' global positions]
+        A_ij, L_ij = ring attention over the METP ring (Alg. 3; K/V of head group j travel)
+        out_shard_s += A_ij w_proj_j^T
+
+Backward (Alg. 6; its lines 9-10 mean W_qkv_j): the weights are broadcast again (prefetched),
+Q/K/V recomputed from the saved x, the ring backward (Alg. 4) run, and dW_qkv_j / dW_proj_j
+reduced to rank j asynchronously while the next head group computes. Saved between the passes:
+x_shard_s (owned by the caller anyway), A_ij for every j (together b s/p h) and the lse: the
+paper's 2bsh/p.
+
+Communication per rank (payload, each broadcast or reduce counted once): forward 4h^2 of
+weights + 2(p-1)/p bsh of K/V; backward 8h^2 + 4(p-1)/p bsh (MHA, no bias; GQA replaces 3h^2 by
+h(h + 2 ng d) and 2bsh by 2bs ng d).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+    _yarn_get_concentration_factor_from_config,
+)
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_metp.metp.ring_attention import ring_attention_backward, ring_attention_forward
+
+
+def check_metp_attention_config(config: TransformerConfig, p: int) -> None:
+    """Refuse configurations METP attention does not implement (flag named in each message)."""
+    if config.num_attention_heads % p != 0:
+        raise ValueError(
+            f"--tensor-parallel-mode metp: --num-attention-heads ({config.num_attention_heads}) "
+            f"must be divisible by --tensor-model-parallel-size ({p}), the METP ring length"
+        )
+    groups = config.num_query_groups or config.num_attention_heads
+    if groups % p != 0:
+        raise ValueError(
+            f"--tensor-parallel-mode metp: --num-query-groups ({groups}) must be divisible by "
+            f"--tensor-model-parallel-size ({p}); each ring rank owns whole query groups "
+            f"(tp mode allows fewer groups than ranks, metp does not)"
+        )
+    if p > 1 and not config.sequence_parallel:
+        raise ValueError(
+            "--tensor-parallel-mode metp needs --sequence-parallel when "
+            "--tensor-model-parallel-size > 1 (METP keeps hidden states sequence-sharded)"
+        )
+    if config.context_parallel_size != 1:
+        raise ValueError("--tensor-parallel-mode metp does not compose with --context-parallel-size > 1")
+    if config.attention_dropout and config.attention_dropout > 0:
+        raise ValueError(
+            f"--tensor-parallel-mode metp: attention dropout is not implemented by the ring "
+            f"kernels; set --attention-dropout 0 (got {config.attention_dropout})"
+        )
+    if getattr(config, "attention_output_gate", False):
+        raise ValueError("--tensor-parallel-mode metp does not support --attention-output-gate")
+    if getattr(config, "multi_latent_attention", False):
+        raise ValueError("--tensor-parallel-mode metp does not support --multi-latent-attention")
+    if getattr(config, "softmax_type", "vanilla") != "vanilla":
+        raise ValueError("--tensor-parallel-mode metp supports --softmax-type vanilla only")
+    if getattr(config, "window_size", None) is not None:
+        raise ValueError("--tensor-parallel-mode metp does not support --window-size")
+
+
+class _Plan:
+    """Static description of one layer's METP attention, handed to the autograd Function.
+
+    Holds the ring group, its global ranks, the layout and the RoPE/norm callables: everything
+    the two passes need, so nothing reads global state inside the Function.
+    """
+
+    def __init__(self, module: "MetpSelfAttention", freqs_shard_s, causal: bool):
+        self.group = module.tp_group
+        self.p = module.world_size
+        self.rank = dist.get_rank(self.group) if self.p > 1 else 0
+        self.global_ranks = module._global_ranks
+        self.groups_p = module.num_query_groups_per_partition
+        self.heads_p = module.num_attention_heads_per_partition
+        self.d = module.hidden_size_per_attention_head
+        self.q_norm = module.q_layernorm
+        self.k_norm = module.k_layernorm
+        self.freqs = freqs_shard_s  # (q_freqs, k_freqs) for this rank's tokens, or None
+        self.config = module.config
+        self.cp_group = module.pg_collection.cp
+        self.mscale = _yarn_get_concentration_factor_from_config(module.config)
+        self.causal = causal
+        self.scale = module._softmax_scale
+
+    def project(self, x, w_qkv, b_qkv):
+        """Q/K/V of this rank's tokens for one head group, in the kernels' layout.
+
+        ``x [s/p, b, h]`` -> q ``[b, n/p, s/p, d]``, k, v ``[b, ng/p, s/p, d]``. Same split as
+        ``SelfAttention.get_query_key_value_tensors``.
+        """
+        s, b = x.shape[0], x.shape[1]
+        rep = self.heads_p // self.groups_p
+        mixed = F.linear(x, w_qkv, b_qkv).view(s, b, self.groups_p, (rep + 2) * self.d)
+        q, k, v = torch.split(mixed, [rep * self.d, self.d, self.d], dim=3)
+        q = q.reshape(s, b, self.heads_p, self.d)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        if self.freqs is not None:
+            q = apply_rotary_pos_emb(q, self.freqs[0], config=self.config, mscale=self.mscale,
+                                     cp_group=self.cp_group)
+            k = apply_rotary_pos_emb(k, self.freqs[1], config=self.config, mscale=self.mscale,
+                                     cp_group=self.cp_group)
+        return tuple(t.permute(1, 2, 0, 3) for t in (q, k, v))
+
+
+class _WeightPrefetch:
+    """Broadcasts of (w_qkv_j, b_qkv_j, w_proj_j) from rank j, one step ahead, double-buffered.
+
+    Step j reads buffer set j % 2 while the broadcast for j + 1 fills set (j + 1) % 2, which
+    step j - 1 last read. On CPU step j - 1 has finished; on NCCL the broadcast is ordered after
+    the kernels already queued on the compute stream, so it cannot overwrite what they read.
+    Rank j's own step reads its parameters directly (it is the broadcast's source).
+    """
+
+    def __init__(self, plan: _Plan, own: List[Optional[torch.Tensor]]):
+        self.plan = plan
+        self.own = [t.detach() if t is not None else None for t in own]
+        self.sets = [[torch.empty_like(t) if t is not None else None for t in self.own]
+                     for _ in range(2 if plan.p > 2 else plan.p - 1)] if plan.p > 1 else []
+        self.handles: List = []
+
+    def post(self, j: int) -> None:
+        plan = self.plan
+        if j >= plan.p or plan.p == 1:
+            return
+        bufs = self.own if j == plan.rank else self.sets[j % len(self.sets)]
+        self.handles = [
+            dist.broadcast(t, src=plan.global_ranks[j], group=plan.group, async_op=True)
+            for t in bufs if t is not None
+        ]
+
+    def get(self, j: int) -> List[Optional[torch.Tensor]]:
+        for h in self.handles:
+            h.wait()
+        self.handles = []
+        if j == self.plan.rank or self.plan.p == 1:
+            return self.own
+        return self.sets[j % len(self.sets)]
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """[b, heads, s, d] -> [s * b, heads * d] (the layout linear_proj multiplies)."""
+    b, n, s, d = t.shape
+    return t.permute(2, 0, 1, 3).reshape(s * b, n * d)
+
+
+class _MetpMHAFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, plan: _Plan, x, w_qkv, b_qkv, w_proj, *norm_params):
+        s, b, h = x.shape
+        weights = _WeightPrefetch(plan, [w_qkv, b_qkv, w_proj])
+        weights.post(0)
+        out = torch.zeros(s * b, h, dtype=x.dtype, device=x.device)
+        attn, lses = [], []
+        for j in range(plan.p):
+            w_qkv_j, b_qkv_j, w_proj_j = weights.get(j)
+            weights.post(j + 1)  # prefetch: travels while head group j computes
+            q, k, v = plan.project(x, w_qkv_j, b_qkv_j)
+            a_j, lse_j = ring_attention_forward(plan.group, q, k, v, plan.causal, plan.scale)
+            del q, k, v
+            out.addmm_(_flat(a_j), w_proj_j.t())  # O_i += A_ij W_proj_j, no [s/p, b, h] temp
+            attn.append(a_j)
+            lses.append(lse_j)
+        ctx.plan = plan
+        ctx.has_bias = b_qkv is not None
+        ctx.save_for_backward(x, w_qkv, b_qkv, w_proj, *attn, *lses)
+        return out.view(s, b, h)
+
+    @staticmethod
+    def backward(ctx, dout):
+        plan: _Plan = ctx.plan
+        x, w_qkv, b_qkv, w_proj, *rest = ctx.saved_tensors
+        attn, lses = rest[: plan.p], rest[plan.p :]
+        norm_params = [prm for m in (plan.q_norm, plan.k_norm) if m is not None
+                       for prm in m.parameters()]
+        s, b, h = x.shape
+        dout2d = dout.reshape(s * b, h)
+        weights = _WeightPrefetch(plan, [w_qkv, b_qkv, w_proj])
+        weights.post(0)
+        dx = torch.zeros_like(x)
+        dnorm = [torch.zeros_like(prm) for prm in norm_params]
+        own_grads = [None, None, None]
+        pending = []  # (handles, grads, j) of reduces in flight
+        for j in range(plan.p):
+            w_qkv_j, b_qkv_j, w_proj_j = weights.get(j)
+            weights.post(j + 1)
+            a_j, lse_j = attn[j], lses[j]
+            heads = a_j.shape[1]
+            # dW_proj_j = A_ij^T dO_i (this rank's tokens; summed over ranks by the reduce).
+            dw_proj_j = dout2d.t().mm(_flat(a_j))
+            # dA_ij = dO_i W_proj_j, viewed in the kernels' layout.
+            da_j = dout2d.mm(w_proj_j).view(s, b, heads, plan.d).permute(1, 2, 0, 3)
+            with torch.enable_grad():
+                x_r = x.detach().requires_grad_(True)
+                w_r = w_qkv_j.detach().requires_grad_(True)
+                b_r = b_qkv_j.detach().requires_grad_(True) if b_qkv_j is not None else None
+                q, k, v = plan.project(x_r, w_r, b_r)
+                dq, dk, dv = ring_attention_backward(
+                    plan.group, da_j, q.detach(), k.detach(), v.detach(), a_j, lse_j,
+                    plan.causal, plan.scale,
+                )
+                inputs = [x_r, w_r] + ([b_r] if b_r is not None else []) + norm_params
+                grads = torch.autograd.grad((q, k, v), inputs, (dq, dk, dv), allow_unused=True)
+            del q, k, v, dq, dk, dv, da_j
+            dx += grads[0]
+            dw_qkv_j = grads[1]
+            db_qkv_j = grads[2] if b_r is not None else None
+            for acc, g in zip(dnorm, grads[len(inputs) - len(norm_params):]):
+                if g is not None:
+                    acc += g
+            red = [dw_qkv_j, db_qkv_j, dw_proj_j]
+            if plan.p > 1:
+                # Reduce to rank j (Alg. 6 line 11), completed one step later so it overlaps
+                # head group j + 1. Every rank posts the same collectives in the same order.
+                dst = plan.global_ranks[j]
+                handles = [dist.reduce(g, dst=dst, op=dist.ReduceOp.SUM, group=plan.group,
+                                       async_op=True) for g in red if g is not None]
+                pending.append((handles, red, j))
+                if len(pending) > 1:
+                    _finish_reduce(pending.pop(0), plan, own_grads)
+            else:
+                own_grads = red
+        while pending:
+            _finish_reduce(pending.pop(0), plan, own_grads)
+        dw_qkv, db_qkv, dw_proj = own_grads
+        return (None, dx, dw_qkv.to(w_qkv.dtype),
+                db_qkv.to(b_qkv.dtype) if ctx.has_bias else None,
+                dw_proj.to(w_proj.dtype), *dnorm)
+
+
+def _finish_reduce(item, plan: _Plan, own_grads: list) -> None:
+    handles, red, j = item
+    for hnd in handles:
+        hnd.wait()
+    if j == plan.rank:
+        own_grads[:] = red
+
+
+class MetpSelfAttention(SelfAttention):
+    """Self-attention computed by METP's two-level loop; parameters as Megatron's TP shards.
+
+    Input ``hidden_states [s/p, b, h]`` (sequence-parallel), output ``(out [s/p, b, h], bias)``.
+    Causal (``attn_mask_type=causal``) or full attention; with a causal mask type the explicit
+    ``attention_mask`` is not read (Transformer Engine's attention does the same), since a
+    contiguous-shard ring applies the causal structure blockwise.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        submodules: SelfAttentionSubmodules,
+        layer_number: int,
+        attn_mask_type: AttnMaskType = AttnMaskType.padding,
+        cp_comm_type: Optional[str] = None,
+        pg_collection=None,
+    ):
+        if pg_collection is None:
+            from megatron.core.process_groups_config import ProcessGroupCollection
+
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
+        p = pg_collection.tp.size()
+        check_metp_attention_config(config, p)
+        super().__init__(config, submodules, layer_number, attn_mask_type=attn_mask_type,
+                         cp_comm_type=cp_comm_type, pg_collection=pg_collection)
+        if isinstance(self.q_layernorm, IdentityOp):
+            self.q_layernorm = None
+        if isinstance(self.k_layernorm, IdentityOp):
+            self.k_layernorm = None
+        self._global_ranks = [dist.get_global_rank(self.tp_group, r) for r in range(p)] if p > 1 else [0]
+        self._softmax_scale = (config.softmax_scale if config.softmax_scale is not None
+                               else 1.0 / math.sqrt(self.hidden_size_per_attention_head))
+
+    def forward(
+        self,
+        hidden_states,
+        attention_mask=None,
+        key_value_states=None,
+        inference_context=None,
+        rotary_pos_emb=None,
+        rotary_pos_cos=None,
+        rotary_pos_sin=None,
+        rotary_pos_cos_sin=None,
+        attention_bias=None,
+        packed_seq_params=None,
+        sequence_len_offset=None,
+        *,
+        inference_params=None,
+    ):
+        if key_value_states is not None or inference_context is not None or inference_params is not None:
+            raise NotImplementedError("MetpSelfAttention: no cross attention or inference (KV cache)")
+        if packed_seq_params is not None or attention_bias is not None:
+            raise NotImplementedError("MetpSelfAttention: no packed sequences or attention bias")
+        if rotary_pos_cos is not None or rotary_pos_sin is not None:
+            raise NotImplementedError("MetpSelfAttention: pass rotary_pos_emb, not cos/sin")
+        causal = self.attn_mask_type == AttnMaskType.causal
+        if not causal and attention_mask is not None:
+            raise NotImplementedError(
+                "MetpSelfAttention: explicit (padding) attention masks are not supported; use a "
+                "causal mask type or no mask"
+            )
+        if self.config.no_rope_freq and self.config.no_rope_freq[self.layer_number - 1]:
+            rotary_pos_emb = None
+        s_shard = hidden_states.shape[0]
+        freqs = None
+        if rotary_pos_emb is not None:
+            pair = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
+            # The embedding covers the full sequence; this rank's tokens are the contiguous
+            # chunk [rank * s/p, (rank + 1) * s/p): slice their global positions.
+            rank = dist.get_rank(self.tp_group) if self.world_size > 1 else 0
+            lo = rank * s_shard
+            for f in pair:
+                if f.shape[0] != s_shard * self.world_size:
+                    raise ValueError(
+                        f"rotary_pos_emb covers {f.shape[0]} positions; expected the full "
+                        f"sequence of {s_shard * self.world_size} (--seq-length)"
+                    )
+            freqs = tuple(f[lo : lo + s_shard] for f in pair)
+        plan = _Plan(self, freqs, causal)
+        norm_params = [prm for m in (self.q_layernorm, self.k_layernorm) if m is not None
+                       for prm in m.parameters()]
+        out = _MetpMHAFunction.apply(
+            plan, hidden_states, self.linear_qkv.weight, self.linear_qkv.bias,
+            self.linear_proj.weight, *norm_params,
+        )
+        # RowParallelLinear(skip_bias_add=True), as Attention builds it, returns its bias apart
+        # for the fused bias-dropout-add; the bias is replicated, so it never travels.
+        if self.linear_proj.skip_bias_add:
+            return out, self.linear_proj.bias
+        if self.linear_proj.bias is not None:
+            out = out + self.linear_proj.bias
+        return out, None

@@ -1,0 +1,197 @@
+"""METP's two-level MHA (Alg. 5-6) against an fp64 reference and against Megatron's own
+TP+SP ``SelfAttention`` with the same weights, on 1, 2 and 4 ranks; start-up validation.
+
+One rank task runs every configuration (MHA with biases and learned positions, GQA with RoPE,
+q/k layernorm) so the pools are spun up once per world size.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests._harness import run_ranks
+
+S, B = 16, 2
+
+
+def _cfg(p, kind):
+    from megatron_metp.model import make_config
+
+    if kind == "mha":  # GPT-style: LayerNorm preset, biases, no RoPE
+        return make_config("gpt", hidden_size=32, num_attention_heads=4), False
+    if kind == "gqa":  # LLaMA-style: no biases, RoPE, 8 heads in 4 query groups
+        return make_config("llama", hidden_size=64, num_attention_heads=8, num_query_groups=4), True
+    if kind == "qkln":  # q/k layernorm (Megatron's --qk-layernorm), GQA, bias on qkv only
+        return make_config("llama", hidden_size=64, num_attention_heads=8, num_query_groups=4,
+                           qk_layernorm=True, add_qkv_bias=True), True
+    raise ValueError(kind)
+
+
+def _build(config, mode):
+    from megatron.core.transformer.spec_utils import build_module
+
+    from megatron_metp.specs import get_gpt_layer_spec
+
+    spec = get_gpt_layer_spec(mode, qk_layernorm=bool(config.qk_layernorm))
+    return build_module(spec.submodules.self_attention, config=config, layer_number=1)
+
+
+def _freqs(config, rope):
+    if not rope:
+        return None
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    return RotaryEmbedding(config.kv_channels, rotary_percent=1.0)(S)  # [S, 1, 1, d], full seq
+
+
+def _reference(full, config, x, g, rope):
+    """fp64 attention sublayer from the TP = 1 weights, written from the definition."""
+    from tests._models import _ref_rope
+
+    w = {n: t.double().requires_grad_(True) for n, t in full.items()}
+    x = x.double().requires_grad_(True)
+    n, ng, d = config.num_attention_heads, config.num_query_groups, config.kv_channels
+    qkv = x @ w["linear_qkv.weight"].T
+    if "linear_qkv.bias" in w:
+        qkv = qkv + w["linear_qkv.bias"]
+    qkv = qkv.view(S, B, ng, (n // ng + 2) * d).transpose(0, 1)  # [b, s, ng, ...]
+    q = qkv[..., : n // ng * d].reshape(B, S, n, d)
+    k, v = qkv[..., n // ng * d : (n // ng + 1) * d], qkv[..., (n // ng + 1) * d :]
+    if rope:
+        q, k = _ref_rope(q, torch.arange(S)), _ref_rope(k, torch.arange(S))
+    k, v = k.repeat_interleave(n // ng, 2), v.repeat_interleave(n // ng, 2)
+    sc = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d)
+    sc = sc.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
+    ctx = torch.einsum("bhqk,bkhd->bqhd", sc.softmax(-1), v).reshape(B, S, n * d).transpose(0, 1)
+    out = ctx @ w["linear_proj.weight"].T
+    if "linear_proj.bias" in w:
+        out = out + w["linear_proj.bias"]
+    (out * g.double()).sum().backward()
+    return out.detach(), x.grad, {k_: t.grad for k_, t in w.items()}
+
+
+def _run(module, x_shard, g_shard, freqs):
+    x = x_shard.clone().requires_grad_(True)
+    out, bias = module(x, None, rotary_pos_emb=freqs)
+    if bias is not None:
+        out = out + bias
+    (out * g_shard).sum().backward()
+    grads = {n: p.grad.clone() for n, p in module.named_parameters()}
+    return out.detach(), x.grad, grads
+
+
+def _mha_cases(kinds):
+    from megatron.core import parallel_state as mpu
+
+    from megatron_metp.metp.attention import MetpSelfAttention
+    from tests._models import gather_full, setup
+
+    p = dist.get_world_size()
+    setup(tp=p, mode="metp")
+    r = mpu.get_tensor_model_parallel_rank()
+    tp_group = mpu.get_tensor_model_parallel_group()
+    errs = {}
+    for kind in kinds:
+        config, rope = _cfg(p, kind)
+        torch.manual_seed(5)
+        tp_attn = _build(config, "tp")
+        metp_attn = _build(config, "metp")
+        assert isinstance(metp_attn, MetpSelfAttention)
+        # Same names, shapes and checkpoint keys as the TP module.
+        tp_params = dict(tp_attn.named_parameters())
+        assert sorted(tp_params) == sorted(n for n, _ in metp_attn.named_parameters())
+        assert sorted(tp_attn.sharded_state_dict().keys()) == sorted(metp_attn.sharded_state_dict().keys())
+        with torch.no_grad():
+            for n, prm in metp_attn.named_parameters():
+                assert prm.shape == tp_params[n].shape
+                prm.copy_(tp_params[n] + 0.05 * torch.randn_like(prm))  # nonzero biases too
+                tp_params[n].copy_(prm)
+        gen = torch.Generator().manual_seed(11)
+        x = torch.randn(S, B, config.hidden_size, generator=gen)
+        g = torch.randn(S, B, config.hidden_size, generator=gen)
+        sl = slice(r * S // p, (r + 1) * S // p)
+        freqs = _freqs(config, rope)
+        got = _run(metp_attn, x[sl], g[sl], freqs)
+        tp_res = _run(tp_attn, x[sl], g[sl], freqs)
+
+        # (1) against Megatron's TP+SP SelfAttention with the same weights. fp32 both; they
+        # differ in summation order only (reduce-scatter vs. accumulated head groups, one softmax
+        # vs. merged blocks): rtol 1e-5, atol 1e-5 * max|TP| as for the fp64 comparison.
+        def close(name, a, e):
+            e = e.double()
+            torch.testing.assert_close(a.double(), e, rtol=1e-5, atol=1e-5 * e.abs().max().item(),
+                                       msg=lambda m: f"{kind} {name}: {m}")
+            diff = (a.double() - e).abs()
+            errs.setdefault(f"{kind} {name}", []).append(
+                (diff.max().item() / e.abs().max().item(), diff.mean().item() / e.abs().max().item()))
+
+        def summed(grad, prm):
+            # Replicated parameters (proj bias, q/k norm weights) hold per-rank partial sums
+            # over different partitions (TP: its heads x all tokens; METP: all heads x its
+            # tokens); Megatron all-reduces them over TP (they are tagged sequence_parallel).
+            if getattr(prm, "tensor_model_parallel", False):
+                return grad
+            total = grad.clone()
+            dist.all_reduce(total, group=tp_group)
+            return total
+
+        close("out vs tp", got[0], tp_res[0])
+        close("dx vs tp", got[1], tp_res[1])
+        for n, prm in tp_params.items():
+            close(f"d{n} vs tp", summed(got[2][n], prm), summed(tp_res[2][n], prm))
+
+        if kind == "qkln":
+            continue  # the fp64 reference below has no q/k norm; TP covers this case
+        # (2) against the fp64 reference from the full (TP = 1) weights.
+        full = {n: gather_full(prm.detach(), prm) for n, prm in metp_attn.named_parameters()}
+        ref_out, ref_dx, ref_dw = _reference(full, config, x, g, rope)
+        close("out vs fp64", got[0], ref_out[sl])
+        close("dx vs fp64", got[1], ref_dx[sl])
+        for n, prm in metp_attn.named_parameters():
+            grad = summed(got[2][n], prm)
+            if getattr(prm, "tensor_model_parallel", False):
+                grad = gather_full(grad, prm)
+            close(f"d{n} vs fp64", grad, ref_dw[n])
+    return errs
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_metp_mha_matches_fp64_and_tp(world, report):
+    per_rank = run_ranks(world, _mha_cases, ["mha", "gqa", "qkln"])
+    worst = {}
+    for errs in per_rank:
+        for key, vals in errs.items():
+            for mx, mean in vals:
+                w = worst.get(key, (0.0, 0.0))
+                worst[key] = (max(w[0], mx), max(w[1], mean))
+    for key in ("mha out vs fp64", "mha dx vs fp64", "mha dlinear_qkv.weight vs fp64",
+                "gqa out vs fp64", "gqa dlinear_qkv.weight vs fp64", "qkln out vs tp"):
+        mx, mean = worst[key]
+        report(f"metp mha p={world} {key}: max {mx:.1e} mean {mean:.1e} (x max|ref|)")
+
+
+def _bad_config(heads, groups):
+    from megatron_metp.model import make_config
+    from tests._models import setup
+
+    setup(tp=dist.get_world_size(), mode="metp")
+    # The config says TP = 1 so that TransformerConfig's own head check (which names no flag)
+    # stays out of the way: the module must refuse by the size of the group it is given.
+    config = make_config("llama", hidden_size=48, num_attention_heads=heads,
+                         num_query_groups=groups, tensor_model_parallel_size=1,
+                         sequence_parallel=False)
+    config.sequence_parallel = True  # as the real TP = 4 run has it
+    with pytest.raises(ValueError) as e:
+        _build(config, "metp")
+    return str(e.value)
+
+
+def test_heads_or_groups_not_divisible_are_refused():
+    # 6 heads on 4 ranks: the head flag; 4 heads in 2 groups on 4 ranks: tp allows it (one
+    # group per 2 ranks), metp does not, and says which flag to change.
+    msg = run_ranks(4, _bad_config, 6, 6)[0]
+    assert "--num-attention-heads" in msg and "--tensor-model-parallel-size" in msg
+    msg = run_ranks(4, _bad_config, 4, 2)[0]
+    assert "--num-query-groups" in msg
