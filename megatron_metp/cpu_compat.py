@@ -25,14 +25,16 @@ Stand-ins (each names the Megatron-Core code it covers; tests/test_cpu_compat.py
    tensors is torch's default CPU generator, so the tracked named states are CPU generator states.
 4. ``device='cuda'`` literals, rewritten to CPU inside the Megatron functions that contain them:
    ``optimizer.optimizer.FP32Optimizer.__init__`` (``_scale``), ``MixedPrecisionOptimizer.__init__``
-   (``found_inf``), ``optimizer.clip_grads.get_grad_norm_fp32`` / ``count_zeros_fp32`` (and
+   (``found_inf``), ``Float16OptimizerWithFloat16Params.__init__`` (which also dispatches on CUDA
+   type names: inside it a CPU tensor's ``.type()`` reports the CUDA name of its dtype), ``optimizer.clip_grads.get_grad_norm_fp32`` / ``count_zeros_fp32`` (and
    ``utils.local_multi_tensor_l2_norm`` beneath them), and dist-checkpointing's
    ``state_dict_saver.verify_global_md_reuse``.
 5. ``optimizer.clip_grads.clip_grad_by_total_norm_fp32`` asserts CUDA gradient types: replaced
    by a device-agnostic version with the same coefficient.
 
 Not covered (documented, not patched): the distributed optimizer (``use_distributed_optimizer``)
-and ``Float16OptimizerWithFloat16Params`` check for CUDA tensor types and refuse CPU parameters.
+checks for CUDA tensor types throughout its buffers and refuses CPU parameters; on CPU use the
+non-distributed optimizer (DDP all-reduces the gradients; optimizer state is replicated).
 """
 
 from __future__ import annotations
@@ -127,6 +129,11 @@ class _CudaLiteralsOnCpu(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            # Megatron dispatches on CUDA type names ('torch.cuda.BFloat16Tensor'); a CPU tensor
+            # reports the CUDA name of its dtype so the same branch is taken.
+            name = func(*args)
+            return name if ".cuda." in name else name.replace("torch.", "torch.cuda.", 1)
         dev = kwargs.get("device")
         if dev is not None and torch.device(dev).type == "cuda":
             kwargs = dict(kwargs, device="cpu")
@@ -220,6 +227,7 @@ def apply() -> None:
 
     _wrap_method(optimizer.FP32Optimizer, "__init__")
     _wrap_method(optimizer.MixedPrecisionOptimizer, "__init__")
+    _wrap_method(optimizer.Float16OptimizerWithFloat16Params, "__init__")
     for fn_name in ("get_grad_norm_fp32", "count_zeros_fp32"):
         _wrap_function(clip_grads, fn_name)
     _rebind_everywhere(clip_grads.clip_grad_by_total_norm_fp32, _cpu_clip_grad_by_total_norm_fp32)

@@ -186,6 +186,38 @@ def _device_literals():
     return True
 
 
+def _float16_optimizer():
+    """Stand-in 4 in Float16OptimizerWithFloat16Params.__init__ (CUDA type-name dispatch)."""
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    g = torch.Generator().manual_seed(0)
+    w0 = torch.randn(8, generator=g)
+    p16 = torch.nn.Parameter(w0.to(torch.bfloat16))
+    cfg = OptimizerConfig(optimizer="adam", lr=0.1, bf16=True, clip_grad=0.0)
+    opt = Float16OptimizerWithFloat16Params(torch.optim.Adam([p16], lr=0.1), cfg, None, None)
+    # The bf16 parameter got an fp32 main copy (the branch taken for 'torch.cuda.BFloat16Tensor').
+    (main,) = opt.fp32_from_float16_groups[0]
+    assert main.dtype == torch.float32 and torch.equal(main, p16.detach().float())
+    ref = torch.nn.Parameter(p16.detach().float())
+    ref_opt = torch.optim.Adam([ref], lr=0.1)
+    for _ in range(2):
+        grad = torch.randn(8, generator=g)
+        p16.grad = grad.to(torch.bfloat16)
+        ref.grad = grad.to(torch.bfloat16).float()
+        ok, _, _ = opt.step()
+        ref_opt.step()
+        assert ok
+        # The fp32 main weights follow plain fp32 Adam; the bf16 weights are their rounding.
+        torch.testing.assert_close(main, ref.detach(), rtol=1e-6, atol=1e-7)
+        assert torch.equal(p16.detach(), main.to(torch.bfloat16))
+    return True
+
+
+def test_float16_optimizer():
+    assert all(run_ranks(1, _float16_optimizer))
+
+
 def test_current_device_users():
     assert all(run_ranks(2, _current_device_users))
 
