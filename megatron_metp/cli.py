@@ -65,11 +65,18 @@ def default_nproc() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 4
 
 
-def launch_or_run(argv: List[str], nproc: Optional[int], run: Callable[[], int]) -> int:
-    """Run in place under a launcher; otherwise start ``nproc`` ranks of ``metp ARGV``."""
+def launch_or_run(argv: List[str], nproc: Optional[int], run: Callable[[], int],
+                  preflight: Optional[Callable[[int], None]] = None) -> int:
+    """Run in place under a launcher; otherwise start ``nproc`` ranks of ``metp ARGV``.
+
+    ``preflight(world_size)`` runs first in the launching process: a configuration error then
+    fails once, before any rank starts.
+    """
     if under_launcher():
         return run()
     n = nproc or default_nproc()
+    if preflight is not None:
+        preflight(n)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={n}", "-m", "megatron_metp.cli", *argv]
     env = dict(os.environ)
@@ -146,9 +153,15 @@ def _train_parser(p: argparse.ArgumentParser) -> Callable:
         def in_rank() -> int:
             from megatron_metp import train
 
-            return train.run(args, explicit)
+            train.run(args, explicit)
+            return 0
 
-        return launch_or_run(argv, args.nproc_per_node, in_rank)
+        def check(world_size: int) -> None:
+            from megatron_metp import train
+
+            train.preflight(args, explicit, world_size)
+
+        return launch_or_run(argv, args.nproc_per_node, in_rank, check)
 
     return run
 

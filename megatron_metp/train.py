@@ -17,11 +17,8 @@ all-reduce is used instead (the model states are replicated across data-parallel
 
 from __future__ import annotations
 
-import copy
 import datetime
 import functools
-import json
-import math
 import os
 import resource
 import sys
@@ -50,14 +47,15 @@ DEFAULTS = dict(
 )
 
 
-def resolve_namespace(args: Namespace, cfg: ModelConfig, mode: str) -> Namespace:
+def resolve_namespace(args: Namespace, cfg: ModelConfig, mode: str,
+                      world_size: Optional[int] = None) -> Namespace:
     """Flags over the config's training defaults over :data:`DEFAULTS`, as Megatron-LM names."""
     ns = Namespace(**cfg.megatron_args())
     for key, default in DEFAULTS.items():
         flag = getattr(args, key, None)
         setattr(ns, key, flag if flag is not None else cfg.train.get(key, default))
     ns.tensor_parallel_mode = mode
-    ns.world_size = int(os.environ["WORLD_SIZE"])
+    ns.world_size = world_size or int(os.environ["WORLD_SIZE"])
     if args.compare:  # same numerics in every mode: dropout off
         ns.hidden_dropout = ns.attention_dropout = 0.0
     if ns.max_position_embeddings is None:
@@ -71,18 +69,49 @@ def resolve_namespace(args: Namespace, cfg: ModelConfig, mode: str) -> Namespace
     return ns
 
 
-def _parallel_setup(ns: Namespace, explicit: set) -> Namespace:
+def _parallel_setup(ns: Namespace, explicit: set, quiet: bool = False) -> Namespace:
     """The WallFacer remap, then the whole configuration validated (nothing built yet)."""
     from megatron_metp.megatron_lm import apply_mode_remap
     from megatron_metp.validation import validate_args
 
-    apply_mode_remap(ns, explicit=explicit, log=lambda m: _print0(f"[metp] {m}"))
+    # The vocabulary is padded for the requested TP size before the WallFacer remap turns TP
+    # into CP, so that tp, metp and wallfacer build the same embedding (same initial weights,
+    # same losses, interchangeable checkpoints).
+    ns.vocab_padding_tp = ns.tensor_model_parallel_size
+    apply_mode_remap(ns, explicit=explicit,
+                     log=(lambda m: None) if quiet else (lambda m: _print0(f"[metp] {m}")))
     dp = ns.world_size // (ns.tensor_model_parallel_size * ns.context_parallel_size
                            * ns.pipeline_model_parallel_size or 1)
     if ns.global_batch_size is None:
         ns.global_batch_size = ns.micro_batch_size * max(dp, 1)
     validate_args(ns)
     return ns
+
+
+def modes_of(args: Namespace, cfg: ModelConfig) -> List[str]:
+    return args.compare or [args.tensor_parallel_mode or cfg.train.get(
+        "tensor_parallel_mode", DEFAULTS["tensor_parallel_mode"])]
+
+
+def check_model_config(args: Namespace) -> ModelConfig:
+    cfg = load_config(args.config)
+    if not cfg.causal or cfg.architecture != "gpt":
+        raise ValueError(f"--config {args.config}: a {cfg.architecture} model with "
+                         f"{'causal' if cfg.causal else 'bidirectional'} attention; metp train "
+                         f"trains causal GPT models only (use it with metp bench / metp plan)")
+    if args.bf16 and not torch.cuda.is_available():
+        raise ValueError("--bf16 needs a GPU: Megatron-Core's mixed-precision optimizer "
+                         "(Float16OptimizerWithFloat16Params) refuses CPU tensors; drop --bf16 "
+                         "on CPU")
+    return cfg
+
+
+def preflight(args: Namespace, explicit: set, world_size: int) -> None:
+    """Everything :func:`run` checks before building groups, run once in the launching process
+    so that a bad configuration fails in one line instead of once per rank under torchrun."""
+    cfg = check_model_config(args)
+    for mode in modes_of(args, cfg):
+        _parallel_setup(resolve_namespace(args, cfg, mode, world_size), explicit, quiet=True)
 
 
 def _print0(msg: str) -> None:
@@ -126,6 +155,19 @@ def _initialize(ns: Namespace) -> None:
               wallfacer_placement=ns.wallfacer_placement)
     accepted = inspect.signature(initialize_parallel).parameters
     initialize_parallel(**{k: v for k, v in kw.items() if k in accepted})
+    from megatron_metp import parallel_state as metp_state
+
+    if ns.tensor_parallel_mode == "wallfacer" and not metp_state.wallfacer_is_initialized():
+        from megatron_metp.validation import PLACEMENT_ALIASES, team_size
+        from megatron_metp.wallfacer.groups import initialize_wallfacer
+
+        c = team_size(ns)
+        if c is None:
+            raise ValueError("--wallfacer-team-size auto: the topology scheduler is not part of "
+                             "this build; give an integer C with C^2 dividing "
+                             "--context-parallel-size")
+        placement = ns.wallfacer_placement or "team-consecutive"
+        initialize_wallfacer(c, PLACEMENT_ALIASES.get(placement, placement))
 
 
 def _loss_func(loss_mask: torch.Tensor, cp_size: int, output_tensor: torch.Tensor):
@@ -180,7 +222,8 @@ def train_one_mode(args: Namespace, cfg: ModelConfig, mode: str, explicit: set,
     _initialize(ns)
     try:
         tp, cp = ns.tensor_model_parallel_size, ns.context_parallel_size
-        vocab = padded_vocab_size(ns.vocab_size, tp, ns.make_vocab_size_divisible_by)
+        vocab = padded_vocab_size(ns.vocab_size, ns.vocab_padding_tp,
+                                  ns.make_vocab_size_divisible_by)
         tconf = _transformer_config(ns, cfg)
         model = build_gpt_model(
             tconf, mode, vocab_size=vocab, max_sequence_length=ns.max_position_embeddings,
@@ -278,46 +321,39 @@ def train_one_mode(args: Namespace, cfg: ModelConfig, mode: str, explicit: set,
         metp_state.destroy()
 
 
-def run(args: Namespace, explicit: set) -> int:
-    """Entry point on every rank (already under torchrun / srun)."""
-    cfg = load_config(args.config)
-    if not cfg.causal or cfg.architecture != "gpt":
-        raise ValueError(f"--config {args.config}: a {cfg.architecture} model with "
-                         f"{'causal' if cfg.causal else 'bidirectional'} attention; metp train "
-                         f"trains causal GPT models only (use it with metp bench / metp plan)")
+def run(args: Namespace, explicit: set) -> Dict[str, Dict]:
+    """Entry point on every rank (under torchrun / srun, or a test harness that has already
+    initialised ``torch.distributed``); returns {mode: {'losses', 'summary'}}."""
+    import warnings
+
+    from megatron_metp import cpu_compat
+
+    cfg = check_model_config(args)
     use_cuda = torch.cuda.is_available()
-    if args.bf16 and not use_cuda:
-        raise ValueError("--bf16 needs a GPU: Megatron-Core's mixed-precision optimizer "
-                         "(Float16OptimizerWithFloat16Params) refuses CPU tensors; drop --bf16 "
-                         "on CPU")
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    own_group = not dist.is_initialized()
     if use_cuda:
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-    minutes = args.distributed_timeout_minutes or DEFAULTS["distributed_timeout_minutes"]
-    dist.init_process_group("nccl" if use_cuda else "gloo",
-                            timeout=datetime.timedelta(minutes=minutes))
+    if own_group:
+        minutes = args.distributed_timeout_minutes or DEFAULTS["distributed_timeout_minutes"]
+        dist.init_process_group("nccl" if use_cuda else "gloo",
+                                timeout=datetime.timedelta(minutes=minutes))
     try:
-        import warnings
-
-        from megatron_metp import cpu_compat
-
         # Megatron-Core's deprecation notices and CPU-irrelevant hints, once per rank, bury the
         # training log; errors are not affected.
         for cat in (UserWarning, FutureWarning, DeprecationWarning):
             warnings.filterwarnings("ignore", category=cat)
-
         cpu_compat.apply()
-        modes = args.compare or [args.tensor_parallel_mode or cfg.train.get(
-            "tensor_parallel_mode", DEFAULTS["tensor_parallel_mode"])]
         reporter = Reporter(rank=dist.get_rank(), log_json=args.log_json,
                             interactive=sys.stdout.isatty() and not args.no_progress)
         results = {}
-        for mode in modes:
+        for mode in modes_of(args, cfg):
             results[mode] = train_one_mode(args, cfg, mode, explicit, device, reporter)
         reporter.final(results, compare=bool(args.compare))
-        return 0
+        return results
     finally:
-        dist.destroy_process_group()
+        if own_group:
+            dist.destroy_process_group()

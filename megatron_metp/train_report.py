@@ -115,7 +115,7 @@ class Reporter:
             for i in range(n):
                 vals = [results[m]["losses"][i] for m in modes]
                 diff = max(vals) - min(vals)
-                if diff >= worst[0]:
+                if diff > worst[0] or i == 0:
                     worst = (diff, i + 1, "")
                 curve.append([i + 1] + [f"{v:.6f}" for v in vals] + [f"{diff:.2e}"])
             self._print("\nLoss curves (same seed and data, dropout 0)")
