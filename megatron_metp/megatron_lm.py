@@ -311,8 +311,59 @@ def make_gpt_builder(fallback: Optional[Callable] = None) -> Callable:
     return builder
 
 
+# ----------------------------------------------------------------------------- configs
+def config_flags(name_or_path: str, *, training: bool = True) -> List[str]:
+    """Megatron-LM flags for a ``configs/<model>.yaml`` (the model, then its training defaults),
+    for ``pretrain_gpt.py``; flags given later on the command line override these."""
+    from megatron_metp.config import load_config
+
+    cfg = load_config(name_or_path)
+    out = ["--num-layers", str(cfg.num_layers), "--hidden-size", str(cfg.hidden_size),
+           "--num-attention-heads", str(cfg.num_attention_heads),
+           "--ffn-hidden-size", str(cfg.ffn_hidden_size),
+           "--position-embedding-type", cfg.position_embedding_type,
+           "--normalization", cfg.normalization, "--norm-epsilon", repr(cfg.norm_epsilon)]
+    if cfg.num_query_groups != cfg.num_attention_heads:
+        out += ["--group-query-attention", "--num-query-groups", str(cfg.num_query_groups)]
+    if cfg.kv_channels != cfg.hidden_size // cfg.num_attention_heads:
+        out += ["--kv-channels", str(cfg.kv_channels)]
+    if cfg.max_position_embeddings is not None:
+        out += ["--max-position-embeddings", str(cfg.max_position_embeddings)]
+    if cfg.position_embedding_type == "rope":
+        out += ["--rotary-base", str(cfg.rotary_base)]
+    out += ["--swiglu"] * cfg.swiglu + ["--disable-bias-linear"] * (not cfg.add_bias_linear)
+    out += ["--untie-embeddings-and-output-weights"] * cfg.untie_embeddings_and_output_weights
+    if training:
+        for key, value in cfg.train.items():
+            out += ["--" + key.replace("_", "-"), str(value)]
+    return out
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """``python -m megatron_metp.megatron_lm flags CONFIG`` prints pretrain_gpt.py flags for a
+    config; ``vocab-size CONFIG`` prints its vocabulary size (for ``--vocab-size``)."""
+    import shlex
+
+    from megatron_metp.config import load_config
+
+    p = argparse.ArgumentParser(prog="python -m megatron_metp.megatron_lm")
+    p.add_argument("command", choices=("flags", "vocab-size"))
+    p.add_argument("config", help="configs/<model>.yaml or a model name")
+    p.add_argument("--model-only", action="store_true", help="flags: leave out training defaults")
+    a = p.parse_args(argv)
+    if a.command == "flags":
+        print(shlex.join(config_flags(a.config, training=not a.model_only)))
+    else:
+        print(load_config(a.config).vocab_size)
+    return 0
+
+
 __all__ = [
     "MODES", "MetpConfigError", "extra_args_provider", "chain_providers", "apply_mode_remap",
     "explicit_flags", "remapped_argv", "prepare_argv", "initialize_plugin_groups",
-    "layer_spec_for", "gpt_builder", "make_gpt_builder",
+    "layer_spec_for", "gpt_builder", "make_gpt_builder", "config_flags",
 ]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+# Shared by metp_train.sbatch and pretrain_gpt.sbatch (sourced, not run).
+#
+# One node = one `srun` task running one `torchrun`, which starts NPROC_PER_NODE ranks and finds
+# the other nodes through a c10d rendezvous on the first node of the allocation. Every setting is
+# an environment variable with a default; pass them on the sbatch line (`MODE=wallfacer TP=8
+# sbatch ...`; sbatch exports the submitting environment) or export them first.
+#
+# Parallel layout (Megatron-LM flag names in brackets)
+#   MODE        tp | metp | wallfacer                      [--tensor-parallel-mode]
+#   TP          tensor-parallel size; for wallfacer with CP=1 the WallFacer size P
+#                                                          [--tensor-model-parallel-size]
+#   CP          context-parallel size                      [--context-parallel-size]
+#   PP          pipeline-parallel size                     [--pipeline-model-parallel-size]
+#   SP          1 = --sequence-parallel (default: 1 for tp/metp when TP > 1, 0 for wallfacer)
+#   TEAM_SIZE   WallFacer team size C or auto              [--wallfacer-team-size]
+#   PLACEMENT   team-consecutive | ring-consecutive        [--wallfacer-placement]
+#   (data parallelism is what is left: nodes x NPROC_PER_NODE / (TP x CP x PP))
+# Model and training
+#   CONFIG      configs/<model>.yaml or a model name (relative to METP_ROOT)
+#   SEQ_LENGTH MICRO_BATCH_SIZE GLOBAL_BATCH_SIZE TRAIN_ITERS LR   (empty = the config's value)
+#   BF16=1  SAVE  LOAD  SAVE_INTERVAL  TIMEOUT_MINUTES  EXTRA_ARGS (appended verbatim)
+# Machine
+#   CLUSTER     h100 | a100 | cpu   NCCL settings and ranks per node (NPROC_PER_NODE overrides)
+#   PYTHON      the Python with megatron_metp installed (default: python)
+#   METP_ROOT   this repository (default: the sbatch submit directory)
+#   MASTER_PORT rendezvous port on the first node (default 29500)
+#   DRY_RUN=1   print the environment and the command instead of running it
+
+set -euo pipefail
+
+MODE=${MODE:-metp}
+TP=${TP:-8}
+CP=${CP:-1}
+PP=${PP:-1}
+if [ -z "${SP:-}" ]; then
+    if [ "$MODE" != wallfacer ] && [ "$TP" -gt 1 ]; then SP=1; else SP=0; fi
+fi
+TEAM_SIZE=${TEAM_SIZE:-1}
+PLACEMENT=${PLACEMENT:-team-consecutive}
+CONFIG=${CONFIG:-llama-7b}
+BF16=${BF16:-1}
+TIMEOUT_MINUTES=${TIMEOUT_MINUTES:-10}
+CLUSTER=${CLUSTER:-h100}
+PYTHON=${PYTHON:-python}
+DRY_RUN=${DRY_RUN:-0}
+EXTRA_ARGS=${EXTRA_ARGS:-}
+cd "$METP_ROOT"
+
+# --- cluster profiles ---------------------------------------------------------------------------
+case "$CLUSTER" in
+    h100|a100)
+        NPROC_PER_NODE=${NPROC_PER_NODE:-8}
+        # Megatron-LM asserts this when TP or CP > 1 on pre-Blackwell GPUs: one hardware queue
+        # keeps its communication kernels ordered ahead of the GEMMs they overlap with.
+        export CUDA_DEVICE_MAX_CONNECTIONS=1
+        # A rank that fails or is killed tears the job down instead of leaving the rest blocked
+        # in a collective until the (long) NCCL timeout.
+        export TORCH_NCCL_ASYNC_ERROR_HANDLING=1
+        export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+        if [ "$CLUSTER" = h100 ]; then
+            # NVLink SHARP: in-switch reductions on NVSwitch HGX H100 (NCCL >= 2.17).
+            export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-1}
+        else
+            # A100 NVSwitch has no NVLS; skip its probe.
+            export NCCL_NVLS_ENABLE=0
+        fi
+        # Site-specific (no default): export NCCL_SOCKET_IFNAME / NCCL_IB_HCA before sbatch.
+        ;;
+    cpu)
+        NPROC_PER_NODE=${NPROC_PER_NODE:-2}
+        export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+        ;;
+    *) echo "CLUSTER=$CLUSTER: choose h100, a100 or cpu" >&2; exit 2 ;;
+esac
+
+# --- rendezvous -----------------------------------------------------------------------------------
+NNODES=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}
+if [ -n "${SLURM_JOB_NODELIST:-}" ]; then
+    MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)
+else
+    MASTER_ADDR=$(hostname)
+fi
+MASTER_PORT=${MASTER_PORT:-29500}
+RDZV_ID=${SLURM_JOB_ID:-metp-dry-run}
+
+# Flags shared by both entry points (Megatron-LM names).
+parallel_flags() {
+    PARALLEL_FLAGS=(--tensor-parallel-mode "$MODE" --tensor-model-parallel-size "$TP"
+                    --context-parallel-size "$CP" --pipeline-model-parallel-size "$PP")
+    [ "$SP" = 1 ] && PARALLEL_FLAGS+=(--sequence-parallel)
+    if [ "$MODE" = wallfacer ]; then
+        PARALLEL_FLAGS+=(--wallfacer-team-size "$TEAM_SIZE" --wallfacer-placement "$PLACEMENT")
+    fi
+    [ -n "${SEQ_LENGTH:-}" ] && PARALLEL_FLAGS+=(--seq-length "$SEQ_LENGTH")
+    [ -n "${MICRO_BATCH_SIZE:-}" ] && PARALLEL_FLAGS+=(--micro-batch-size "$MICRO_BATCH_SIZE")
+    [ -n "${GLOBAL_BATCH_SIZE:-}" ] && PARALLEL_FLAGS+=(--global-batch-size "$GLOBAL_BATCH_SIZE")
+    [ -n "${TRAIN_ITERS:-}" ] && PARALLEL_FLAGS+=(--train-iters "$TRAIN_ITERS")
+    [ -n "${LR:-}" ] && PARALLEL_FLAGS+=(--lr "$LR")
+    [ "$BF16" = 1 ] && PARALLEL_FLAGS+=(--bf16)
+    [ -n "${SAVE:-}" ] && PARALLEL_FLAGS+=(--save "$SAVE")
+    [ -n "${LOAD:-}" ] && PARALLEL_FLAGS+=(--load "$LOAD")
+    [ -n "${SAVE_INTERVAL:-}" ] && PARALLEL_FLAGS+=(--save-interval "$SAVE_INTERVAL")
+    PARALLEL_FLAGS+=(--distributed-timeout-minutes "$TIMEOUT_MINUTES")
+    return 0
+}
+
+# launch PROGRAM [ARGS...]: srun -> one torchrun per node -> NPROC_PER_NODE ranks of PROGRAM.
+launch() {
+    local cmd=(srun --nodes="$NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1
+               "$PYTHON" -m torch.distributed.run
+               --nnodes="$NNODES" --nproc-per-node="$NPROC_PER_NODE"
+               --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"
+               --rdzv-id="$RDZV_ID" --max-restarts=0 "$@")
+    # shellcheck disable=SC2206  # EXTRA_ARGS is a flag list, split on purpose
+    [ -n "$EXTRA_ARGS" ] && cmd+=($EXTRA_ARGS)
+    echo "[metp-slurm] nodes=$NNODES ranks/node=$NPROC_PER_NODE mode=$MODE TP=$TP CP=$CP PP=$PP" \
+         "SP=$SP cluster=$CLUSTER rendezvous=$MASTER_ADDR:$MASTER_PORT"
+    if [ "$DRY_RUN" = 1 ]; then
+        env | grep -E '^(NCCL_|TORCH_NCCL_|CUDA_DEVICE_MAX|OMP_NUM_THREADS|MEGATRON_LM_PATH)' \
+            | sort | sed 's/^/export /'
+        printf '%q ' "${cmd[@]}"; echo
+    else
+        exec "${cmd[@]}"
+    fi
+}
