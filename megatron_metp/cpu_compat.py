@@ -12,12 +12,13 @@ Stand-ins (each names the Megatron-Core code it covers; tests/test_cpu_compat.py
    ``device=torch.cuda.current_device()`` in the SP mappings (``tensor_parallel.mappings.
    _gather_along_first_dim`` / ``_reduce_scatter_along_first_dim``), ``GlobalMemoryBuffer.get_tensor``,
    ``RotaryEmbedding.forward``, the DDP grad buffers (``distributed.param_and_grad_buffer``),
-   ``ChainedOptimizer.get_loss_scale`` and dist-checkpointing's validation all-reduces.
+   ``ChainedOptimizer.get_loss_scale``, the pipeline P2P shape exchange
+   (``pipeline_parallel.p2p_communication``) and dist-checkpointing's validation all-reduces.
    On a CPU build the original raises "Torch not compiled with CUDA enabled", so only code that
    would otherwise crash sees the stand-in; code that checks ``is_available()`` first is unaffected.
 2. ``torch.cuda.synchronize`` -> no-op: there is no device queue to drain on CPU. Called by
-   dist-checkpointing (``strategies.fully_parallel``, ``filesystem_async``, ``async_utils``) and
-   DDP's ``free_overlap_buffers``.
+   dist-checkpointing (``strategies.fully_parallel``, ``filesystem_async``, ``async_utils``),
+   the pipeline P2P (``p2p_communication._communicate``) and DDP's ``free_overlap_buffers``.
 3. Megatron's RNG tracker (``tensor_parallel.random.CudaRNGStatesTracker.add`` / ``.fork`` and the
    module functions ``_get_cuda_rng_state`` / ``_set_cuda_rng_state``, used by
    ``model_parallel_cuda_manual_seed``, ``get_cuda_rng_tracker().fork()`` and activation
@@ -27,8 +28,13 @@ Stand-ins (each names the Megatron-Core code it covers; tests/test_cpu_compat.py
    ``optimizer.optimizer.FP32Optimizer.__init__`` (``_scale``), ``MixedPrecisionOptimizer.__init__``
    (``found_inf``), ``Float16OptimizerWithFloat16Params.__init__`` (which also dispatches on CUDA
    type names: inside it a CPU tensor's ``.type()`` reports the CUDA name of its dtype), ``optimizer.clip_grads.get_grad_norm_fp32`` / ``count_zeros_fp32`` (and
-   ``utils.local_multi_tensor_l2_norm`` beneath them), and dist-checkpointing's
-   ``state_dict_saver.verify_global_md_reuse``.
+   ``utils.local_multi_tensor_l2_norm`` beneath them), dist-checkpointing's
+   ``state_dict_saver.verify_global_md_reuse``, and the pipeline schedules
+   (``pipeline_parallel.schedules.forward_backward_no_pipelining`` /
+   ``_pipelining_without_interleaving`` / ``_pipelining_with_interleaving``: their token counter).
+   The rewrite is a ``TorchFunctionMode`` active only while the wrapped function runs (for the
+   schedules that is the whole forward/backward step: a Python-level check per torch call,
+   negligible next to a CPU matmul).
 5. ``optimizer.clip_grads.clip_grad_by_total_norm_fp32`` asserts CUDA gradient types: replaced
    by a device-agnostic version with the same coefficient.
 
@@ -125,13 +131,20 @@ def _cpu_tracker_fork(self, name: str = "model-parallel-rng"):
 
 
 class _CudaLiteralsOnCpu(TorchFunctionMode):
-    """Rewrites an explicit CUDA ``device=`` argument of torch calls to CPU."""
+    """Rewrites an explicit CUDA ``device=`` argument of torch calls to CPU.
+
+    With ``cuda_type_names``, a CPU tensor's ``.type()`` also reports the CUDA name of its dtype
+    ('torch.cuda.BFloat16Tensor'), for Megatron code that dispatches on those names; that part
+    is enabled only around the one constructor that needs it.
+    """
+
+    def __init__(self, cuda_type_names: bool = False):
+        super().__init__()
+        self.cuda_type_names = cuda_type_names
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
-            # Megatron dispatches on CUDA type names ('torch.cuda.BFloat16Tensor'); a CPU tensor
-            # reports the CUDA name of its dtype so the same branch is taken.
+        if self.cuda_type_names and func is torch.Tensor.type and len(args) == 1 and not kwargs:
             name = func(*args)
             return name if ".cuda." in name else name.replace("torch.", "torch.cuda.", 1)
         dev = kwargs.get("device")
@@ -140,14 +153,14 @@ class _CudaLiteralsOnCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _cuda_literals_on_cpu(fn: Callable) -> Callable:
+def _cuda_literals_on_cpu(fn: Callable, cuda_type_names: bool = False) -> Callable:
     """Wrap a Megatron function so that its ``device='cuda'`` tensor literals land on CPU."""
     if getattr(fn, "_metp_cpu_wrapped", False):
         return fn
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        with _CudaLiteralsOnCpu():
+        with _CudaLiteralsOnCpu(cuda_type_names):
             return fn(*args, **kwargs)
 
     wrapper._metp_cpu_wrapped = True
@@ -172,8 +185,8 @@ def _wrap_function(module: Any, name: str) -> None:
         _rebind_everywhere(old, new)
 
 
-def _wrap_method(cls: type, name: str) -> None:
-    setattr(cls, name, _cuda_literals_on_cpu(cls.__dict__[name]))
+def _wrap_method(cls: type, name: str, cuda_type_names: bool = False) -> None:
+    setattr(cls, name, _cuda_literals_on_cpu(cls.__dict__[name], cuda_type_names))
 
 
 def _cpu_clip_grad_by_total_norm_fp32(
@@ -227,10 +240,19 @@ def apply() -> None:
 
     _wrap_method(optimizer.FP32Optimizer, "__init__")
     _wrap_method(optimizer.MixedPrecisionOptimizer, "__init__")
-    _wrap_method(optimizer.Float16OptimizerWithFloat16Params, "__init__")
+    _wrap_method(optimizer.Float16OptimizerWithFloat16Params, "__init__", cuda_type_names=True)
     for fn_name in ("get_grad_norm_fp32", "count_zeros_fp32"):
         _wrap_function(clip_grads, fn_name)
     _rebind_everywhere(clip_grads.clip_grad_by_total_norm_fp32, _cpu_clip_grad_by_total_norm_fp32)
     _wrap_function(state_dict_saver, "verify_global_md_reuse")
+
+    from megatron.core.pipeline_parallel import schedules
+
+    for fn_name in (
+        "forward_backward_no_pipelining",
+        "forward_backward_pipelining_without_interleaving",
+        "forward_backward_pipelining_with_interleaving",
+    ):
+        _wrap_function(schedules, fn_name)
 
     _APPLIED = True

@@ -99,8 +99,8 @@ def build_gpt_model(
     vocab_size: int,
     max_sequence_length: int,
     position_embedding_type: str = "learned_absolute",
-    pre_process: bool = True,
-    post_process: bool = True,
+    pre_process: Optional[bool] = None,
+    post_process: Optional[bool] = None,
     parallel_output: bool = True,
     share_embeddings_and_output_weights: bool = False,
     vp_stage: Optional[int] = None,
@@ -108,8 +108,14 @@ def build_gpt_model(
     """A Megatron-Core ``GPTModel`` whose layers use the plugin's spec for ``mode``.
 
     ``vocab_size`` must be divisible by the TP size (Megatron-LM pads it with
-    ``--make-vocab-size-divisible-by``; do the same before calling).
+    ``--make-vocab-size-divisible-by``; do the same before calling). ``pre_process`` /
+    ``post_process`` (embedding / output layer on this rank) default to whether this rank is the
+    first / last pipeline stage (both True without pipeline parallelism).
     """
+    if pre_process is None:
+        pre_process = mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+    if post_process is None:
+        post_process = mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     if position_embedding_type not in ("learned_absolute", "rope"):
         raise ValueError(
             "--position-embedding-type must be learned_absolute or rope, got "
