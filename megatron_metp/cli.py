@@ -43,13 +43,13 @@ def _slurm_env() -> bool:
     """Under ``srun`` with several tasks and no torchrun: take the ranks from SLURM."""
     if "SLURM_PROCID" not in os.environ or int(os.environ.get("SLURM_NTASKS", "1")) <= 1:
         return False
-    os.environ.setdefault("RANK", os.environ["SLURM_PROCID"])
-    os.environ.setdefault("WORLD_SIZE", os.environ["SLURM_NTASKS"])
-    os.environ.setdefault("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
     if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
         raise ValueError("running under srun with several tasks: export MASTER_ADDR (the first "
                          "node's host name) and MASTER_PORT before srun, or run one task per "
                          "node that starts torchrun (see scripts/slurm/)")
+    os.environ.setdefault("RANK", os.environ["SLURM_PROCID"])
+    os.environ.setdefault("WORLD_SIZE", os.environ["SLURM_NTASKS"])
+    os.environ.setdefault("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
     return True
 
 

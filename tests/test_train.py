@@ -1,0 +1,149 @@
+"""``metp train``: the README's main job trains (loss falls), the modes agree under --compare,
+bad configurations fail before launch, and the launcher / progress output behave."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_metp import cli
+from megatron_metp.train_report import Reporter
+from tests._harness import run_ranks
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _args(*argv):
+    parser, _ = cli.build_parser()
+    full = ["train", *argv]
+    return parser.parse_args(full), cli.explicit_flags(full)
+
+
+def test_default_main_job_loss_falls(tmp_path, report):
+    """The README's command (default tiny-gpt config: METP, TP 2 x DP 2, 60 iterations) through
+    the real launcher on 4 gloo ranks: mean of the last 10 losses <= 0.8x the first."""
+    log = tmp_path / "train.jsonl"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"):
+        env.pop(k, None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_metp.cli", "train", "--no-progress", "--log-json",
+         str(log)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    recs = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["iteration"] for r in recs] == list(range(1, 61))
+    assert {"loss", "tokens_per_s", "tflops_per_device", "peak_mem_bytes", "mfu"} <= set(recs[0])
+    assert all(r["mfu"] is None for r in recs)  # no MFU on CPU
+    losses = [r["loss"] for r in recs]
+    first, last10 = losses[0], sum(losses[-10:]) / 10
+    report(f"metp train (default, 4 CPU ranks): first loss {first:.4f}, last-10 mean "
+           f"{last10:.4f}, ratio {last10 / first:.3f}")
+    assert last10 <= 0.8 * first
+    assert "Summary" in proc.stdout and "| metp |" in proc.stdout.replace("  ", " ").replace(
+        "|  ", "| ")
+
+
+def _compare_task(argv):
+    from megatron_metp import train
+
+    args, explicit = _args(*argv)
+    res = train.run(args, explicit)
+    return {m: r["losses"] for m, r in res.items()}
+
+
+def test_compare_modes_agree(report):
+    """tp, metp and wallfacer from the same seed and data, fp32, dropout 0, 20 iterations.
+
+    Tolerance 1e-4 absolute on losses of 3-6.3 (2e-5 relative, ~150 fp32 ulps): the modes do
+    the same arithmetic in different orders (ring-accumulated partial products and online-softmax
+    merges instead of all-reduces), so each step differs by a few ulps and 20 Adam steps carry
+    that forward; measured differences are ~5e-7. A wrong shard, a lost gradient or a missing
+    reduction moves the loss by >1e-2 within a few steps.
+    """
+    out = run_ranks(4, _compare_task, ["--compare", "tp,metp,wallfacer", "--train-iters", "20",
+                                       "--no-progress"], timeout=400)
+    losses = out[0]
+    assert all(o == losses for o in out)  # every rank reports the same curves
+    ref = losses["tp"]
+    assert len(ref) == 20 and ref[-1] < ref[0] - 1.0
+    worst = {m: max(abs(a - b) for a, b in zip(losses[m], ref)) for m in ("metp", "wallfacer")}
+    report(f"metp train --compare (20 it, fp32): max |loss - tp| metp {worst['metp']:.2e}, "
+           f"wallfacer {worst['wallfacer']:.2e}")
+    for m, w in worst.items():
+        assert w <= 1e-4, (m, w)
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--config", "dit-1b"], "trains causal GPT models only"),
+    (["--tensor-model-parallel-size", "3"], "--tensor-model-parallel-size"),
+    (["--tensor-parallel-mode", "metp", "--no-sequence-parallel"], "--sequence-parallel"),
+    (["--bf16"], "--bf16 needs a GPU"),
+    (["--config", "no-such-model"], "known configs"),
+    (["--global-batch-size", "6"], "--global-batch-size"),
+])
+def test_bad_configuration_fails_before_launch(argv, match, capsys, monkeypatch):
+    for k in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(k, raising=False)
+    if "--bf16" in argv:
+        import torch
+        if torch.cuda.is_available():
+            pytest.skip("bf16 is allowed on GPU")
+    launched = []
+    monkeypatch.setattr(cli.subprocess, "call", lambda *a, **k: launched.append(a) or 0)
+    assert cli.main(["train", "--nproc-per-node", "4", *argv]) == 2
+    assert launched == []
+    assert match in capsys.readouterr().err
+
+
+def test_launcher_detection(monkeypatch):
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS",
+              "SLURM_LOCALID", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(k, "")  # recorded, so that whatever the launcher sets is undone
+        monkeypatch.delenv(k)
+    assert not cli.under_launcher()
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    monkeypatch.setenv("SLURM_NTASKS", "1")  # one task per node: it starts torchrun itself
+    assert not cli.under_launcher()
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    with pytest.raises(ValueError, match="MASTER_ADDR"):
+        cli.under_launcher()
+    monkeypatch.setenv("MASTER_ADDR", "node1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    monkeypatch.setenv("SLURM_PROCID", "3")
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    assert cli.under_launcher()
+    assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == ("3", "4", "1")
+    # torchrun is started with this interpreter and the same subcommand
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("SLURM_PROCID")
+    calls = []
+    monkeypatch.setattr(cli.subprocess, "call", lambda cmd, env: calls.append(cmd) or 0)
+    assert cli.launch_or_run(["train", "--lr", "1"], 2, lambda: 1) == 0
+    assert calls[0][:4] == [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    assert calls[0][-5:] == ["-m", "megatron_metp.cli", "train", "--lr", "1"]
+
+
+def test_progress_bar_and_tables():
+    out = io.StringIO()
+    rep = Reporter(rank=0, interactive=True, out=out)
+    from argparse import Namespace
+
+    ns = Namespace(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=8,
+                   micro_batch_size=1, global_batch_size=2)
+    rep.start_mode("tp", ns, total=2, start=0, layout=dict(dp=1, tp=2, cp=1, pp=1))
+    for i, loss in enumerate((2.0, 1.0)):
+        rep.iteration(dict(mode="tp", iteration=i + 1, loss=loss, lr=1e-3, grad_norm=1.0,
+                           iter_time_s=0.1, tokens_per_s=160.0, tflops_per_device=0.001,
+                           mfu=None, peak_mem_bytes=1 << 20))
+    res = rep.end_mode()
+    rep.final({"tp": res, "metp": res}, compare=True)
+    text = out.getvalue()
+    assert "\r" in text and "[####" in text and "2/2" in text
+    assert "largest difference between modes: 0.000e+00" in text
+    assert res["summary"]["last10_mean"] == 1.5
