@@ -157,9 +157,12 @@ def initialize_parallel(
     Requires ``torch.distributed`` to be initialised. Seeds as Megatron-LM's ``_set_random_seed``
     does: Python/torch generators with ``seed + 100 * pipeline_rank``, then Megatron's tracked
     streams (``model_parallel_cuda_manual_seed``; on CPU the tracker keeps CPU generator states,
-    see ``cpu_compat``). ``mode`` names the ``--tensor-parallel-mode`` whose groups are built:
-    the METP ring (= the TP group) is registered for every mode; WallFacer's teams and sub-rings
-    (issue 4) are built from Megatron's context-parallel group for ``mode == "wallfacer"``.
+    see ``cpu_compat``), then registers the METP ring (= the TP group) for every mode.
+
+    ``mode`` is validated here and is the hook for mode-specific groups: WallFacer's teams and
+    sub-rings (issue 4) are carved from Megatron's context-parallel group, so they belong right
+    after ``initialize_model_parallel`` below, under ``if mode == "wallfacer"``. Until that set-up
+    lands here, callers build them after this call (see ``megatron_metp.train``).
     """
     if mode not in MODES:
         raise ValueError(f"unknown --tensor-parallel-mode {mode!r}: choose one of {', '.join(MODES)}")

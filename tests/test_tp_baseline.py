@@ -18,6 +18,9 @@ from tests import _models as M
 from tests._harness import run_ranks
 
 STYLES = ("gpt", "llama")
+# The numerics cases: the two styles, plus multi-query attention (1 query group < TP = 2), which
+# the tp mode allows (Megatron replicates the K/V head on both TP ranks).
+CASES = {"gpt": ("gpt", {}), "llama": ("llama", {}), "llama_mqa": ("llama", {"num_query_groups": 1})}
 
 # Tolerance for TP = 2 + SP vs TP = 1 in fp32. The two runs use identical weights and inputs and
 # differ only in how sums are split: RowParallelLinear and the vocab-parallel softmax sum partial
@@ -31,13 +34,13 @@ ATOL_SCALE = 1e-5
 
 
 def _run_tp(tp: int, ref=None):
-    """One training step per style at TP = ``tp``; gathers everything to full (TP = 1) shapes."""
+    """One training step per case at TP = ``tp``; gathers everything to full (TP = 1) shapes."""
     import megatron.core.parallel_state as mpu
 
     M.setup(tp=tp)
     out = {}
-    for style in STYLES:
-        model = M.build("tp", style)
+    for case, (style, overrides) in CASES.items():
+        model = M.build("tp", style, **overrides)
         cfg = model.config
         assert cfg.sequence_parallel == (tp > 1)
         assert mpu.get_tensor_model_parallel_world_size() == tp
@@ -46,7 +49,7 @@ def _run_tp(tp: int, ref=None):
             # Initial weights do not depend on the TP size: every shard is the slice of the
             # TP = 1 weight that Megatron's layout assigns to this rank.
             for n, p in model.named_parameters():
-                assert torch.equal(p.detach(), M.shard_like(ref[style]["init"][n], p)), n
+                assert torch.equal(p.detach(), M.shard_like(ref[case]["init"][n], p)), n
         # Norm parameters carry the tag Megatron uses to all-reduce SP partial gradients.
         norms = [p for n, p in model.named_parameters() if "layernorm" in n]
         assert norms and all(getattr(p, "sequence_parallel", None) == (tp > 1) for p in norms)
@@ -59,7 +62,7 @@ def _run_tp(tp: int, ref=None):
         ok, grad_norm, _ = opt.step()
         assert ok
         after = M.step(ddp, b, gather_logits=False)
-        out[style] = dict(
+        out[case] = dict(
             init=init if ref is None else None,
             loss=r["loss"],
             logits=r["logits"],
@@ -78,7 +81,7 @@ def tp1_reference():
 
 
 def test_tp1_trains_on_one_rank(tp1_reference):
-    for style in STYLES:
+    for style in CASES:
         r = tp1_reference[style]
         assert r["finite"] and r["grad_norm"] > 0
         # One Adam step at lr 1e-3 on the batch it was computed on lowers that batch's loss.
@@ -87,7 +90,7 @@ def test_tp1_trains_on_one_rank(tp1_reference):
 
 def test_tp2_sp_equals_tp1(tp1_reference, report):
     ranks = run_ranks(2, _run_tp, 2, tp1_reference)
-    for style in STYLES:
+    for style in CASES:
         ref = tp1_reference[style]
         for rank, res in enumerate(ranks):
             got = res[style]
@@ -252,3 +255,28 @@ def test_dist_checkpoint_round_trip(tmp_path):
     for style in STYLES:
         # The same weights at TP = 1 give TP = 2's loss (tolerance as in test_tp2_sp_equals_tp1).
         assert tp1_losses[style] == pytest.approx(saved[0][style]["loss"], rel=RTOL)
+
+
+def _bad_input():
+    from megatron_metp.model import build_gpt_model, initialize_parallel, make_config
+
+    with pytest.raises(ValueError, match="--tensor-parallel-mode"):
+        initialize_parallel(tensor_model_parallel_size=2, mode="ulysses")
+    with pytest.raises(ValueError, match="--tensor-model-parallel-size 4"):
+        initialize_parallel(tensor_model_parallel_size=4)  # 2 ranks
+    with pytest.raises(ValueError, match="style"):
+        make_config(style="bert")
+    M.setup(tp=2)
+    cfg = make_config(num_layers=1, hidden_size=32, num_attention_heads=4)
+    with pytest.raises(ValueError, match="--make-vocab-size-divisible-by"):
+        build_gpt_model(cfg, "tp", vocab_size=63, max_sequence_length=16)
+    with pytest.raises(ValueError, match="--position-embedding-type"):
+        build_gpt_model(cfg, "tp", vocab_size=64, max_sequence_length=16,
+                        position_embedding_type="alibi")
+    with pytest.raises(ValueError, match="--tensor-parallel-mode"):
+        build_gpt_model(cfg, "ring", vocab_size=64, max_sequence_length=16)
+    return True
+
+
+def test_bad_input_is_refused():
+    assert all(run_ranks(2, _bad_input))
