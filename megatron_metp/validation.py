@@ -21,16 +21,21 @@ tp         Megatron-Core's own rules: heads % p, query groups a multiple *or div
            CP layout)
 metp       SP on when p > 1; hidden, heads, query groups, FFN and sequence all % p (each
            rank's ring step holds exactly one TP shard, so fewer groups than ranks cannot be
-           replicated as Megatron's TP does); no CP, MoE, MLA, legacy models, TP comm overlap,
-           multi-token prediction
-metp_mlp   the METP MLP with TP attention: FFN % p, SP on when p > 1, TP's attention rules
+           replicated as Megatron's TP does); attention dropout 0, vanilla softmax, no
+           sliding window; no CP, MoE, MLA, legacy models, TP comm overlap, multi-token
+           prediction
+metp_mlp   the METP MLP with TP attention: FFN, hidden and sequence % p, SP on when p > 1,
+           TP's attention rules
 wallfacer  C >= 1 and C^2 | P; sequence % 2P (each rank holds chunks r and 2P-1-r); heads need
-           not divide P; ``--cp-comm-type`` wallfacer; no hierarchical CP, MoE, MLA, legacy
-           models; any TP inside composes under TP's rules
+           not divide P; ``--cp-comm-type`` wallfacer; attention dropout 0, vanilla softmax,
+           no sliding window; no hierarchical CP, MoE, MLA, legacy models; any TP inside
+           composes under TP's rules
 =========  =================================================================================
 
-Rules that belong to a module live beside it and are called from here (C^2 | P:
-``megatron_metp.wallfacer.config_generator.check_team_size``), re-raised as MetpConfigError.
+Rules that belong to a module live beside it and are called from here, re-raised as
+MetpConfigError: ``megatron_metp.metp.mlp.validate_metp_mlp`` and
+``megatron_metp.metp.attention.check_metp_attention_config`` (fed a view of the namespace with
+``TransformerConfig``'s field names), ``megatron_metp.wallfacer.config_generator.check_team_size``.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from argparse import Namespace
+from types import SimpleNamespace
 from typing import Callable, Optional
 
 MODES = ("tp", "metp", "metp_mlp", "wallfacer")
@@ -292,36 +298,48 @@ def _check_seq(ns: Namespace, tp: int, cp: int, mode: str) -> None:
               f"{cp * tp * (2 if cp > 1 else 1)}")
 
 
+def _config_view(ns: Namespace, tp: int, cp: int) -> SimpleNamespace:
+    """The ``TransformerConfig`` fields the modules' own checks read, taken from the namespace,
+    so those checks run here, before any config, group or weight exists."""
+    return SimpleNamespace(
+        tensor_model_parallel_size=tp, context_parallel_size=cp,
+        sequence_parallel=bool(getattr(ns, "sequence_parallel", False)),
+        hidden_size=ns.hidden_size, num_attention_heads=ns.num_attention_heads,
+        num_query_groups=query_groups(ns), ffn_hidden_size=ffn_hidden_size(ns),
+        attention_dropout=getattr(ns, "attention_dropout", 0.0) or 0.0,
+        multi_latent_attention=bool(getattr(ns, "multi_latent_attention", False)),
+        attention_output_gate=bool(getattr(ns, "attention_output_gate", False)),
+        softmax_type=getattr(ns, "softmax_type", None) or "vanilla",
+        window_size=getattr(ns, "window_size", None))
+
+
+def _as_config_error(check: Callable, *args) -> None:
+    try:
+        check(*args)
+    except MetpConfigError:
+        raise
+    except ValueError as e:  # the module's rule, re-raised as the one start-up error type
+        raise MetpConfigError(str(e)) from e
+
+
 def _check_metp(ns: Namespace, tp: int, cp: int, mode: str) -> None:
-    if tp > 1 and not getattr(ns, "sequence_parallel", False):
-        _fail(f"--tensor-parallel-mode {mode} with --tensor-model-parallel-size {tp} needs "
-              f"--sequence-parallel: METP keeps activations sequence-sharded between layers")
+    """METP's rules live beside its modules (``validate_metp_mlp``, ``check_metp_attention_config``);
+    this adds the start-up-only ones (context parallelism, the sequence length)."""
     if cp > 1:
         _fail(f"--tensor-parallel-mode {mode} does not compose with --context-parallel-size {cp}: "
               f"set --context-parallel-size 1 (METP already shards the sequence over the TP "
               f"ring), or use --tensor-parallel-mode wallfacer for context parallelism")
-    ffn = ffn_hidden_size(ns)
-    if ffn % tp:
-        _fail(f"--ffn-hidden-size {ffn} is not divisible by --tensor-model-parallel-size {tp}: "
-              f"the METP MLP passes fc1/fc2 shards of F/p around the ring; pick a multiple of {tp}")
-    s = getattr(ns, "seq_length", None)
-    if s is not None and s % tp:
-        _fail(f"--seq-length {s} is not divisible by --tensor-model-parallel-size {tp}: METP "
-              f"keeps s/p tokens per rank; pick a multiple of {tp}")
+    from megatron_metp.metp.mlp import validate_metp_mlp
+
+    view = _config_view(ns, tp, cp)
+    _as_config_error(validate_metp_mlp, view, getattr(ns, "seq_length", None), tp,
+                     view.ffn_hidden_size)
     if mode == "metp_mlp":
         _check_tp_sharding(ns, tp, cp, mode)
         return
-    h, heads, groups = ns.hidden_size, ns.num_attention_heads, query_groups(ns)
-    if getattr(ns, "kv_channels", None) is None and h % tp:
-        _fail(f"--hidden-size {h} is not divisible by --tensor-model-parallel-size {tp}: METP "
-              f"attention's head group j holds h/p of the QKV projection; pick a multiple of {tp}")
-    if heads % tp:
-        _fail(f"--num-attention-heads {heads} is not divisible by --tensor-model-parallel-size "
-              f"{tp}: METP attention walks p head groups of heads/p heads")
-    if groups % tp:
-        _fail(f"--num-query-groups {groups} is not divisible by --tensor-model-parallel-size {tp}:"
-              f" METP attention's head group j is TP rank j's shard of whole query groups "
-              f"(unlike tp mode, groups are not replicated); use a multiple of {tp}")
+    from megatron_metp.metp.attention import check_metp_attention_config
+
+    _as_config_error(check_metp_attention_config, view, tp)
 
 
 def _check_wallfacer(ns: Namespace, tp: int, cp: int) -> None:
@@ -342,6 +360,15 @@ def _check_wallfacer(ns: Namespace, tp: int, cp: int) -> None:
             check_team_size(cp, c)
         except ValueError as e:
             raise MetpConfigError(f"{e} (or 'auto' to let the topology scheduler pick)") from e
+    # WallFacerCoreAttention refuses these at construction; refuse them before anything is built.
+    dropout = getattr(ns, "attention_dropout", 0.0) or 0.0
+    if dropout > 0:
+        _fail(f"--attention-dropout {dropout}: WallFacer attention has no attention dropout; "
+              f"set --attention-dropout 0")
+    if (getattr(ns, "softmax_type", None) or "vanilla") != "vanilla" or getattr(
+            ns, "window_size", None) is not None:
+        _fail("--softmax-type / --window-size: WallFacer attention supports --softmax-type "
+              "vanilla and no --window-size")
     # WallFacer heads need not divide P (every rank keeps all heads for its tokens); any TP
     # inside each CP rank follows Megatron's TP rules.
     _check_tp_sharding(ns, tp, cp, "wallfacer")

@@ -12,6 +12,10 @@ from argparse import Namespace
 
 import pytest
 
+# METP's rules live beside its modules and validate_args calls them; import them (and torch /
+# megatron.core behind them) once here so the per-case timings measure the checks alone.
+import megatron_metp.metp.attention  # noqa: F401
+import megatron_metp.metp.mlp  # noqa: F401
 from megatron_metp.validation import MetpConfigError, groups_placement, validate_args
 from megatron_metp.wallfacer.config_generator import PLACEMENTS as GROUP_PLACEMENTS
 
@@ -97,7 +101,7 @@ BAD = [
     ("tp-cp-seq", "tp", {"context_parallel_size": 2, "world_size": 8, "seq_length": 34,
                          "global_batch_size": 1}, "--seq-length", "load-balanced"),
     ("metp-sp-off", "metp", {"sequence_parallel": False}, "--sequence-parallel",
-     "sequence-sharded"),
+     "sequence"),
     ("metp-cp", "metp", {"context_parallel_size": 2, "world_size": 8, "global_batch_size": 1},
      "--context-parallel-size", "wallfacer"),
     ("metp-moe", "metp", {"num_experts": 8}, "--num-experts", "drop --num-experts"),
@@ -107,11 +111,13 @@ BAD = [
     ("metp-ffn", "metp", {"ffn_hidden_size": 250}, "--ffn-hidden-size", "ring"),
     ("metp-mtp", "metp", {"mtp_num_layers": 1}, "--mtp-num-layers", "multi-token"),
     ("metp-hidden", "metp", {"hidden_size": 66, "num_attention_heads": 6,
-                             "tensor_model_parallel_size": 4}, "--hidden-size", "head group"),
+                             "tensor_model_parallel_size": 4}, "--hidden-size", "multiple of 4"),
     ("metp-heads", "metp", {"hidden_size": 64, "num_attention_heads": 2, "world_size": 8},
-     "--num-attention-heads", "head groups"),
+     "--num-attention-heads", "ring length"),
     ("metp-groups", "metp", {"group_query_attention": True, "num_query_groups": 2},
-     "--num-query-groups", "not replicated"),
+     "--num-query-groups", "tp mode allows fewer groups"),
+    ("metp-attention-dropout", "metp", {"attention_dropout": 0.1}, "--attention-dropout", "0"),
+    ("metp-window", "metp", {"window_size": (64, 0)}, "--window-size", "metp"),
     ("metp-seq", "metp", {"seq_length": 30}, "--seq-length", "s/p"),
     ("metp-spec", "metp", {"spec": ["my.module", "my_spec"]}, "--spec", "drop --spec"),
     ("metp-team-size", "metp", {"wallfacer_team_size": 2}, "--wallfacer-team-size",
@@ -142,6 +148,9 @@ BAD = [
                                          "num_attention_heads": 3, "hidden_size": 48,
                                          "global_batch_size": 2},
      "--num-attention-heads", "divisible"),
+    ("wf-attention-dropout", "wallfacer", {"attention_dropout": 0.1}, "--attention-dropout",
+     "no attention dropout"),
+    ("wf-softmax", "wallfacer", {"softmax_type": "learnable"}, "--softmax-type", "vanilla"),
     ("wf-team-zero", "wallfacer", {"wallfacer_team_size": 0}, "--wallfacer-team-size", "C^2"),
 ]
 
