@@ -322,35 +322,59 @@ def merge_partial(
     block_out: torch.Tensor,
     block_lse: torch.Tensor,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Merge a block's ``(block_out, block_lse)`` into the running ``(out, lse)``.
+    """Merge a block's ``(block_out, block_lse)`` into the running ``(out, lse)``; new tensors.
 
     ::
 
-        out, block_out   [b, n, s, d]   accumulator in fp32 (fp64 for fp64 data)
+        out, block_out   [b, n, s, d]   result in fp32 (fp64 for fp64 data)
         lse, block_lse   [b, n, s]
 
     ``out=None`` starts the accumulator from the block. The merge is max-subtracted:
     m = max(lse, block_lse); w = exp(lse - m), w_b = exp(block_lse - m) (each <= 1, one of them
     exactly 1, so nothing overflows however large the logits); out = (w out + w_b block_out) /
     (w + w_b); lse = m + log(w + w_b). Rows where both are -inf (nothing visible yet) stay
-    out = 0, lse = -inf, without NaN.
+    out = 0, lse = -inf, without NaN; a block row with lse = -inf contributes nothing even if
+    the kernel left NaN in it. The inputs are not modified.
     """
     acc = _stat_dtype(block_out.dtype if out is None else out.dtype)
-    b_out = block_out.to(acc)
-    b_lse = block_lse.to(acc)
     if out is None:
-        # Fully masked rows may come back as NaN from some kernels; they carry no weight.
-        dead = torch.isneginf(b_lse)
-        return torch.where(dead.unsqueeze(-1), torch.zeros_like(b_out), b_out), b_lse
-    out, lse = out.to(acc), lse.to(acc)
+        return merge_start(block_out.to(acc, copy=True), block_lse.to(acc, copy=True))
+    return merge_partial_(out.to(acc, copy=True), lse.to(acc, copy=True), block_out.clone(), block_lse)
+
+
+def merge_start(block_out: torch.Tensor, block_lse: torch.Tensor):
+    """Start an accumulator from a block (no copy when it already has the statistics dtype).
+
+    May modify ``block_out`` in place (rows with lse = -inf are zeroed).
+    """
+    acc = _stat_dtype(block_out.dtype)
+    out = block_out.to(acc)
+    lse = block_lse.to(acc)
+    out.masked_fill_(torch.isneginf(lse).unsqueeze(-1), 0.0)
+    return out, lse
+
+
+def merge_partial_(
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    block_out: torch.Tensor,
+    block_lse: torch.Tensor,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """In-place :func:`merge_partial` for the ring loops: ``out``/``lse`` are the caller's fp32
+    accumulators and are updated in place (and returned); ``block_out`` (the kernel's fresh
+    output, owned by the caller) may be modified. No temporary of the size of ``out`` is made:
+    the rescales are [b, n, s] vectors broadcast over d.
+    """
+    b_lse = block_lse.to(lse.dtype)
     m = torch.maximum(lse, b_lse)
     m_safe = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
     w = torch.exp(lse - m_safe)
     w_b = torch.exp(b_lse - m_safe)
     denom = w + w_b
-    denom_safe = torch.where(denom == 0, torch.ones_like(denom), denom)
-    # Masked rows of block_out may be NaN/garbage in some kernels: zero weight must mean zero.
-    b_term = torch.where((w_b == 0).unsqueeze(-1), torch.zeros_like(b_out), b_out * w_b.unsqueeze(-1))
-    new_out = (out * w.unsqueeze(-1) + b_term) / denom_safe.unsqueeze(-1)
-    new_lse = m + torch.log(denom_safe)
-    return new_out, new_lse
+    denom = torch.where(denom == 0, torch.ones_like(denom), denom)
+    # A masked block row may hold NaN/garbage: zero it so that its zero weight means zero.
+    block_out.masked_fill_(torch.isneginf(b_lse).unsqueeze(-1), 0.0)
+    out.mul_((w / denom).unsqueeze(-1))
+    out.addcmul_(block_out, (w_b / denom).unsqueeze(-1))
+    lse.copy_(m + torch.log(denom))
+    return out, lse

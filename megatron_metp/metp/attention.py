@@ -114,16 +114,25 @@ class _Plan:
         self.scale = module._softmax_scale
 
     def project(self, x, w_qkv, b_qkv):
-        """Q/K/V of this rank's tokens for one head group, in the kernels' layout.
+        """Q/K/V of this rank's tokens for one head group, as [b, heads, s/p, d] views.
 
-        ``x [s/p, b, h]`` -> q ``[b, n/p, s/p, d]``, k, v ``[b, ng/p, s/p, d]``. Same split as
-        ``SelfAttention.get_query_key_value_tensors``.
+        ``x [s/p, b, h]`` -> q ``[b, n/p, s/p, d]``, k, v ``[b, ng/p, s/p, d]``: the split of
+        ``SelfAttention.get_query_key_value_tensors`` (rows of w_qkv per query group:
+        [q_1 .. q_{n/ng} | k | v]). Three matmuls on the weight's row blocks instead of one on
+        the whole: each result is then a contiguous [s/p, b, heads, d] tensor that the K/V ring
+        sends without a copy, and no [s/p, b, 3h/p] intermediate outlives the split.
         """
         s, b = x.shape[0], x.shape[1]
-        rep = self.heads_p // self.groups_p
-        mixed = F.linear(x, w_qkv, b_qkv).view(s, b, self.groups_p, (rep + 2) * self.d)
-        q, k, v = torch.split(mixed, [rep * self.d, self.d, self.d], dim=3)
-        q = q.reshape(s, b, self.heads_p, self.d)
+        rep, g, d = self.heads_p // self.groups_p, self.groups_p, self.d
+        w4 = w_qkv.view(g, rep + 2, d, -1)
+        b3 = b_qkv.view(g, rep + 2, d) if b_qkv is not None else None
+        parts = []
+        for rows, heads in ((slice(0, rep), g * rep), (slice(rep, rep + 1), g),
+                            (slice(rep + 1, rep + 2), g)):
+            w_part = w4[:, rows].reshape(heads * d, -1)
+            b_part = b3[:, rows].reshape(heads * d) if b3 is not None else None
+            parts.append(F.linear(x, w_part, b_part).view(s, b, heads, d))
+        q, k, v = parts
         if self.q_norm is not None:
             q = self.q_norm(q)
         if self.k_norm is not None:

@@ -39,7 +39,45 @@ import torch
 import torch.distributed as dist
 
 from megatron_metp.comm import DoubleBuffer, RingComm
-from megatron_metp.kernels import attention_backward, attention_forward, merge_partial
+from megatron_metp.kernels import (
+    attention_backward,
+    attention_forward,
+    merge_partial_,
+    merge_start,
+)
+
+# Layouts a [b, n, s, d] block may be stored in without a copy: bnsd itself, Megatron's
+# sbnd (a projection of [s, b, h] hidden states) and bsnd (flash-attn's).
+_LAYOUTS = ((0, 1, 2, 3), (2, 0, 1, 3), (0, 2, 1, 3))
+
+
+def _travel_layout(t: torch.Tensor):
+    """``(base, back)``: a contiguous tensor holding ``t``'s data and the permutation giving
+    back the [b, n, s, d] view. Blocks travel as ``base`` so that sending needs no copy."""
+    for perm in _LAYOUTS:
+        base = t.permute(perm)
+        if base.is_contiguous():
+            back = tuple(perm.index(i) for i in range(4))
+            return base, back
+    return t.contiguous(), (0, 1, 2, 3)
+
+
+class _RecvSlots:
+    """Receive buffers of a ring: a ``DoubleBuffer`` when more than one block arrives (p > 2);
+    for p = 2 a single block arrives, so one buffer is enough (the DoubleBuffer would hold an
+    extra, never-used block of K and of V)."""
+
+    def __init__(self, first: torch.Tensor, p: int):
+        self._double = DoubleBuffer(first) if p > 2 else None
+        self.current = first
+        self._single = torch.empty_like(first) if p == 2 else None
+
+    def recv_buffer(self) -> torch.Tensor:
+        return self._double.recv_buffer() if self._double is not None else self._single
+
+    def advance(self) -> torch.Tensor:
+        self.current = self._double.advance() if self._double is not None else self._single
+        return self.current
 
 
 def _block_mode(causal: bool, rank: int, src: int) -> Optional[bool]:
@@ -63,22 +101,28 @@ def ring_attention_forward(
     p = dist.get_world_size(group) if group is not None or dist.is_initialized() else 1
     rank = dist.get_rank(group) if p > 1 else 0
     comm = RingComm(group) if p > 1 else None
-    k_buf, v_buf = DoubleBuffer(k), DoubleBuffer(v)
+    (k_base, k_back), (v_base, v_back) = _travel_layout(k), _travel_layout(v)
+    k_buf, v_buf = _RecvSlots(k_base, p), _RecvSlots(v_base, p)
     out = lse = None
     for j in range(p):
         src = (rank - j) % p
         if j < p - 1:
-            # Post the block we compute on: the receive lands in the *other* half of each
-            # double buffer, so the transfer never writes what the kernel reads.
+            # Post the block we compute on: the receive lands in the *other* buffer, so the
+            # transfer never writes what the kernel reads.
             comm.send_recv(k_buf.current, k_buf.recv_buffer())
             comm.send_recv(v_buf.current, v_buf.recv_buffer())
             comm.commit()
         mode = _block_mode(causal, rank, src)
         if mode is not None:
             blk_out, blk_lse = attention_forward(
-                q, k_buf.current, v_buf.current, causal=mode, softmax_scale=softmax_scale
+                q, k_buf.current.permute(k_back), v_buf.current.permute(v_back),
+                causal=mode, softmax_scale=softmax_scale,
             )
-            out, lse = merge_partial(out, lse, blk_out, blk_lse)
+            if out is None:
+                out, lse = merge_start(blk_out, blk_lse)
+            else:
+                merge_partial_(out, lse, blk_out, blk_lse)
+            del blk_out, blk_lse
         if j < p - 1:
             comm.wait()
             k_buf.advance()
@@ -111,7 +155,8 @@ def ring_attention_backward(
     # compute. Every rank issues the two rings' batches in the same program order, so the
     # pairwise message order (gloo) / communicator order (NCCL) matches on both ends.
     dkv_comm = RingComm(group) if p > 1 else None
-    k_buf, v_buf = DoubleBuffer(k), DoubleBuffer(v)
+    (k_base, k_back), (v_base, v_back) = _travel_layout(k), _travel_layout(v)
+    k_buf, v_buf = _RecvSlots(k_base, p), _RecvSlots(v_base, p)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk_own = dv_own = None
     dk_travel = dv_travel = None  # accumulator of the block currently held (rank src's)
@@ -125,7 +170,7 @@ def ring_attention_backward(
         mode = _block_mode(causal, rank, src)
         if mode is not None:
             dq_b, dk_b, dv_b = attention_backward(
-                dout, q, k_buf.current, v_buf.current, out, lse,
+                dout, q, k_buf.current.permute(k_back), v_buf.current.permute(v_back), out, lse,
                 causal=mode, softmax_scale=softmax_scale,
             )
             dq += dq_b
