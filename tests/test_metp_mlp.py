@@ -39,8 +39,7 @@ def _config(p, *, gated, bias, dtype=torch.float32, hidden=H, ffn=FFN, **kw):
         add_bias_linear=bias,
         params_dtype=dtype,
         tensor_model_parallel_size=p,
-        sequence_parallel=p > 1,
-        **kw,
+        **{"sequence_parallel": p > 1, **kw},
     )
 
 
@@ -150,3 +149,252 @@ def test_metp_mlp_equals_fp64_reference(p, report):
         mean = sum(r[3] for r in rows) / len(rows)
         report(f"METP MLP vs fp64 reference, p={p}, {dtype} (GeLU/SwiGLU, +-bias, out and every "
                f"grad): max abs err {mx:.2e}, mean abs err {mean:.2e}")
+
+
+# ------------------------------------------------------------------------------------------------
+# Against Megatron's own TP+SP MLP, same weights; communication counted; parameters and keys.
+
+CASES = (("gelu+bias", False, True), ("swiglu", True, False))
+
+
+def _against_megatron(p):
+    from megatron.core.transformer.mlp import MLP
+
+    from megatron_metp.metp.mlp import MetpMLP
+    from megatron_metp.model import initialize_parallel
+
+    initialize_parallel(tensor_model_parallel_size=p, seed=1)
+    out = {}
+    for name, gated, bias in CASES:
+        t = {k: v.float().double() for k, v in _full_tensors(gated, bias).items()}
+        cfg = _config(p, gated=gated, bias=bias)
+        tp, metp = _build(MLP, cfg), _build(MetpMLP, cfg)
+        # Same parameter names, shapes, TP attributes and checkpoint keys as the TP MLP.
+        tp_params, metp_params = dict(tp.named_parameters()), dict(metp.named_parameters())
+        assert list(tp_params) == list(metp_params)
+        for n, prm in tp_params.items():
+            q = metp_params[n]
+            assert prm.shape == q.shape, n
+            for attr in ("tensor_model_parallel", "partition_dim", "partition_stride",
+                         "sequence_parallel"):
+                assert getattr(prm, attr, None) == getattr(q, attr, None), (n, attr)
+        from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+
+        meta = ensure_metadata_has_dp_cp_group(None)
+        sd_tp = tp.sharded_state_dict("mlp.", metadata=meta)
+        sd_metp = metp.sharded_state_dict("mlp.", metadata=meta)
+        assert sorted(sd_tp) == sorted(sd_metp)
+        assert [type(sd_tp[k]).__name__ for k in sorted(sd_tp)] == \
+               [type(sd_metp[k]).__name__ for k in sorted(sd_metp)]
+        with CommCounter() as cc_tp:
+            y_tp, g_tp, _ = _run_local(tp, t, torch.float32)
+        with CommCounter() as cc_metp:
+            y_metp, g_metp, _ = _run_local(metp, t, torch.float32)
+        errs = {}
+        # fp32 against fp32: both sum the same products in different orders (TP: one matmul
+        # over F/p then a reduce-scatter over ranks; METP: p ring steps), so a few ulp of the
+        # largest partial sums; the fp64 tolerance argument above applies unchanged.
+        for what in ["out", *g_tp]:
+            a, e = (y_metp, y_tp) if what == "out" else (g_metp[what], g_tp[what])
+            torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5 * e.abs().max().item(),
+                                       msg=lambda m: f"p={p} {name} {what}: {m}")
+            errs[what] = max_errors(a, e)[0]
+        # The fc2-bias all-reduce in _run_local is the test's stand-in for DDP, not the layer's.
+        if bias:
+            cc_tp.events = [e for e in cc_tp.events if e.op != "all_reduce"]
+            cc_metp.events = [e for e in cc_metp.events if e.op != "all_reduce"]
+        out[name] = dict(errs=errs, tp=_comm(cc_tp), metp=_comm(cc_metp))
+    return out
+
+
+def _comm(cc):
+    return dict(sent=cc.sent_elements(),
+                ops={op: (s.calls, s.elements) for op, s in cc.stats.items() if s.calls})
+
+
+def _measured_comm_table():
+    """Communication of one MLP layer fwd+bwd at the paper's shape: F = 4h, GeLU, no bias."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.transformer.mlp import MLP
+
+    from megatron_metp.metp.mlp import MetpMLP
+
+    p = mpu.get_tensor_model_parallel_world_size()
+    res = {}
+    t = {k: v.float().double() for k, v in _full_tensors(False, False, ffn=4 * H).items()}
+    for cls in (MLP, MetpMLP):
+        mlp = _build(cls, _config(p, gated=False, bias=False, ffn=4 * H), ffn=4 * H)
+        with CommCounter() as cc:
+            _run_local(mlp, t, torch.float32)
+        res[cls.__name__] = _comm(cc)
+    return res
+
+
+def _layer_checks(p):
+    out = _against_megatron(p)
+    out["paper"] = _measured_comm_table()
+    return out
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_metp_mlp_equals_megatron_tp_mlp_and_counts(p, report):
+    res = run_ranks(p, _layer_checks, p)
+    n_tok = S * B
+    for rank, r in enumerate(res):
+        for name, gated, bias in CASES:
+            c = r[name]
+            # Counting convention: CommCounter.sent_elements() = elements this rank sends
+            # (P2P sends at their size; all-gather / reduce-scatter of a full tensor N at
+            # (p-1)/p N), the convention of the paper's Sec. 3.2 and Table 1.
+            assert c["metp"]["sent"] == pytest.approx(
+                formulas.metp_mlp_comm(H, FFN, p, gated=gated, bias=bias))
+            assert set(c["metp"]["ops"]) == {"send", "recv"}, c["metp"]["ops"]
+            # Megatron's TP+SP: all-gather X (fwd), X again and dO (bwd); reduce-scatter O (fwd)
+            # and dX (bwd); each of the full [s, b, h] tensor.
+            assert c["tp"]["ops"] == {"all_gather": (3, 3 * n_tok * H),
+                                      "reduce_scatter": (2, 2 * n_tok * H)}, c["tp"]["ops"]
+            assert c["tp"]["sent"] == pytest.approx(formulas.tp_sp_mlp_comm(B, S, H, p))
+        paper = r["paper"]
+        # Table 1: 24 (p-1)/p h^2 for METP (GeLU, F = 4h, no bias), 5 (p-1)/p bsh for TP+SP.
+        assert paper["MetpMLP"]["sent"] == pytest.approx(24 * (p - 1) / p * H * H)
+        assert paper["MLP"]["sent"] == pytest.approx(5 * (p - 1) / p * B * S * H)
+        # Per op: p-1 forward hops + p-1 backward hops of (W_in, W_out), each 2 sends of h*4h/p,
+        # and p-1 accumulator hops of the same.
+        assert paper["MetpMLP"]["ops"]["send"] == (6 * (p - 1), 24 * (p - 1) * H * H // p)
+    r0 = res[0]
+    errs = {n: max(r0[n]["errs"].values()) for n, _, _ in CASES}
+    report(f"METP MLP vs Megatron TP+SP MLP, p={p}, fp32, same weights: max abs err "
+           + ", ".join(f"{n} {e:.2e}" for n, e in errs.items()))
+    report(f"MLP comm per rank per fwd+bwd, p={p}, b={B} s={S} h={H} F=4h GeLU no bias "
+           f"(elements sent, paper convention): METP {r0['paper']['MetpMLP']['sent']:.0f} "
+           f"[= 24(p-1)/p h^2 = {24 * (p - 1) / p * H * H:.0f}; ops "
+           f"{r0['paper']['MetpMLP']['ops']}], TP+SP {r0['paper']['MLP']['sent']:.0f} "
+           f"[= 5(p-1)/p bsh = {5 * (p - 1) / p * B * S * H:.0f}; ops {r0['paper']['MLP']['ops']}]")
+
+
+# ------------------------------------------------------------------------------------------------
+# Peak tensor memory per rank (MemTracker) of one MLP at s = 16h, GeLU, F = 4h, fp32.
+
+MEM_H, MEM_S, MEM_B = 16, 256, 1
+
+
+def _memory(p):
+    from megatron.core.transformer.mlp import MLP
+
+    from megatron_metp.metp.mlp import MetpMLP
+    from megatron_metp.model import initialize_parallel
+
+    initialize_parallel(tensor_model_parallel_size=p, seed=1)
+    h, s, b, ffn = MEM_H, MEM_S, MEM_B, 4 * MEM_H
+    res = {}
+    for cls in (MLP, MetpMLP):
+        mlp = _build(cls, _config(p, gated=False, bias=False, hidden=h, ffn=ffn), ffn=ffn)
+        x = torch.randn(s // p, b, h, requires_grad=True)
+        g = torch.randn(s // p, b, h)
+        # Forward alone: what the forward allocates above the parameters and the input shard.
+        with PeakMemory(mlp, x) as fwd:
+            out, _ = mlp(x)
+        del out
+        # One forward + backward: the total per-rank peak, parameters and input included.
+        with PeakMemory(mlp, x) as total:
+            out, _ = mlp(x)
+            out.backward(g)
+            del out
+        res[cls.__name__] = dict(fwd=fwd.peak_increase, total=total.peak_bytes,
+                                 summary=total.summary("KiB"))
+    return res
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_metp_mlp_peak_memory_below_tp(p, report):
+    h, s, b, ffn = MEM_H, MEM_S, MEM_B, 4 * MEM_H
+    assert s >= 16 * h
+    r = run_ranks(p, _memory, p)[0]
+    metp, tp = r["MetpMLP"], r["MLP"]
+    # METP's forward, by hand (fp32 bytes): the output accumulator [bs/p, h], one ring step's
+    # T and f(T) [bs/p, F/p] alive together, and the two receive buffers of (W_in, W_out) shards.
+    w_shard = 2 * h * ffn // p
+    assert metp["fwd"] == 4 * (b * s * h // p + 2 * b * s * ffn // p**2 + 2 * w_shard)
+    assert metp["total"] < tp["total"]
+    ratio = metp["fwd"] / tp["fwd"]
+    # Table 1 predicts exactly 1/p for the activations (METP bsh/p + 4bsh/p^2 vs TP's
+    # bsh + 4bsh/p). Measured, TP also holds GeLU's output and fc2's full [s, b, h] partial sum
+    # before its reduce-scatter, so the measured ratio sits at or below 1/p; 5% over is the
+    # bound issue 6 states for the FFN.
+    assert ratio <= 1.05 * formulas.metp_mlp_activation_ratio(p)
+    report(f"MLP peak memory per rank, p={p}, s={s}=16h, h={h}, F=4h, fp32: fwd+bwd METP "
+           f"{metp['total'] / 1024:.1f} KiB vs TP+SP {tp['total'] / 1024:.1f} KiB; forward "
+           f"activations METP/TP = {metp['fwd'] / 1024:.1f}/{tp['fwd'] / 1024:.1f} KiB = "
+           f"{ratio:.3f} (Table 1: 1/p = {1 / p:.3f})")
+
+
+# ------------------------------------------------------------------------------------------------
+# Bad input fails at construction / start-up, naming the flag.
+
+
+def _bad_input():
+    from megatron_metp.metp.mlp import MetpMLP, validate_metp_mlp
+    from megatron_metp.model import initialize_parallel
+
+    initialize_parallel(tensor_model_parallel_size=2, seed=1)
+    cfg = _config(2, gated=False, bias=False)
+    with pytest.raises(MetpConfigError, match="--ffn-hidden-size"):
+        _build(MetpMLP, cfg, ffn=9)
+    with pytest.raises(ValueError, match="--sequence-parallel"):
+        _build(MetpMLP, _config(2, gated=False, bias=False, sequence_parallel=False))
+    with pytest.raises(ValueError, match="--seq-length"):
+        validate_metp_mlp(cfg, seq_length=7)
+    validate_metp_mlp(cfg, seq_length=8)
+    with pytest.raises(ValueError, match="--hidden-size"):
+        validate_metp_mlp(cfg, tp_size=3, ffn_hidden_size=12)
+    with pytest.raises(ValueError, match="--num-experts"):
+        from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+        from megatron.core.transformer.mlp import MLPSubmodules
+
+        MetpMLP(cfg, MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                   linear_fc2=RowParallelLinear), is_expert=True, ffn_hidden_size=FFN)
+    return True
+
+
+def test_bad_input_names_the_flag():
+    assert all(run_ranks(2, _bad_input))
+
+
+# ------------------------------------------------------------------------------------------------
+# A whole GPTModel: metp_mlp spec against the tp spec, weights copied, dropout 0.
+
+
+def _gpt_metp_mlp_vs_tp(p):
+    from tests import _models as M
+
+    M.setup(tp=p, mode="metp_mlp")
+    out = {}
+    for style in ("gpt", "llama"):
+        kw = {"num_query_groups": p} if style == "llama" else {}
+        tp = M.build("tp", style, **kw)
+        metp = M.build("metp_mlp", style, **kw)
+        assert type(metp.decoder.layers[0].mlp).__name__ == "MetpMLP"
+        M.copy_weights(tp, metp)
+        b = M.batch()
+        r_tp = M.step(M.wrap_ddp(tp), b)
+        r_metp = M.step(M.wrap_ddp(metp), b)
+        # Same tolerance argument as the tp baseline (tests/test_tp_baseline.py): the models
+        # differ only in how the MLP's sums are grouped (ring steps vs one matmul + reduce-
+        # scatter), a few fp32 ulps per level; 1e-5 relative to each tensor's scale.
+        torch.testing.assert_close(torch.tensor(r_metp["loss"]), torch.tensor(r_tp["loss"]),
+                                   rtol=1e-5, atol=0.0)
+        torch.testing.assert_close(r_metp["logits"], r_tp["logits"], rtol=1e-5,
+                                   atol=1e-5 * r_tp["logits"].abs().max().item())
+        worst = M.assert_close_dict(r_metp["grads"], r_tp["grads"], rtol=1e-5, atol_scale=1e-5,
+                                    what=style)
+        out[style] = (abs(r_metp["loss"] - r_tp["loss"]),
+                      M.max_errors(r_metp["logits"], r_tp["logits"])[0], worst)
+    return out
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_gpt_with_metp_mlp_equals_tp(p, report):
+    r = run_ranks(p, _gpt_metp_mlp_vs_tp, p)[0]
+    for style, (dloss, dlogit, dgrad) in r.items():
+        report(f"GPTModel {style} metp_mlp vs tp spec, p={p}, fp32: |dloss| {dloss:.2e}, "
+               f"logits max err {dlogit:.2e}, max grad err {dgrad:.2e}")

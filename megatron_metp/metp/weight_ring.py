@@ -90,9 +90,11 @@ def metp_mlp_forward(
     out = torch.zeros(x_shard_s.shape[0], w_out.shape[0], dtype=accum_dtype(x_shard_s.dtype),
                       device=x_shard_s.device)
     comm = RingComm(group) if p > 1 else None
-    bufs = [DoubleBuffer(t) for t in _present(weights)]
+    # A ring of one computes on its own shard and needs no receive buffers.
+    bufs = [DoubleBuffer(t) for t in _present(weights)] if p > 1 else []
     for step in range(p):
-        w_in_r, b_in_r, w_out_r = _unpack([b.current for b in bufs], has_bias)
+        w_in_r, b_in_r, w_out_r = weights if p == 1 else _unpack([b.current for b in bufs],
+                                                                 has_bias)
         if step < p - 1:
             # Shard i-step-1 lands in the buffer not being computed on. Safe: the current shard
             # is only read while it is being sent, and the receive buffer was last sent from in
@@ -151,12 +153,12 @@ def metp_mlp_backward(
     own = new()  # the owner's contribution never leaves the rank
     grad_x = torch.zeros(x_shard_s.shape, dtype=gdt, device=dev)
     comm = RingComm(group) if p > 1 else None
-    bufs = [DoubleBuffer(t) for t in present]
+    bufs = [DoubleBuffer(t) for t in present] if p > 1 else []
     accs: List[List[torch.Tensor]] = [new(), new()] if p > 1 else []
     scratch = new() if p > 2 else []
     a = 0  # accs[a]: the accumulator completed in the previous step (sent in this one)
     for step in range(p):
-        cur = _unpack([b.current for b in bufs], has_bias)
+        cur = weights if p == 1 else _unpack([b.current for b in bufs], has_bias)
         send_w = step < p - 1
         send_acc = step >= 2
         if send_w:
