@@ -64,7 +64,12 @@ class Norm(torch.nn.Module):
         self.hidden_size = hidden_size
         self.eps = eps
         self.zero_centered_gamma = zero_centered_gamma or config.layernorm_zero_centered_gamma
-        device = "cpu" if config.use_cpu_initialization else None
+        # Where Megatron's own layers put parameters: CPU with use_cpu_initialization (or no GPU),
+        # else the current GPU.
+        if config.use_cpu_initialization or not torch.cuda.is_available():
+            device = torch.device("cpu")
+        else:
+            device = torch.device("cuda", torch.cuda.current_device())
         init = torch.zeros if self.zero_centered_gamma else torch.ones
         self.weight = torch.nn.Parameter(
             init(hidden_size, dtype=config.params_dtype, device=device)
@@ -92,7 +97,10 @@ class SDPACoreAttention(MegatronModule):
 
     Masking: an explicit ``attention_mask`` (bool, True = masked out, broadcastable to
     [b, np, sq, sk]) is applied as given, as the local DotProductAttention does; with no mask,
-    ``causal`` mask types use SDPA's built-in causal mask and other types attend everywhere.
+    causal mask types (``causal``, ``padding_causal``) use SDPA's built-in causal mask and other
+    types attend everywhere. An explicit mask costs an [s, s] tensor and keeps SDPA off its fused
+    causal kernels: for long sequences pass none (Megatron-LM:
+    ``--no-create-attention-mask-in-dataloader``).
     Dropout on the probabilities runs inside SDPA; without sequence parallelism it forks the
     tensor-parallel RNG stream, as DotProductAttention does.
     """
@@ -169,7 +177,14 @@ class SDPACoreAttention(MegatronModule):
         is_causal = False
         if attention_mask is not None:
             sdpa_mask = ~attention_mask.to(torch.bool)  # SDPA: True = attend
-        elif mask_type == AttnMaskType.causal and sq > 1:
+        elif mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal) and sq > 1:
+            if key.shape[0] != sq:
+                # SDPA's causal mask is aligned top-left; with a KV cache (sk > sq) Megatron's
+                # causal mask is aligned bottom-right.
+                raise ValueError(
+                    "SDPACoreAttention: a causal mask with sk != sq (KV-cache prefill) needs an "
+                    "explicit attention_mask"
+                )
             is_causal = True
         dropout_p = self.dropout_p if self.training else 0.0
 

@@ -22,6 +22,11 @@ model and checkpoints move between modes. The norm (``megatron_metp.layers.Norm`
 rotary positions) and LLaMA-style (RMSNorm, SwiGLU, RoPE, GQA) configs; the activation, gating,
 bias and GQA choices all come from the ``TransformerConfig``.
 
+Final norm: with ``--spec megatron_metp.specs <name>`` Megatron wraps the layer spec in a block
+whose final norm is its own ``LayerNormImpl`` (TE's or apex's norm where installed, as on a GPU
+cluster; else ``WrappedTorchNorm``, which refuses sequence parallelism). The plugin's builders use
+:func:`get_gpt_block_spec`, which pins the SP-aware ``Norm`` there too.
+
 The METP and WallFacer classes are named lazily, ``("module.path", "ClassName")``, so this file
 imports without them; they are imported when a model is built.
 

@@ -104,6 +104,7 @@ def _attention_checks():
             (AttnMaskType.causal, None, causal, None),
             (AttnMaskType.causal, padding, padding, None),
             (AttnMaskType.no_mask, None, None, None),
+            (AttnMaskType.padding_causal, None, causal, None),
             (AttnMaskType.causal, None, causal, 0.3),  # explicit softmax scale
         ]
         for mask_type, given, effective, scale in cases:
@@ -137,6 +138,8 @@ def _attention_checks():
     assert not torch.allclose(attn.train()(q, q, q, None), plain(q, q, q, None))
     assert torch.equal(attn.eval()(q, q, q, None), plain.eval()(q, q, q, None))
 
+    with pytest.raises(ValueError, match="sk != sq"):
+        attn(q[:2], q, q, None)  # causal with a longer key sequence needs an explicit mask
     with pytest.raises(ValueError, match="--context-parallel-size"):
         SDPACoreAttention(_cfg(context_parallel_size=2), 1, AttnMaskType.causal, "self")
     return max(e for dt, e in errs if dt == torch.float32)
