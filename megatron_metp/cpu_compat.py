@@ -26,8 +26,9 @@ Stand-ins (each names the Megatron-Core code it covers; tests/test_cpu_compat.py
    tensors is torch's default CPU generator, so the tracked named states are CPU generator states.
 4. ``device='cuda'`` literals, rewritten to CPU inside the Megatron functions that contain them:
    ``optimizer.optimizer.FP32Optimizer.__init__`` (``_scale``), ``MixedPrecisionOptimizer.__init__``
-   (``found_inf``), ``Float16OptimizerWithFloat16Params.__init__`` (which also dispatches on CUDA
-   type names: inside it a CPU tensor's ``.type()`` reports the CUDA name of its dtype), ``optimizer.clip_grads.get_grad_norm_fp32`` / ``count_zeros_fp32`` (and
+   (``found_inf``), ``Float16OptimizerWithFloat16Params.__init__`` (which also dispatches on
+   CUDA type names: inside it a CPU tensor's ``.type()`` reports the CUDA name of its dtype),
+   ``optimizer.clip_grads.get_grad_norm_fp32`` / ``count_zeros_fp32`` (and
    ``utils.local_multi_tensor_l2_norm`` beneath them), dist-checkpointing's
    ``state_dict_saver.verify_global_md_reuse``, and the pipeline schedules
    (``pipeline_parallel.schedules.forward_backward_no_pipelining`` /
