@@ -36,10 +36,14 @@ resulting element counts and the tests compare them with counted traffic.
 
 from __future__ import annotations
 
+import math
 from typing import List, Optional
 
 import torch
 import torch.distributed as dist
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_metp import kernels
 from megatron_metp.comm import P2PComm
@@ -78,23 +82,51 @@ def _gather(x: torch.Tensor, plan: WallFacerGroups, async_op: bool = False):
     return out.view((plan.team_size,) + tuple(x.shape)), work
 
 
-def _init_send(kv_team: torch.Tensor, plan: WallFacerGroups, reverse: bool = False):
+def _send_shards(shards: List[torch.Tensor], free: Optional[torch.Tensor], comm: P2PComm):
+    """Replace every shard of a team block by the peer's, one member shard at a time.
+
+    Only one spare shard is needed: a shard's memory becomes the next receive buffer as soon as
+    its send completed. Returns (new shards, spare). Used where nothing can be computed
+    meanwhile (the initial send, whose result step 0 needs).
+    """
+    for i in range(len(shards)):
+        if free is None:
+            free = torch.empty_like(shards[i])
+        comm.send_recv(shards[i], free)
+        comm.commit()
+        comm.wait()
+        shards[i], free = free, shards[i]
+    return shards, free
+
+
+def _gather_shards(x: torch.Tensor, plan: WallFacerGroups):
+    """``x -> [x of member 0, ..., x of member C-1]``, each in its own storage (async).
+
+    Separate storages let the shard-by-shard sends below release or reuse each member's shard
+    on its own; one gathered buffer would stay alive while any of its shards is referenced.
+    This rank's own slot *is* ``x`` (no copy): the team's buffers cost (C - 1) shards more than
+    ring attention's, not C. ``x`` must not be written by the caller afterwards.
+    """
+    x = x.contiguous()
+    if plan.team_size == 1:
+        return [x], None
+    shards = [x if m == plan.member else torch.empty_like(x) for m in range(plan.team_size)]
+    return shards, dist.all_gather(shards, x, group=plan.team_group_pg, async_op=True)
+
+
+def _init_send(shards: List[torch.Tensor], plan: WallFacerGroups, reverse: bool = False):
     """Alg. 2's initial send (``reverse``: its transpose, for the K/V gradients).
 
-    Returns (the block this rank now holds, the block it gave away or None). A self-send is an
-    alias, not a copy.
+    Returns (the shards this rank now holds, a spare shard buffer or None). A self-send keeps
+    the block in place (no copy).
     """
     if plan.init_send_to == plan.idx:
-        return kv_team, None
+        return shards, None
     send_to, recv_from = plan.init_send_to, plan.init_recv_from
     if reverse:
         send_to, recv_from = recv_from, send_to
-    comm = P2PComm(plan.cp_group, send_to=send_to, recv_from=recv_from)
-    got = comm.send_recv(kv_team)
-    # Nothing can be computed before the block arrives (step 0 needs it), so commit + wait.
-    comm.commit()
-    comm.wait()
-    return got, kv_team
+    return _send_shards(shards, None, P2PComm(plan.cp_group, send_to=send_to,
+                                               recv_from=recv_from))
 
 
 def wallfacer_forward(q, k, v, plan: WallFacerGroups, *, causal: bool,
@@ -102,61 +134,65 @@ def wallfacer_forward(q, k, v, plan: WallFacerGroups, *, causal: bool,
     """Alg. 1 on chunk-major shards; returns ``(out [2,b,n,c,d], lse [2,b,n,c])``.
 
     ``stats`` (optional dict) receives ``work`` = chunk-pair units computed per ring step.
+
+    Memory: the travelling K/V block moves member shard by member shard, so a rank holds the
+    block plus one spare shard, 2 (C + 1) A_kv, rather than two blocks, 4 C A_kv; the output
+    accumulator is allocated after the initial send.
     """
     C, G = plan.team_size, plan.ring_length
     acc = _acc_dtype(q.dtype)
     # 1. Team all-gather. K/V first: the init send waits on it; the q gather overlaps the send.
-    kv_team, kv_work = _gather(torch.stack([k, v]), plan, async_op=True)
-    q_team, q_work = _gather(q, plan, async_op=True)
+    kv_team, kv_work = _gather_shards(torch.stack([k, v]), plan)
+    q_team, q_work = _gather_shards(q, plan)        # q_team[a]: member a's queries
     if kv_work is not None:
         kv_work.wait()
+        kv_work = None            # the Work holds the stacked local K/V until dropped
     # 2. Initial send (Alg. 2): this rank now holds the K/V of team kv_team_at_step(idx, 0).
-    kv_cur, spare = _init_send(kv_team, plan)
+    shards, free = _init_send(kv_team, plan)
     del kv_team
+    if G == 1:
+        free = None               # no ring step follows: the spare shard is not needed
     if q_work is not None:
         q_work.wait()
+        q_work = None
     q_ids = _team_chunks(plan, plan.team)
-    outs: List[Optional[torch.Tensor]] = [None] * len(q_ids)
-    lses: List[Optional[torch.Tensor]] = [None] * len(q_ids)
+    b, n, c, d = q.shape[1:]
+    out_acc = torch.zeros((C, 2, b, n, c, d), dtype=acc, device=q.device)
+    lse_acc = torch.full((C, 2, b, n, c), float("-inf"), dtype=acc, device=q.device)
     ring = P2PComm(plan.cp_group, send_to=plan.ring_next, recv_from=plan.ring_prev) if G > 1 \
         else None
     work_per_step = []
-    # 3. G ring steps (Alg. 3), double-buffered: kv_cur is read by the send and by the
-    #    kernels, never written; the next block lands in ``spare``, untouched until wait().
+    # 3. G ring steps (Alg. 3). Within a step, member shard cm goes to ring_next while the
+    #    kernels read it (both only read it); the next block's shard cm lands in ``free``,
+    #    which nothing reads until wait(); then shard cm's memory is the next ``free``.
     for step in range(G):
-        if step + 1 < G:
-            if spare is None:
-                spare = torch.empty_like(kv_cur)
-            ring.send_recv(kv_cur, spare)
-            ring.commit()
         k_ids = _team_chunks(plan, cg.kv_team_at_step(plan.idx, step, plan.cp_size, C,
                                                         plan.placement))
         units = 0.0
-        for qi, ki, diag in _pairs(q_ids, k_ids, causal):
-            a, h = divmod(qi, 2)
-            cm, h2 = divmod(ki, 2)
-            blk_out, blk_lse = kernels.attention_forward(
-                q_team[a, h], kv_cur[cm, 0, h2], kv_cur[cm, 1, h2], causal=diag,
-                softmax_scale=softmax_scale)
-            outs[qi], lses[qi] = kernels.merge_partial(outs[qi], lses[qi], blk_out, blk_lse)
-            units += 0.5 if diag else 1.0
+        for cm in range(C):
+            if step + 1 < G:
+                if free is None:
+                    free = torch.empty_like(shards[cm])
+                ring.send_recv(shards[cm], free)
+                ring.commit()
+            kv = shards[cm]
+            for qi, h2, diag in _pairs(q_ids, k_ids[2 * cm:2 * cm + 2], causal):
+                a, h = divmod(qi, 2)
+                blk_out, blk_lse = kernels.attention_forward(
+                    q_team[a][h], kv[0, h2], kv[1, h2], causal=diag, softmax_scale=softmax_scale)
+                o, l_ = kernels.merge_partial(out_acc[a, h], lse_acc[a, h], blk_out, blk_lse)
+                out_acc[a, h].copy_(o)
+                lse_acc[a, h].copy_(l_)
+                units += 0.5 if diag else 1.0
+            if step + 1 < G:
+                ring.wait()
+                shards[cm], free = free, shards[cm]
         work_per_step.append(units)
-        if step + 1 < G:
-            ring.wait()
-            kv_cur, spare = spare, kv_cur
-    del kv_cur, spare, q_team
+    del shards, free, q_team, kv
     if stats is not None:
         stats["work"] = work_per_step
-    # Causal, C > 1: a query chunk may see none of this member's keys (all of them later in
-    # the sequence): its partial is empty, out = 0 with lse = -inf (no weight in the merge).
-    b, n, c, d = q.shape[1:]
-    for i, o in enumerate(outs):
-        if o is None:
-            outs[i] = q.new_zeros((b, n, c, d), dtype=acc)
-            lses[i] = q.new_full((b, n, c), float("-inf"), dtype=acc)
-    out_acc = torch.stack(outs).view(C, 2, b, n, c, d)
-    lse_acc = torch.stack(lses).view(C, 2, b, n, c).to(acc)
-    del outs, lses
+    # Causal, C > 1: a query chunk may see none of this member's keys (all later in the
+    # sequence): its partial stays out = 0, lse = -inf, and gets no weight below.
     if C == 1:
         return out_acc[0].to(q.dtype), lse_acc[0]
     # 4. The members' partial outputs cover disjoint key sets: the row's true lse is the
@@ -164,8 +200,10 @@ def wallfacer_forward(q, k, v, plan: WallFacerGroups, *, causal: bool,
     #    reduce-scatter gives each member its own tokens' output.
     lse_all, _ = _gather(lse_acc, plan)                                   # [C, C, 2, b, n, c]
     lse_fin = torch.logsumexp(lse_all, dim=0)
+    del lse_all
     weight = torch.exp(lse_acc - lse_fin).nan_to_num_(0.0)               # -inf - -inf: no weight
     out_acc.mul_(weight.unsqueeze(-1))
+    del weight
     out_local = out_acc.new_empty(out_acc.shape[1:])
     dist.reduce_scatter_tensor(out_local, out_acc.flatten(0, 1), group=plan.team_group_pg)
     return out_local.to(q.dtype), lse_fin[plan.member]
@@ -173,26 +211,35 @@ def wallfacer_forward(q, k, v, plan: WallFacerGroups, *, causal: bool,
 
 def wallfacer_backward(dout, q, k, v, out, lse, plan: WallFacerGroups, *, causal: bool,
                        softmax_scale: Optional[float] = None):
-    """Backward of :func:`wallfacer_forward`; returns ``(dq, dk, dv)`` like ``q, k, v``."""
+    """Backward of :func:`wallfacer_forward`; returns ``(dq, dk, dv)`` like ``q, k, v``.
+
+    The team's gradient partials live in one fp32 buffer ``grad_team [C, |q| + |k| + |v|]``
+    (member-major: [dq | dk | dv] per member), so the final reduce-scatter needs no copy.
+    """
     C, G = plan.team_size, plan.ring_length
     acc = _acc_dtype(q.dtype)
-    kv_team, kv_work = _gather(torch.stack([k, v]), plan, async_op=True)
+    kv_team, kv_work = _gather_shards(torch.stack([k, v]), plan)
     pkg, pkg_work = _gather(torch.stack([q, dout.to(q.dtype), out.to(q.dtype)]), plan,
                             async_op=True)                                # [C, 3, 2, b, n, c, d]
     lse_pkg, lse_work = _gather(lse.to(acc), plan, async_op=True)          # [C, 2, b, n, c]
     if kv_work is not None:
         kv_work.wait()
+        kv_work = None
     kv, _ = _init_send(kv_team, plan)        # stationary: team kv_team_at_step(idx, 0)
     del kv_team
     for w in (pkg_work, lse_work):
         if w is not None:
             w.wait()
+    del pkg_work, lse_work
     k_ids = _team_chunks(plan, cg.kv_team_at_step(plan.idx, 0, plan.cp_size, C, plan.placement))
-    dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
+    n_q, n_kv = q.numel(), 2 * k.numel()
+    grad_team = torch.zeros((C, n_q + n_kv), dtype=acc, device=q.device)
+    dq_own = grad_team[:, :n_q].view((C,) + tuple(q.shape))
+    dkv = grad_team[:, n_q:].view((C, 2) + tuple(k.shape))
     ring = P2PComm(plan.cp_group, send_to=plan.ring_next, recv_from=plan.ring_prev) if G > 1 \
         else None
     pkg_spare = lse_spare = None
-    dq_own = acc_prev = acc_in = None
+    acc_prev = acc_in = None
     for step in range(G):
         posted = False
         if step + 1 < G:
@@ -211,12 +258,14 @@ def wallfacer_backward(dout, q, k, v, out, lse, plan: WallFacerGroups, *, causal
             ring.commit()
         q_ids = _team_chunks(plan, cg.q_team_at_step(plan.idx, step, plan.cp_size, C,
                                                        plan.placement))
-        dq = torch.zeros(pkg.shape[:1] + pkg.shape[2:], dtype=acc, device=pkg.device)
+        # Step 0 is this rank's own team: its contribution is written in place and never
+        # travels; later steps fill a fresh accumulator that will.
+        dq = dq_own if step == 0 else torch.zeros_like(dq_own)
         for qi, ki, diag in _pairs(q_ids, k_ids, causal):
             a, h = divmod(qi, 2)
             cm, h2 = divmod(ki, 2)
             dq_b, dk_b, dv_b = kernels.attention_backward(
-                pkg[a, 1, h], pkg[a, 0, h], kv[cm, 0, h2], kv[cm, 1, h2], pkg[a, 2, h],
+                pkg[a, 1, h], pkg[a, 0, h], kv[cm][0, h2], kv[cm][1, h2], pkg[a, 2, h],
                 lse_pkg[a, h], causal=diag, softmax_scale=softmax_scale)
             dq[a, h] += dq_b
             dkv[cm, 0, h2] += dk_b
@@ -226,11 +275,9 @@ def wallfacer_backward(dout, q, k, v, out, lse, plan: WallFacerGroups, *, causal
         if step + 1 < G:
             pkg, pkg_spare = pkg_spare, pkg
             lse_pkg, lse_spare = lse_spare, lse_pkg
-        if step == 0:
-            dq_own = dq                        # the owner's contribution never travels
-        elif step == 1:
+        if step == 1:
             acc_prev = dq
-        else:
+        elif step >= 2:
             acc_prev = dq.add_(acc_in)
     del pkg, pkg_spare, lse_pkg, lse_spare, kv
     if G > 1:
@@ -240,20 +287,24 @@ def wallfacer_backward(dout, q, k, v, out, lse, plan: WallFacerGroups, *, causal
         ring.wait()
         dq_own.add_(acc_in)
         del acc_prev, acc_in
-    # dK/dV back to the team that owns these keys (the transpose of the init send).
-    dkv_mine, _ = _init_send(dkv, plan, reverse=True)
-    del dkv
-    n_q = dq_own[0].numel()
+    # dK/dV back to the team that owns these keys (the transpose of the init send), shard by
+    # shard into their rows of grad_team (a row is sent before it is overwritten).
+    if plan.init_send_to != plan.idx:
+        back = P2PComm(plan.cp_group, send_to=plan.init_recv_from, recv_from=plan.init_send_to)
+        tmp = torch.empty_like(dkv[0])
+        for i in range(C):
+            back.send_recv(dkv[i], tmp)
+            back.commit()
+            back.wait()
+            dkv[i].copy_(tmp)
+        del tmp
     if C == 1:
-        dq_l, dkv_l = dq_own[0], dkv_mine[0]
+        res = grad_team[0]
     else:
-        flat = torch.cat([dq_own.reshape(C, -1), dkv_mine.reshape(C, -1)], dim=1)
-        del dq_own, dkv_mine
-        res = flat.new_empty(flat.shape[1:])
-        dist.reduce_scatter_tensor(res, flat.view(-1), group=plan.team_group_pg)
-        dq_l, dkv_l = res[:n_q], res[n_q:]
-    dq_l = dq_l.reshape(q.shape).to(q.dtype)
-    dkv_l = dkv_l.reshape((2,) + tuple(k.shape))
+        res = grad_team.new_empty(grad_team.shape[1:])
+        dist.reduce_scatter_tensor(res, grad_team.view(-1), group=plan.team_group_pg)
+    dq_l = res[:n_q].view(q.shape).to(q.dtype)
+    dkv_l = res[n_q:].view((2,) + tuple(k.shape))
     return dq_l, dkv_l[0].to(k.dtype), dkv_l[1].to(v.dtype)
 
 
@@ -297,3 +348,73 @@ def wallfacer_attention(q, k, v, plan: WallFacerGroups, *, causal: bool,
     out = WallFacerAttnFunc.apply(to_chunk_major(q), to_chunk_major(k), to_chunk_major(v),
                                   plan, causal, softmax_scale)
     return from_chunk_major(out)
+
+
+class WallFacerCoreAttention(MegatronModule):
+    """Megatron core attention over the context-parallel group with WallFacer's multi-ring.
+
+    Same constructor and ``forward`` as Megatron's ``DotProductAttention``; used as
+    ``core_attention`` inside ``SelfAttention`` (``wallfacer_layer_spec``), so ``linear_qkv``,
+    ``linear_proj`` and every parameter name and shape are those of the ``tp`` model::
+
+        query        [s/P, b, np, hn]    this rank's zigzag tokens (np = heads per TP rank)
+        key, value   [s/P, b, ng, hn]    GQA: ng query groups (K/V travel with ng heads)
+        returns      [s/P, b, np * hn]
+
+    The groups come from ``megatron_metp.parallel_state.get_wallfacer_groups()`` at
+    construction (call ``initialize_wallfacer`` after Megatron's ``initialize_model_parallel``)
+    and are passed explicitly to the autograd Function. Tensor parallelism composes: each TP
+    rank runs WallFacer on its own heads. Causal mask types use the chunk-pair causal mask
+    (an explicit ``attention_mask`` is ignored for them, as Transformer Engine's CP path does);
+    ``no_mask`` is full attention (DiT-style).
+    """
+
+    def __init__(self, config: TransformerConfig, layer_number: int,
+                 attn_mask_type: AttnMaskType, attention_type: str,
+                 attention_dropout: Optional[float] = None,
+                 softmax_scale: Optional[float] = None, cp_comm_type: Optional[str] = None,
+                 pg_collection=None):
+        super().__init__(config=config)
+        from megatron_metp import parallel_state as ps
+
+        self.plan: WallFacerGroups = ps.get_wallfacer_groups()
+        if config.context_parallel_size != self.plan.cp_size:
+            raise ValueError(
+                f"--context-parallel-size {config.context_parallel_size} differs from the "
+                f"WallFacer groups' P = {self.plan.cp_size}: call initialize_wallfacer after "
+                f"initialize_model_parallel with the same context-parallel size"
+            )
+        if cp_comm_type not in (None, "wallfacer") and config.context_parallel_size > 1:
+            raise ValueError(
+                f"--cp-comm-type {cp_comm_type!r} conflicts with the WallFacer core attention: "
+                f"use --cp-comm-type wallfacer (or --tensor-parallel-mode wallfacer)")
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        if dropout > 0:
+            raise ValueError(
+                f"--attention-dropout {dropout}: WallFacer attention has no attention dropout; "
+                f"set --attention-dropout 0")
+        if config.softmax_type != "vanilla" or config.window_size is not None:
+            raise ValueError("WallFacer attention supports --softmax-type vanilla and no "
+                             "--window-size")
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.attention_type = attention_type
+        # apply_query_key_layer_scaling divides scores by layer_number and the softmax
+        # multiplies back: the effective scale is 1/sqrt(kv_channels) unless given.
+        self.softmax_scale = (softmax_scale if softmax_scale is not None
+                              else 1.0 / math.sqrt(config.kv_channels))
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        if packed_seq_params is not None or attention_bias is not None:
+            raise ValueError("WallFacer attention supports neither packed sequences nor an "
+                             "attention bias")
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        causal = mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
+        if not causal and attention_mask is not None:
+            raise ValueError("WallFacer attention cannot apply an arbitrary attention_mask; use "
+                             "a causal or no_mask attention mask type")
+        sq, b, np_, hn = query.shape
+        out = wallfacer_attention(query, key, value, self.plan, causal=causal,
+                                  softmax_scale=self.softmax_scale)
+        return out.reshape(sq, b, np_ * hn)

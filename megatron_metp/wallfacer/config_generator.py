@@ -31,7 +31,7 @@ After ring step s it holds the K/V of team ``((j - s) mod G) * C + m``.
 from __future__ import annotations
 
 import math
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 PLACEMENTS = ("collective_intra", "p2p_intra")
 
@@ -172,3 +172,49 @@ def q_team_at_step(index: int, step: int, cp_size: int, team_size: int, placemen
     G = cp_size // (team_size * team_size)
     g, j = divmod(t, G)
     return g * G + (j - step) % G
+
+
+def validate_wallfacer(cp_size: int, team_size, seq_length: int, *,
+                       num_attention_heads: Optional[int] = None,
+                       num_query_groups: Optional[int] = None,
+                       tensor_model_parallel_size: int = 1,
+                       placement: str = "collective_intra",
+                       cp_comm_type: Optional[str] = "wallfacer") -> None:
+    """Start-up checks for ``--tensor-parallel-mode wallfacer`` (pure; raises ValueError).
+
+    ``team_size`` may be ``"auto"`` (the topology scheduler picks a valid C later). Heads need
+    not divide P (WallFacer shards the sequence, not heads); query groups must divide the heads
+    and the tensor-parallel size, as for Megatron's attention.
+    """
+    if cp_size < 1:
+        raise ValueError(f"--context-parallel-size must be >= 1, got {cp_size}")
+    if team_size != "auto":
+        if not isinstance(team_size, int):
+            raise ValueError(f"--wallfacer-team-size must be an integer or 'auto', got "
+                             f"{team_size!r}")
+        check_team_size(cp_size, team_size)
+    check_placement(placement)
+    if seq_length % (2 * cp_size) != 0:
+        raise ValueError(
+            f"--seq-length {seq_length} must be divisible by 2 x --context-parallel-size = "
+            f"{2 * cp_size}: WallFacer keeps Megatron's zigzag layout (2P chunks); pad the "
+            f"sequence to a multiple of {2 * cp_size}"
+        )
+    if num_query_groups is not None:
+        heads = num_attention_heads if num_attention_heads is not None else num_query_groups
+        if num_query_groups < 1 or heads % num_query_groups != 0:
+            raise ValueError(
+                f"--num-query-groups {num_query_groups} must divide --num-attention-heads "
+                f"{heads}"
+            )
+        if num_query_groups % tensor_model_parallel_size != 0:
+            raise ValueError(
+                f"--num-query-groups {num_query_groups} must be divisible by "
+                f"--tensor-model-parallel-size {tensor_model_parallel_size} (each TP rank keeps "
+                f"whole K/V heads, which then travel WallFacer's rings)"
+            )
+    if cp_comm_type not in (None, "wallfacer"):
+        raise ValueError(
+            f"--cp-comm-type {cp_comm_type!r} conflicts with --tensor-parallel-mode wallfacer: "
+            f"drop it or pass --cp-comm-type wallfacer"
+        )

@@ -1,0 +1,149 @@
+"""WallFacer's communication (counted), memory (MemTracker), causal balance (measured) and the
+paper's formulas; start-up validation.
+
+One multi-rank task per world size runs every (C, placement) and returns, per rank, the counted
+traffic of one forward and one backward, the peak memory of forward + backward, and the
+chunk-pair work the attention actually computed at each ring step.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_metp.measure.comm_counter import CommCounter
+from megatron_metp.measure.memory import PeakMemory
+from megatron_metp.wallfacer import config_generator as cg
+from megatron_metp.wallfacer import formulas
+from megatron_metp.wallfacer.attention import (WallFacerAttnFunc, from_chunk_major,
+                                               to_chunk_major, wallfacer_forward)
+from megatron_metp.wallfacer.groups import build_wallfacer_groups
+from tests._harness import run_ranks
+
+B, N_HEADS, N_KV, D = 1, 4, 2, 8
+
+
+def _measure(seq_per_rank, mem_seq_per_rank):
+    P = dist.get_world_size()
+    out = {}
+    for C in cg.valid_team_sizes(P):
+        for placement in cg.PLACEMENTS:
+            plan = build_wallfacer_groups([list(range(P))], list(range(P)), None, C, placement)
+            s = seq_per_rank * P
+            g = torch.Generator().manual_seed(7)
+            q, k, v = (torch.randn(2, B, h, seq_per_rank // 2, D, generator=g)
+                       for h in (N_HEADS, N_KV, N_KV))
+            q, k, v = (t.requires_grad_() for t in (q, k, v))
+            # Communication: forward and backward counted separately.
+            with CommCounter() as fwd:
+                o = WallFacerAttnFunc.apply(q, k, v, plan, True, None)
+            with CommCounter() as bwd:
+                o.backward(torch.ones_like(o))
+            counted = {
+                ph: {op: cc.sent_elements([op]) for op in ("all_gather", "reduce_scatter", "send")}
+                for ph, cc in (("fwd", fwd), ("bwd", bwd))}
+            counted["recv_calls_fwd"] = fwd.calls(["recv"])
+            # Causal work actually computed per ring step.
+            stats = {}
+            with torch.no_grad():
+                wallfacer_forward(q, k, v, plan, causal=True, stats=stats)
+            # Memory of forward + backward at a larger size (inputs counted from the start).
+            ms = mem_seq_per_rank
+            qm, km, vm = (torch.randn(2, B, h, ms // 2, D, generator=g).requires_grad_()
+                          for h in (N_HEADS, N_HEADS, N_HEADS))
+            with PeakMemory(qm, km, vm) as pm_fwd:
+                om = WallFacerAttnFunc.apply(qm, km, vm, plan, True, None)
+            with PeakMemory(qm, km, vm, om) as pm_all:
+                om.backward(torch.ones_like(om))
+                del om
+            out[(C, placement)] = dict(
+                counted=counted, work=stats["work"], peak=pm_fwd.peak_increase,
+                peak_bwd=pm_all.peak_increase,
+                self_send=plan.init_send_to == plan.idx, s=s)
+            dist.barrier()
+    return out
+
+
+def _check(P, per_rank, report, seq_per_rank, mem_seq_per_rank):
+    for (C, placement), r0 in per_rank[0].items():
+        s = r0["s"]
+        for rank, res in enumerate(per_rank):
+            r = res[(C, placement)]
+            exp_f = formulas.forward_elements(B, s, N_HEADS, N_KV, D, P, C, r["self_send"])
+            exp_b = formulas.backward_elements(B, s, N_HEADS, N_KV, D, P, C, r["self_send"])
+            assert r["counted"]["fwd"] == pytest.approx(exp_f), (C, placement, rank)
+            assert r["counted"]["bwd"] == pytest.approx(exp_b), (C, placement, rank)
+            # Balance: every rank computes 2 C^2 chunk-pair units at every step (zigzag).
+            assert r["work"] == [2.0 * C * C] * (P // (C * C)), (C, placement, rank)
+        # Ring attention figure (C = 1): (P - 1) 2 BNH/P elements of P2P per forward.
+        A_q = B * (s // P) * N_HEADS * D
+        A_kv = B * (s // P) * N_KV * D
+        f = r0["counted"]["fwd"]
+        report(f"wallfacer comm P={P} C={C} {placement} (rank 0, elements sent, s={s}, GQA "
+               f"n={N_HEADS} n_kv={N_KV}): fwd all_gather {f['all_gather']:.0f} reduce_scatter "
+               f"{f['reduce_scatter']:.0f} p2p {f['send']:.0f} (ring attention p2p "
+               f"{(P - 1) * 2 * A_kv}); bwd {r0['counted']['bwd']} = formulas; A_q={A_q}")
+    # Memory: peak(WallFacer) - peak(ring) against Eq. 6-7's 3 (C - 1) A, A = BNH/P (fp32 bytes).
+    # Eq. 6-7 describe the forward ("after Q, K, V are calculated and before the attention"):
+    # the bound is asserted on the forward's peak; the backward's is reported (the backward
+    # holds the team's q, dout, out and their gradients, all C times larger, see the report).
+    A_bytes = B * mem_seq_per_rank * N_HEADS * D * 4
+    for placement in cg.PLACEMENTS:
+        ring = max(res[(1, placement)]["peak"] for res in per_rank)
+        ring_b = max(res[(1, placement)]["peak_bwd"] for res in per_rank)
+        for C in cg.valid_team_sizes(P)[1:]:
+            wall = max(res[(C, placement)]["peak"] for res in per_rank)
+            wall_b = max(res[(C, placement)]["peak_bwd"] for res in per_rank)
+            ratio = (wall - ring) / ((C - 1) * A_bytes)
+            ratio_b = (wall_b - ring_b) / ((C - 1) * A_bytes)
+            report(f"wallfacer memory P={P} C={C} {placement}: forward peak {wall / 2**20:.4f} "
+                   f"MiB vs ring {ring / 2**20:.4f} MiB -> diff {ratio:.2f} (C-1)A (paper "
+                   f"3 (C-1)A, bound 5 (C-1)A); backward peak {wall_b / 2**20:.4f} vs "
+                   f"{ring_b / 2**20:.4f} MiB -> diff {ratio_b:.2f} (C-1)A; "
+                   f"A = {A_bytes / 2**10:.1f} KiB")
+            assert ratio <= 5.0, (C, placement, ratio)
+
+
+@pytest.mark.parametrize("P", [4, 8])
+def test_wallfacer_comm_memory_balance(P, report):
+    seq_per_rank, mem_seq_per_rank = 4, 64
+    per_rank = run_ranks(P, _measure, seq_per_rank, mem_seq_per_rank, timeout=600)
+    _check(P, per_rank, report, seq_per_rank, mem_seq_per_rank)
+
+
+def test_paper_worked_example(report):
+    ex = formulas.paper_worked_example()
+    # Sec. 3.2.2 prints 1.625 GB, 0.152 GB and 0.406 GB for model M; they are GiB (2^30).
+    assert ex["ring_p2p_gib"] == pytest.approx(1.625, abs=5e-4)
+    assert ex["wallfacer_collective_gib"] == pytest.approx(0.152, abs=5e-4)
+    assert ex["wallfacer_p2p_gib"] == pytest.approx(0.406, abs=5e-4)
+    A = formulas.activation_elements(1, 65536, 6656, 64)
+    # "the peak memory would be M + 68A and M + 77A" for Y = 64 layers, C = 4.
+    assert formulas.peak_memory_ring(0, 64, A) == 68 * A
+    assert formulas.peak_memory_wallfacer(0, 64, A, 4) == 77 * A
+    assert formulas.extra_memory_wallfacer(A, 4) == 9 * A
+    report("wallfacer paper example (N=65536, H=6656, P=64, C=4, bf16): ring p2p "
+           f"{ex['ring_p2p_gib']:.4f} GiB; WallFacer collective {ex['wallfacer_collective_gib']:.4f}"
+           f" GiB + p2p {ex['wallfacer_p2p_gib']:.4f} GiB")
+
+
+@pytest.mark.parametrize("kwargs,flag", [
+    (dict(cp_size=8, team_size=4, seq_length=64), "--wallfacer-team-size"),
+    (dict(cp_size=8, team_size=3, seq_length=64), "--context-parallel-size"),
+    (dict(cp_size=4, team_size=2, seq_length=20), "--seq-length"),
+    (dict(cp_size=4, team_size=2, seq_length=16, num_attention_heads=4, num_query_groups=3),
+     "--num-query-groups"),
+    (dict(cp_size=4, team_size=2, seq_length=16, num_attention_heads=4, num_query_groups=2,
+          tensor_model_parallel_size=4), "--num-query-groups"),
+    (dict(cp_size=4, team_size=2, seq_length=16, placement="node"), "--wallfacer-placement"),
+    (dict(cp_size=4, team_size=2, seq_length=16, cp_comm_type="p2p"), "--cp-comm-type"),
+    (dict(cp_size=4, team_size="two", seq_length=16), "--wallfacer-team-size"),
+])
+def test_bad_input_names_the_flag(kwargs, flag):
+    kw = dict(kwargs)
+    with pytest.raises(ValueError, match=flag):
+        cg.validate_wallfacer(kw.pop("cp_size"), kw.pop("team_size"), kw.pop("seq_length"), **kw)
+
+
+def test_good_input_passes():
+    cg.validate_wallfacer(16, 4, 64, num_attention_heads=8, num_query_groups=2)
+    cg.validate_wallfacer(16, "auto", 64)
