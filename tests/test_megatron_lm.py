@@ -225,19 +225,21 @@ import sys
 import megatron.training.arguments as A
 from megatron_metp import megatron_lm as mlm
 A.get_device_arch_version = lambda: 9  # validate_args queries the GPU; there is none here
-sys.argv = ["pretrain_gpt.py", "--num-layers", "2", "--hidden-size", "64",
-            "--num-attention-heads", "8", "--seq-length", "64", "--max-position-embeddings", "64",
+sys.argv = ["pretrain_gpt.py"] + mlm.config_flags("tiny-llama", training=False) + [
+            "--seq-length", "64", "--max-position-embeddings", "64",
             "--micro-batch-size", "1", "--tensor-model-parallel-size", "4", "--sequence-parallel",
             "--tensor-parallel-mode", "wallfacer", "--wallfacer-team-size", "2", "--mock-data",
             "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--train-iters", "1",
-            "--lr", "1e-4", "--transformer-impl", "local"]
+            "--lr", "1e-4", "--transformer-impl", "local", "--attention-dropout", "0",
+            "--no-rope-fusion"]  # RoPE fusion needs Transformer Engine
 provider = mlm.chain_providers()
 mlm.prepare_argv(extra_args_provider=provider)
 args = A.parse_args(provider)
 A.validate_args(args, {})
 cfg = A.core_transformer_config_from_args(args)
 print("RESULT", args.tensor_model_parallel_size, args.context_parallel_size,
-      args.sequence_parallel, cfg.cp_comm_type, args.wallfacer_team_size, args.data_parallel_size)
+      args.sequence_parallel, cfg.cp_comm_type, args.wallfacer_team_size, args.data_parallel_size,
+      cfg.num_query_groups, cfg.gated_linear_unit, cfg.normalization)
 """
     env = dict(os.environ, WORLD_SIZE="4", RANK="0", CUDA_DEVICE_MAX_CONNECTIONS="1",
                PYTHONPATH=os.pathsep.join([os.environ["MEGATRON_LM_PATH"], str(ROOT),
@@ -246,7 +248,23 @@ print("RESULT", args.tensor_model_parallel_size, args.context_parallel_size,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT")][-1]
-    assert line.split()[1:] == ["1", "4", "False", "wallfacer", "2", "1"]
+    # tiny-llama: 2 query groups, SwiGLU, RMSNorm, as config_flags passed them.
+    assert line.split()[1:] == ["1", "4", "False", "wallfacer", "2", "1", "2", "True", "RMSNorm"]
+
+    # The wrapper end to end: Megatron-LM's pretrain_gpt imports, the remap is logged, and
+    # pretrain() starts (it stops at Megatron's own CUDA assertion on a machine without a GPU).
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "pretrain_gpt_metp.py"), "--num-layers", "2",
+         "--hidden-size", "64", "--num-attention-heads", "8", "--seq-length", "64",
+         "--max-position-embeddings", "64", "--micro-batch-size", "1", "--mock-data",
+         "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--train-iters", "1",
+         "--lr", "1e-4", "--tensor-model-parallel-size", "4", "--tensor-parallel-mode",
+         "wallfacer", "--attention-dropout", "0"], env=env, capture_output=True, text=True, timeout=300)
+    assert "WallFacer group P = 4 as --context-parallel-size 4" in r.stdout, r.stderr[-3000:]
+    import torch
+
+    if not torch.cuda.is_available():
+        assert "Megatron requires CUDA" in r.stderr, r.stderr[-3000:]
 
 
 # ----------------------------------------------------------------------------- builder
