@@ -230,9 +230,37 @@ def _measured_comm_table():
     return res
 
 
+def _bf16_errors():
+    """bf16 METP and bf16 TP+SP, each against the fp64 reference: max error / max|ref|."""
+    from megatron.core.transformer.mlp import MLP
+
+    from megatron_metp.metp.mlp import MetpMLP
+
+    from megatron.core import parallel_state as mpu
+
+    p = mpu.get_tensor_model_parallel_world_size()
+    res = {}
+    for gated, act in ((False, F.gelu), (True, F.silu)):
+        t = {k: v.bfloat16().double() for k, v in _full_tensors(gated, True).items()}
+        ref_out, ref_g = _reference(t, gated, act)
+        for cls in (MLP, MetpMLP):
+            cfg = _config(p, gated=gated, bias=True, dtype=torch.bfloat16, bf16=True)
+            mlp = _build(cls, cfg)
+            y, g, sl = _run_local(mlp, t, torch.bfloat16)
+            assert y.dtype == torch.bfloat16 and g["x"].dtype == torch.bfloat16
+            pairs = {"out": (y, ref_out[sl]), "x": (g["x"], ref_g["x"][sl])}
+            for n, prm in mlp.named_parameters():
+                assert g[n].dtype == torch.bfloat16, n
+                pairs[n] = (g[n], shard_like(ref_g[n], prm))
+            res[(gated, cls.__name__)] = max(
+                max_errors(a, e)[0] / e.abs().max().item() for a, e in pairs.values())
+    return res
+
+
 def _layer_checks(p):
     out = _against_megatron(p)
     out["paper"] = _measured_comm_table()
+    out["bf16"] = _bf16_errors()
     return out
 
 
@@ -262,6 +290,14 @@ def test_metp_mlp_equals_megatron_tp_mlp_and_counts(p, report):
         # and p-1 accumulator hops of the same.
         assert paper["MetpMLP"]["ops"]["send"] == (6 * (p - 1), 24 * (p - 1) * H * H // p)
     r0 = res[0]
+    for r in res:
+        for key, err in r["bf16"].items():
+            # bf16 keeps 8 significant bits (ulp 2^-7 relative at the top of a binade). Inputs,
+            # weights, f(T) and every output are rounded to bf16 (TP and METP alike; METP sums
+            # its ring steps in fp32), so each result carries a few roundings of 2^-9 relative
+            # to the largest entry: 2^-6 = 1.6e-2 bounds them with room, while a wrong shard or
+            # gradient hop is an O(1) error. TP+SP is held to the same bound.
+            assert err <= 2**-6, (key, err)
     errs = {n: max(r0[n]["errs"].values()) for n, _, _ in CASES}
     report(f"METP MLP vs Megatron TP+SP MLP, p={p}, fp32, same weights: max abs err "
            + ", ".join(f"{n} {e:.2e}" for n, e in errs.items()))
@@ -270,6 +306,10 @@ def test_metp_mlp_equals_megatron_tp_mlp_and_counts(p, report):
            f"[= 24(p-1)/p h^2 = {24 * (p - 1) / p * H * H:.0f}; ops "
            f"{r0['paper']['MetpMLP']['ops']}], TP+SP {r0['paper']['MLP']['sent']:.0f} "
            f"[= 5(p-1)/p bsh = {5 * (p - 1) / p * B * S * H:.0f}; ops {r0['paper']['MLP']['ops']}]")
+    bf = r0["bf16"]
+    report(f"bf16 MLP vs fp64 reference, p={p}, max err / max|ref| over out and grads: "
+           f"GeLU METP {bf[(False, 'MetpMLP')]:.1e} (TP+SP {bf[(False, 'MLP')]:.1e}), "
+           f"SwiGLU METP {bf[(True, 'MetpMLP')]:.1e} (TP+SP {bf[(True, 'MLP')]:.1e})")
 
 
 # ------------------------------------------------------------------------------------------------
