@@ -27,15 +27,16 @@ metp       SP on when p > 1; hidden, heads, query groups, FFN and sequence all %
 metp_mlp   the METP MLP with TP attention: FFN, hidden and sequence % p, SP on when p > 1,
            TP's attention rules
 wallfacer  C >= 1 and C^2 | P; sequence % 2P (each rank holds chunks r and 2P-1-r); heads need
-           not divide P; ``--cp-comm-type`` wallfacer; attention dropout 0, vanilla softmax,
-           no sliding window; no hierarchical CP, MoE, MLA, legacy models; any TP inside
-           composes under TP's rules
+           not divide P; query groups divide heads and % TP; ``--cp-comm-type`` wallfacer;
+           attention dropout 0, vanilla softmax, no sliding window; no hierarchical CP, MoE,
+           MLA, legacy models; heads and FFN % TP inside each CP rank
 =========  =================================================================================
 
 Rules that belong to a module live beside it and are called from here, re-raised as
 MetpConfigError: ``megatron_metp.metp.mlp.validate_metp_mlp`` and
 ``megatron_metp.metp.attention.check_metp_attention_config`` (fed a view of the namespace with
-``TransformerConfig``'s field names), ``megatron_metp.wallfacer.config_generator.check_team_size``.
+``TransformerConfig``'s field names), ``megatron_metp.wallfacer.config_generator.
+validate_wallfacer``.
 """
 
 from __future__ import annotations
@@ -313,9 +314,9 @@ def _config_view(ns: Namespace, tp: int, cp: int) -> SimpleNamespace:
         window_size=getattr(ns, "window_size", None))
 
 
-def _as_config_error(check: Callable, *args) -> None:
+def _as_config_error(check: Callable, *args, **kwargs) -> None:
     try:
-        check(*args)
+        check(*args, **kwargs)
     except MetpConfigError:
         raise
     except ValueError as e:  # the module's rule, re-raised as the one start-up error type
@@ -343,24 +344,17 @@ def _check_metp(ns: Namespace, tp: int, cp: int, mode: str) -> None:
 
 
 def _check_wallfacer(ns: Namespace, tp: int, cp: int) -> None:
+    """WallFacer's rules live beside its configuration generator (``validate_wallfacer``: C^2 | P,
+    placement, sequence % 2P, query groups, ``--cp-comm-type``); this adds the flag spellings,
+    the attention features WallFacerCoreAttention refuses, and the TP rules inside each CP rank."""
     types = _cp_comm_types(ns)
-    if types and any(t != WALLFACER_CP_COMM_TYPE for t in types):
+    if len(types) > 1 and any(t != WALLFACER_CP_COMM_TYPE for t in types):
         _fail(f"--cp-comm-type {' '.join(types)} conflicts with --tensor-parallel-mode "
               f"wallfacer: drop --cp-comm-type (the mode sets it to '{WALLFACER_CP_COMM_TYPE}')")
     placement = getattr(ns, "wallfacer_placement", None) or PLACEMENTS[0]
     if placement not in PLACEMENT_NAMES:
         _fail(f"--wallfacer-placement {placement!r} is unknown: choose one of "
               f"{', '.join(PLACEMENTS)}")
-    c = team_size(ns)
-    if c is not None:
-        # The rule C^2 | P lives beside the configuration generator that depends on it.
-        from megatron_metp.wallfacer.config_generator import check_team_size
-
-        try:
-            check_team_size(cp, c)
-        except ValueError as e:
-            raise MetpConfigError(f"{e} (or 'auto' to let the topology scheduler pick)") from e
-    # WallFacerCoreAttention refuses these at construction; refuse them before anything is built.
     dropout = getattr(ns, "attention_dropout", 0.0) or 0.0
     if dropout > 0:
         _fail(f"--attention-dropout {dropout}: WallFacer attention has no attention dropout; "
@@ -369,12 +363,26 @@ def _check_wallfacer(ns: Namespace, tp: int, cp: int) -> None:
             ns, "window_size", None) is not None:
         _fail("--softmax-type / --window-size: WallFacer attention supports --softmax-type "
               "vanilla and no --window-size")
-    # WallFacer heads need not divide P (every rank keeps all heads for its tokens); any TP
-    # inside each CP rank follows Megatron's TP rules.
-    _check_tp_sharding(ns, tp, cp, "wallfacer")
+    # Heads need not divide P (every CP rank keeps all heads of its tokens); TP inside each CP
+    # rank shards heads as Megatron does, checked first so the message names the heads flag.
+    heads = ns.num_attention_heads
+    if heads % tp:
+        _fail(f"--num-attention-heads {heads} is not divisible by --tensor-model-parallel-size "
+              f"{tp} (TP inside each WallFacer rank holds heads/p whole heads)")
     ffn = ffn_hidden_size(ns)
     if ffn % tp:
         _fail(f"--ffn-hidden-size {ffn} is not divisible by --tensor-model-parallel-size {tp}")
+    from megatron_metp.wallfacer.config_generator import validate_wallfacer
+
+    c = team_size(ns)
+    seq = getattr(ns, "seq_length", None)
+    _as_config_error(
+        validate_wallfacer, cp, "auto" if c is None else c,
+        2 * cp if seq is None else seq,  # no sequence length known yet: no sequence rule
+        num_attention_heads=heads, num_query_groups=query_groups(ns),
+        tensor_model_parallel_size=tp, placement=groups_placement(placement),
+        cp_comm_type=types[0] if types else None)
+    _check_seq(ns, tp, cp, "wallfacer")  # tokens per CP rank under TP + SP
 
 
 def groups_placement(name: str) -> str:
