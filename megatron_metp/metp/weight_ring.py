@@ -31,10 +31,17 @@ its last hop (from r-1) brings it home. Weights take p-1 hops and accumulators p
 rank sends (p-1)/p (|W_in| + |b_in| + |W_out|) elements in forward and twice that in backward:
 3(p-1)/p of the weights per forward+backward, Table 1's 24(p-1)/p h^2 for F = 4h without bias.
 
-Precision: partial outputs, the input gradient and the weight-gradient accumulators are summed
-in fp32 when the data is bf16/fp16 (in the data's dtype when it is fp32/fp64); each matmul runs
-in the data's dtype as in Megatron's linears. Accumulators therefore travel in fp32 for bf16/fp16
-models, which doubles the bytes (not the elements) of the backward's gradient hops.
+Precision: every matmul runs in the data's dtype, as in Megatron's linears. The output and the
+input gradient are summed over ring steps in the data's dtype by in-place ``addmm`` (one rounding
+per step, as TP's reduce-scatter rounds once per partial sum it adds; an fp32 accumulator would
+cost 2 bsh/p bytes more at bf16 plus a cast copy). The weight-gradient accumulators are fp32 for
+bf16/fp16 data: TP computes each weight gradient in one matmul (one rounding) and METP sums p
+contributions, so fp32 keeps it as exact as TP; they are weight-sized (h F / p), independent of
+the sequence length, and travel in fp32 (twice the bytes, the same elements).
+
+Transient memory of the backward beyond activations: two weight receive buffers, and three
+fp32 gradient sets (the owner's, two alternating accumulators, one scratch for p > 2 so the
+weight-gradient matmuls overlap the accumulator's transfer).
 """
 
 from __future__ import annotations
@@ -50,12 +57,13 @@ Weights = Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]  # (w_in, b_
 
 
 def accum_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Dtype of the sums over ring steps: fp32 for half types, else the data's own."""
+    """Dtype of the weight-gradient sums over ring steps: fp32 for half types, else the data's."""
     return dtype if dtype in (torch.float32, torch.float64) else torch.float32
 
 
 def _add_mm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``out += a @ b`` with the product in a's dtype and the sum in out's."""
+    """``out += a @ b``: in place when the dtypes agree, else the product in a's dtype is added
+    to ``out`` (the fp32 weight-gradient accumulators of bf16/fp16 data)."""
     if out.dtype == a.dtype:
         out.addmm_(a, b)
     else:
@@ -87,7 +95,7 @@ def metp_mlp_forward(
     p = dist.get_world_size(group) if group is not None or dist.is_initialized() else 1
     has_bias = weights[1] is not None
     w_out = weights[2]
-    out = torch.zeros(x_shard_s.shape[0], w_out.shape[0], dtype=accum_dtype(x_shard_s.dtype),
+    out = torch.zeros(x_shard_s.shape[0], w_out.shape[0], dtype=x_shard_s.dtype,
                       device=x_shard_s.device)
     comm = RingComm(group) if p > 1 else None
     # A ring of one computes on its own shard and needs no receive buffers.
@@ -109,7 +117,7 @@ def metp_mlp_forward(
             comm.wait()
             for b in bufs:
                 b.advance()
-    return out.to(x_shard_s.dtype)
+    return out
 
 
 def _grad_step(
@@ -148,10 +156,9 @@ def metp_mlp_backward(
     has_bias = weights[1] is not None
     present = _present(weights)
     gdt = accum_dtype(x_shard_s.dtype)
-    dev = x_shard_s.device
     new = lambda: [torch.zeros_like(t, dtype=gdt) for t in present]  # noqa: E731
     own = new()  # the owner's contribution never leaves the rank
-    grad_x = torch.zeros(x_shard_s.shape, dtype=gdt, device=dev)
+    grad_x = torch.zeros_like(x_shard_s)
     comm = RingComm(group) if p > 1 else None
     bufs = [DoubleBuffer(t) for t in present] if p > 1 else []
     accs: List[List[torch.Tensor]] = [new(), new()] if p > 1 else []
@@ -206,7 +213,7 @@ def metp_mlp_backward(
                     mine.add_(arrived)
         del dt
     grads = [g.to(t.dtype) for g, t in zip(own, present)]
-    return grad_x.to(x_shard_s.dtype), grads
+    return grad_x, grads
 
 
 class MetpMLPFunction(torch.autograd.Function):
