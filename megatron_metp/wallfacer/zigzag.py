@@ -110,3 +110,14 @@ def causal_work_per_step(cp_size: int, team_size: int, placement: str, causal: b
             row.append(sum(pair_work(qc, kc, causal) for qc in q_chunks for kc in k_chunks))
         work.append(row)
     return work
+
+
+def get_pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) -> torch.Tensor:
+    """Drop-in for Megatron-Core's ``rope_utils.get_pos_emb_on_this_cp_rank`` on any device.
+
+    Megatron's builds its index with ``pin_memory=True`` and ``.cuda()``, which fail without
+    CUDA; this takes the same chunks (r and 2P-1-r of 2P along ``seq_dim``) on ``pos_emb``'s
+    device. ``megatron_metp.cpu_compat`` may install it in
+    ``megatron.core.models.common.embeddings.rotary_pos_embedding`` when CUDA is absent.
+    """
+    return shard_sequence(pos_emb, cp_group.rank(), cp_group.size(), "zigzag", dim=seq_dim)
