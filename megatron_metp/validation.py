@@ -65,6 +65,10 @@ _UNSUPPORTED = {
         ("tp_comm_overlap", "--tp-comm-overlap", "METP overlaps its own ring communication; "
          "Transformer Engine's userbuffer overlap targets TP all-gathers METP does not issue"),
         ("mtp_num_layers", "--mtp-num-layers", "multi-token prediction layers use the TP spec"),
+        ("experimental_attention_variant", "--experimental-attention-variant",
+         "the METP spec has its own attention"),
+        ("heterogeneous_layers_config_path", "--heterogeneous-layers-config-path",
+         "every layer uses the mode's one layer spec"),
     ],
     "wallfacer": [
         ("num_experts", "--num-experts", "the WallFacer spec has no MoE layer"),
@@ -73,6 +77,10 @@ _UNSUPPORTED = {
         ("hierarchical_context_parallel_sizes", "--hierarchical-context-parallel-sizes",
          "WallFacer builds its own teams and sub-rings inside the CP group"),
         ("mtp_num_layers", "--mtp-num-layers", "multi-token prediction layers use the TP spec"),
+        ("experimental_attention_variant", "--experimental-attention-variant",
+         "WallFacer replaces the core attention of Megatron's standard self-attention"),
+        ("heterogeneous_layers_config_path", "--heterogeneous-layers-config-path",
+         "every layer uses the mode's one layer spec"),
     ],
 }
 _UNSUPPORTED["metp_mlp"] = _UNSUPPORTED["metp"]
