@@ -230,13 +230,9 @@ def initialize_plugin_groups(args: argparse.Namespace) -> None:
 
 def _auto_team_size(args: argparse.Namespace):
     """Resolve ``--wallfacer-team-size auto`` with the topology scheduler, when installed."""
-    try:
-        from megatron_metp.wallfacer import scheduler
-    except ImportError as e:
-        raise MetpConfigError(
-            "--wallfacer-team-size auto needs megatron_metp.wallfacer.scheduler, which this "
-            "installation lacks; give an integer C with C^2 dividing --context-parallel-size"
-        ) from e
+    # validate_args has refused 'auto' where the scheduler is not installed.
+    from megatron_metp.wallfacer import scheduler
+
     c, placement = scheduler.pick_team_size_and_placement()
     _log(f"--wallfacer-team-size auto picked C = {c}, placement {placement}")
     args.wallfacer_team_size, args.wallfacer_placement = c, placement

@@ -7,6 +7,7 @@ The valid bases are checked too, so a rule that rejects good configurations fail
 
 from __future__ import annotations
 
+import importlib.util
 import time
 from argparse import Namespace
 
@@ -16,7 +17,12 @@ import pytest
 # megatron.core behind them) once here so the per-case timings measure the checks alone.
 import megatron_metp.metp.attention  # noqa: F401
 import megatron_metp.metp.mlp  # noqa: F401
-from megatron_metp.validation import MetpConfigError, groups_placement, validate_args
+from megatron_metp.validation import (
+    SCHEDULER_MODULE,
+    MetpConfigError,
+    groups_placement,
+    validate_args,
+)
 from megatron_metp.wallfacer.config_generator import PLACEMENTS as GROUP_PLACEMENTS
 
 
@@ -53,7 +59,6 @@ GOOD = [
     ("wallfacer", {}),
     ("wallfacer", {"wallfacer_team_size": 2, "context_parallel_size": 4, "world_size": 4}),
     ("wallfacer", {"num_attention_heads": 6, "hidden_size": 48}),  # heads need not divide P
-    ("wallfacer", {"wallfacer_team_size": "auto"}),
     ("wallfacer", {"tensor_model_parallel_size": 2, "context_parallel_size": 2,
                    "sequence_parallel": True, "world_size": 8, "global_batch_size": 2}),
     ("tp", {"pipeline_model_parallel_size": 4, "tensor_model_parallel_size": 2, "world_size": 8,
@@ -182,6 +187,15 @@ def test_bad_configuration_names_the_flag(case, mode, kw, flag, fragment):
     assert flag in msg, msg
     assert fragment in msg, msg
     assert elapsed < 1.0  # pure argument checks; no process group, no import of a model
+
+
+def test_team_size_auto_needs_the_scheduler():
+    ns = _ns("wallfacer", wallfacer_team_size="auto")
+    if importlib.util.find_spec(SCHEDULER_MODULE) is None:
+        with pytest.raises(MetpConfigError, match="--wallfacer-team-size auto"):
+            validate_args(ns)
+    else:
+        validate_args(ns)
 
 
 def test_flash_attn_requested_but_absent():
