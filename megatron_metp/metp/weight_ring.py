@@ -75,6 +75,11 @@ def _fc1(x: torch.Tensor, w_in: torch.Tensor, b_in: Optional[torch.Tensor]) -> t
     return torch.addmm(b_in, x, w_in.t()) if b_in is not None else torch.mm(x, w_in.t())
 
 
+def _ring_size(group: Optional[dist.ProcessGroup]) -> int:
+    # group None means the default group; without torch.distributed there is one rank.
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
 def _present(weights: Weights) -> List[torch.Tensor]:
     return [t for t in weights if t is not None]
 
@@ -92,7 +97,7 @@ def metp_mlp_forward(
     group: Optional[dist.ProcessGroup],
 ) -> torch.Tensor:
     """Alg. 1: ``out [n/p, h_out]`` for this rank's tokens, in ``x_shard_s``'s dtype."""
-    p = dist.get_world_size(group) if group is not None or dist.is_initialized() else 1
+    p = _ring_size(group)
     has_bias = weights[1] is not None
     w_out = weights[2]
     out = torch.zeros(x_shard_s.shape[0], w_out.shape[0], dtype=x_shard_s.dtype,
@@ -104,7 +109,7 @@ def metp_mlp_forward(
         w_in_r, b_in_r, w_out_r = weights if p == 1 else _unpack([b.current for b in bufs],
                                                                  has_bias)
         if step < p - 1:
-            # Shard i-step-1 lands in the buffer not being computed on. Safe: the current shard
+            # The shard of owner i-step-1 lands in the buffer not computed on. Safe: the current shard
             # is only read while it is being sent, and the receive buffer was last sent from in
             # step-1, whose batch wait() completed before this post.
             for b in bufs:
@@ -152,7 +157,7 @@ def metp_mlp_backward(
 ) -> Tuple[torch.Tensor, List[torch.Tensor]]:
     """Alg. 2: ``(grad_x [n/p, h_in], [grad w_in, grad b_in?, grad w_out])`` for the shards this
     rank owns; gradients in the dtypes of their inputs."""
-    p = dist.get_world_size(group) if group is not None or dist.is_initialized() else 1
+    p = _ring_size(group)
     has_bias = weights[1] is not None
     present = _present(weights)
     gdt = accum_dtype(x_shard_s.dtype)
@@ -173,8 +178,8 @@ def metp_mlp_backward(
             for b in bufs:
                 comm.send_recv(b.current, b.recv_buffer())
         if send_acc:
-            # Pass on the accumulator finished last step (shard i-step+1, for rank i+1's next
-            # contribution) and receive rank i-1's accumulator for the shard held now. Safe:
+            # Pass on the accumulator finished last step (shard i-step+1, which rank i+1 holds
+            # now) and receive rank i-1's accumulator for the shard held here now. Safe:
             # accs[a] is only read here; accs[1-a] was last sent in step-1, completed by wait.
             for k in range(len(present)):
                 comm.send_recv(accs[a][k], accs[1 - a][k])
