@@ -1,7 +1,7 @@
 """``--save`` / ``--load`` for ``metp train`` with Megatron-Core's dist_checkpointing.
 
 Layout (as Megatron-LM's): ``SAVE/iter_0000020/`` holds one sharded checkpoint (model, optimizer,
-and in the common part the iteration and the LR scheduler); ``SAVE/latest_checkpointed_iteration.txt``
+and in the common part the iteration and the LR scheduler) plus one RNG-state file per rank; ``SAVE/latest_checkpointed_iteration.txt``
 names the newest complete one and is written only after every rank has finished saving, so a
 run killed mid-save leaves the previous checkpoint as the latest loadable one. Because every
 mode keeps TP's parameter names and shards, the keys are the same under tp, metp and wallfacer.
@@ -17,13 +17,57 @@ import torch.distributed as dist
 TRACKER = "latest_checkpointed_iteration.txt"
 
 
+def _rng_path(path: str) -> str:
+    return os.path.join(path, f"rng_rank{dist.get_rank():05d}_of_{dist.get_world_size()}.pt")
+
+
+def _rng_state() -> dict:
+    """Every generator a training step draws from (dropout masks come from Megatron's tracked
+    streams), so that a resumed run repeats the uninterrupted run's masks bit for bit."""
+    import random
+
+    import numpy as np
+    import torch
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    state = {"random": random.getstate(), "numpy": np.random.get_state(),
+             "torch": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    import random
+
+    import numpy as np
+    import torch
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    random.setstate(state["random"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
 def _ckpt_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
-def _sharded_state_dict(model_chunks: List, optimizer) -> dict:
-    model_sd = model_chunks[0].sharded_state_dict()
-    return {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd)}
+def _unwrap(chunk):
+    """The GPTModel inside Megatron's DDP wrapper: keys without the wrapper's ``module.``
+    prefix, as Megatron-LM's checkpoints have them."""
+    return getattr(chunk, "module", chunk)
+
+
+def _sharded_state_dict(model_chunks: List, optimizer, is_loading: bool = False) -> dict:
+    model_sd = _unwrap(model_chunks[0]).sharded_state_dict()
+    # is_loading: Megatron's optimizer first creates its (still empty) Adam moments, so that the
+    # request names exp_avg / exp_avg_sq and they are loaded rather than silently left at zero.
+    return {"model": model_sd,
+            "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
 
 
 def save(root: str, iteration: int, model_chunks: List, optimizer, scheduler) -> str:
@@ -37,6 +81,9 @@ def save(root: str, iteration: int, model_chunks: List, optimizer, scheduler) ->
     sd["iteration"] = iteration
     sd["opt_param_scheduler"] = scheduler.state_dict()
     dist_checkpointing.save(sd, path)
+    import torch
+
+    torch.save(_rng_state(), _rng_path(path))
     dist.barrier()  # every rank's shards are on disk before the tracker names this checkpoint
     if dist.get_rank() == 0:
         tmp = os.path.join(root, TRACKER + ".tmp")
@@ -61,9 +108,19 @@ def load(root: str, model_chunks: List, optimizer, scheduler) -> int:
     from megatron.core import dist_checkpointing
 
     iteration = latest_iteration(root)
-    sd = _sharded_state_dict(model_chunks, optimizer)
+    sd = _sharded_state_dict(model_chunks, optimizer, is_loading=True)
     loaded = dist_checkpointing.load(sd, _ckpt_dir(root, iteration))
-    model_chunks[0].load_state_dict(loaded["model"])
+    _unwrap(model_chunks[0]).load_state_dict(loaded["model"])
     optimizer.load_state_dict(loaded["optimizer"])
     scheduler.load_state_dict(loaded["opt_param_scheduler"])
+    rng = _rng_path(_ckpt_dir(root, iteration))
+    if os.path.isfile(rng):
+        import torch
+
+        _set_rng_state(torch.load(rng, weights_only=False))
+    elif dist.get_rank() == 0:
+        # Another world size or layout (e.g. a checkpoint from another mode): weights and
+        # optimizer state load; the random streams restart from --seed.
+        print(f"[metp] {root}: no RNG state for this rank layout; dropout streams restart "
+              f"from --seed", flush=True)
     return int(loaded["iteration"])
