@@ -14,7 +14,8 @@ P = ``--context-parallel-size``, C = ``--wallfacer-team-size``):
 =========  =================================================================================
 all        mode known; sizes >= 1; world size a multiple of TP x CP x PP; layers fit PP and
            the virtual pipeline; heads divide hidden; query groups divide heads; global batch
-           a multiple of micro batch x DP; flash-attn importable when ``--use-flash-attn``;
+           a multiple of micro batch x DP; LR warm-up shorter than the decay; flash-attn
+           importable when ``--use-flash-attn``;
            ``--cp-comm-type wallfacer`` only in wallfacer mode
 tp         Megatron-Core's own rules: heads % p, query groups a multiple *or divisor* of p,
            FFN % p, sequence % p under SP; with CP, sequence % 2P (Megatron's load-balanced
@@ -168,6 +169,7 @@ def validate_args(
     _check_pipeline(ns, pp)
     _check_model_shape(ns)
     _check_batch(ns, dp)
+    _check_schedule(ns)
     _check_features(ns, mode)
     _check_flash_attn(ns, flash_attn_available)
 
@@ -237,6 +239,15 @@ def _check_model_shape(ns: Namespace) -> None:
     groups = query_groups(ns)
     if groups < 1 or heads % groups:
         _fail(f"--num-query-groups {groups} must divide --num-attention-heads {heads}")
+
+
+def _check_schedule(ns: Namespace) -> None:
+    # Megatron-Core's OptimizerParamScheduler asserts warm-up < decay steps, mid-initialisation.
+    warmup = getattr(ns, "lr_warmup_iters", None)
+    decay = getattr(ns, "lr_decay_iters", None) or getattr(ns, "train_iters", None)
+    if warmup and decay and warmup >= decay:
+        _fail(f"--lr-warmup-iters {warmup} is not below the {decay} decay iterations "
+              f"(--lr-decay-iters, else --train-iters): shorten the warm-up or train longer")
 
 
 def _check_batch(ns: Namespace, dp: Optional[int]) -> None:

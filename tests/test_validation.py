@@ -94,6 +94,8 @@ BAD = [
     ("groups-divide-heads", "tp", {"group_query_attention": True, "num_query_groups": 3},
      "--num-query-groups", "must divide"),
     ("gbs", "tp", {"global_batch_size": 3}, "--global-batch-size", "multiple of 2"),
+    ("warmup", "tp", {"lr_warmup_iters": 5, "train_iters": 4}, "--lr-warmup-iters",
+     "shorten the warm-up"),
     ("tp-heads", "tp", {"num_attention_heads": 6, "hidden_size": 48}, "--num-attention-heads",
      "divisible by --tensor-model-parallel-size"),
     # 3 groups on TP 2: neither a multiple nor a divisor (Megatron-Core's TransformerConfig rule).
