@@ -69,12 +69,12 @@ def _every_op():
         _AllReduceInBackward.apply(w).sum().backward()                       # 9
     s = cc.stats
     return {op: (st.calls, st.elements, st.bytes) for op, st in s.items()}, rank, \
-        cc.sent_elements(), cc.sent_elements(broadcast_model="ring")
+        cc.sent_elements(), cc.sent_elements(broadcast_model="ring"), cc.sent_bytes()
 
 
 def test_counter_reads_every_op_type(report):
     results = run_ranks(2, _every_op)
-    for stats, rank, sent_tree, sent_ring in results:
+    for stats, rank, sent_tree, sent_ring, sent_bytes in results:
         f4, bf2 = 4, 2
         expect = {
             "all_gather": (3, 6 + 6 + 6, 4 * 18),
@@ -95,6 +95,8 @@ def test_counter_reads_every_op_type(report):
         base = 18 / 2 + 12 / 2 + 17 + 4 / 2 + (13 + 11 * (rank == 0))
         assert sent_tree == pytest.approx(base + 3 + 3)
         assert sent_ring == pytest.approx(base + 1.5 + 1.5)
+        # The same in bytes: everything fp32 except the 5-element bf16 all-reduce.
+        assert sent_bytes == pytest.approx(4 * (base + 3 + 3 - 5) + 2 * 5)
     report(f"comm counter, 2 gloo ranks: every op type read at its payload (rank0 sent "
            f"{results[0][2]:.1f} elements, paper convention)")
 
