@@ -232,11 +232,10 @@ def _measured_comm_table():
 
 def _bf16_errors():
     """bf16 METP and bf16 TP+SP, each against the fp64 reference: max error / max|ref|."""
+    from megatron.core import parallel_state as mpu
     from megatron.core.transformer.mlp import MLP
 
     from megatron_metp.metp.mlp import MetpMLP
-
-    from megatron.core import parallel_state as mpu
 
     p = mpu.get_tensor_model_parallel_world_size()
     res = {}
