@@ -113,26 +113,39 @@ class _Plan:
         self.causal = causal
         self.scale = module._softmax_scale
 
-    def project(self, x, w_qkv, b_qkv):
-        """Q/K/V of this rank's tokens for one head group, as [b, heads, s/p, d] views.
+    def row_blocks(self, w_qkv, b_qkv):
+        """Head group j's q / k / v row blocks of ``w_qkv`` (and its bias), as
+        ``[(rows, heads, w_part [heads*d, h], b_part [heads*d] | None)]``.
 
-        ``x [s/p, b, h]`` -> q ``[b, n/p, s/p, d]``, k, v ``[b, ng/p, s/p, d]``: the split of
-        ``SelfAttention.get_query_key_value_tensors`` (rows of w_qkv per query group:
-        [q_1 .. q_{n/ng} | k | v]). Three matmuls on the weight's row blocks instead of one on
-        the whole: each result is then a contiguous [s/p, b, heads, d] tensor that the K/V ring
-        sends without a copy, and no [s/p, b, 3h/p] intermediate outlives the split.
+        Megatron's per-query-group layout: for each of the ng/p groups, n/ng query heads, then
+        one key head, then one value head (the split ``get_query_key_value_tensors`` does).
         """
-        s, b = x.shape[0], x.shape[1]
         rep, g, d = self.heads_p // self.groups_p, self.groups_p, self.d
         w4 = w_qkv.view(g, rep + 2, d, -1)
         b3 = b_qkv.view(g, rep + 2, d) if b_qkv is not None else None
-        parts = []
+        out = []
         for rows, heads in ((slice(0, rep), g * rep), (slice(rep, rep + 1), g),
                             (slice(rep + 1, rep + 2), g)):
-            w_part = w4[:, rows].reshape(heads * d, -1)
-            b_part = b3[:, rows].reshape(heads * d) if b3 is not None else None
-            parts.append(F.linear(x, w_part, b_part).view(s, b, heads, d))
-        q, k, v = parts
+            out.append((rows, heads, w4[:, rows].reshape(heads * d, -1),
+                        b3[:, rows].reshape(heads * d) if b3 is not None else None))
+        return out
+
+    def linear(self, x, blocks):
+        """``x [s/p, b, h]`` -> q, k, v as contiguous ``[s/p, b, heads, d]`` tensors.
+
+        One matmul per row block rather than one on the whole shard: each result is then a
+        contiguous block that the K/V ring sends without a copy, and no [s/p, b, 3h/p]
+        intermediate outlives the split.
+        """
+        s, b = x.shape[0], x.shape[1]
+        return [F.linear(x, w, bias).view(s, b, heads, self.d) for _, heads, w, bias in blocks]
+
+    @property
+    def has_post(self) -> bool:
+        return self.q_norm is not None or self.k_norm is not None or self.freqs is not None
+
+    def post(self, q, k):
+        """q/k layernorm (Megatron's --qk-layernorm) and RoPE at the tokens' global positions."""
         if self.q_norm is not None:
             q = self.q_norm(q)
         if self.k_norm is not None:
@@ -142,7 +155,17 @@ class _Plan:
                                      cp_group=self.cp_group)
             k = apply_rotary_pos_emb(k, self.freqs[1], config=self.config, mscale=self.mscale,
                                      cp_group=self.cp_group)
-        return tuple(t.permute(1, 2, 0, 3) for t in (q, k, v))
+        return q, k
+
+
+def _bnsd(t: torch.Tensor) -> torch.Tensor:
+    """[s, b, heads, d] -> the kernels' [b, heads, s, d] (a view)."""
+    return t.permute(1, 2, 0, 3)
+
+
+def _sbnd(t: torch.Tensor) -> torch.Tensor:
+    """[b, heads, s, d] -> [s, b, heads, d] (a view)."""
+    return t.permute(2, 0, 1, 3)
 
 
 class _WeightPrefetch:
@@ -197,8 +220,12 @@ class _MetpMHAFunction(torch.autograd.Function):
         for j in range(plan.p):
             w_qkv_j, b_qkv_j, w_proj_j = weights.get(j)
             weights.post(j + 1)  # prefetch: travels while head group j computes
-            q, k, v = plan.project(x, w_qkv_j, b_qkv_j)
-            a_j, lse_j = ring_attention_forward(plan.group, q, k, v, plan.causal, plan.scale)
+            q, k, v = plan.linear(x, plan.row_blocks(w_qkv_j, b_qkv_j))
+            if plan.has_post:
+                q, k = plan.post(q, k)
+            a_j, lse_j = ring_attention_forward(
+                plan.group, _bnsd(q), _bnsd(k), _bnsd(v), plan.causal, plan.scale
+            )
             del q, k, v
             out.addmm_(_flat(a_j), w_proj_j.t())  # O_i += A_ij W_proj_j, no [s/p, b, h] temp
             attn.append(a_j)
@@ -219,7 +246,8 @@ class _MetpMHAFunction(torch.autograd.Function):
         dout2d = dout.reshape(s * b, h)
         weights = _WeightPrefetch(plan, [w_qkv, b_qkv, w_proj])
         weights.post(0)
-        dx = torch.zeros_like(x)
+        x2d = x.reshape(s * b, h)
+        dx2d = torch.zeros(s * b, h, dtype=x.dtype, device=x.device)
         dnorm = [torch.zeros_like(prm) for prm in norm_params]
         own_grads = [None, None, None]
         pending = []  # (handles, grads, j) of reduces in flight
@@ -232,24 +260,45 @@ class _MetpMHAFunction(torch.autograd.Function):
             dw_proj_j = dout2d.t().mm(_flat(a_j))
             # dA_ij = dO_i W_proj_j, viewed in the kernels' layout.
             da_j = dout2d.mm(w_proj_j).view(s, b, heads, plan.d).permute(1, 2, 0, 3)
+            # Recompute Q/K/V (Alg. 6 line 6); only the q/k norm and RoPE go through autograd,
+            # the projection's backward is written out so that dX accumulates in place (an
+            # autograd.grad for x would materialise a [s/p, b, h] gradient per head group).
+            blocks = plan.row_blocks(w_qkv_j, b_qkv_j)
+            q_lin, k_lin, v = plan.linear(x, blocks)
             with torch.enable_grad():
-                x_r = x.detach().requires_grad_(True)
-                w_r = w_qkv_j.detach().requires_grad_(True)
-                b_r = b_qkv_j.detach().requires_grad_(True) if b_qkv_j is not None else None
-                q, k, v = plan.project(x_r, w_r, b_r)
-                dq, dk, dv = ring_attention_backward(
-                    plan.group, da_j, q.detach(), k.detach(), v.detach(), a_j, lse_j,
-                    plan.causal, plan.scale,
-                )
-                inputs = [x_r, w_r] + ([b_r] if b_r is not None else []) + norm_params
-                grads = torch.autograd.grad((q, k, v), inputs, (dq, dk, dv), allow_unused=True)
-            del q, k, v, dq, dk, dv, da_j
-            dx += grads[0]
-            dw_qkv_j = grads[1]
-            db_qkv_j = grads[2] if b_r is not None else None
-            for acc, g in zip(dnorm, grads[len(inputs) - len(norm_params):]):
-                if g is not None:
-                    acc += g
+                if plan.has_post:
+                    q_lin.requires_grad_(True)
+                    k_lin.requires_grad_(True)
+                q, k = plan.post(q_lin, k_lin) if plan.has_post else (q_lin, k_lin)
+            dq, dk, dv = ring_attention_backward(
+                plan.group, da_j, _bnsd(q.detach()), _bnsd(k.detach()), _bnsd(v), a_j, lse_j,
+                plan.causal, plan.scale,
+            )
+            del da_j
+            dq, dk, dv = _sbnd(dq), _sbnd(dk), _sbnd(dv)
+            if plan.has_post:
+                grads = torch.autograd.grad((q, k), [q_lin, k_lin] + norm_params, (dq, dk),
+                                            allow_unused=True)
+                dq, dk = grads[0], grads[1]
+                for acc, g in zip(dnorm, grads[2:]):
+                    if g is not None:
+                        acc += g
+            del q, k, q_lin, k_lin, v
+            # Alg. 6 lines 9-10 (with W_qkv_j): dX += [dQ dK dV] W_qkv_j, dW_qkv_j = X^T [dQ dK dV],
+            # block by block into Megatron's interleaved row layout.
+            dw4 = torch.empty(w_qkv_j.shape, dtype=w_qkv_j.dtype, device=x.device).view(
+                plan.groups_p, -1, plan.d, h)
+            db3 = (torch.empty(b_qkv_j.shape, dtype=b_qkv_j.dtype, device=x.device).view(
+                plan.groups_p, -1, plan.d) if b_qkv_j is not None else None)
+            for (rows, heads, w_part, _), g in zip(blocks, (dq, dk, dv)):
+                g2d = g.reshape(s * b, heads * plan.d)
+                dx2d.addmm_(g2d, w_part)
+                dw4[:, rows] = g2d.t().mm(x2d).view(plan.groups_p, -1, plan.d, h)
+                if db3 is not None:
+                    db3[:, rows] = g2d.sum(0).view(plan.groups_p, -1, plan.d)
+            del dq, dk, dv, blocks
+            dw_qkv_j = dw4.view(w_qkv_j.shape)
+            db_qkv_j = db3.view(b_qkv_j.shape) if db3 is not None else None
             red = [dw_qkv_j, db_qkv_j, dw_proj_j]
             if plan.p > 1:
                 # Reduce to rank j (Alg. 6 line 11), completed one step later so it overlaps
@@ -265,7 +314,7 @@ class _MetpMHAFunction(torch.autograd.Function):
         while pending:
             _finish_reduce(pending.pop(0), plan, own_grads)
         dw_qkv, db_qkv, dw_proj = own_grads
-        return (None, dx, dw_qkv.to(w_qkv.dtype),
+        return (None, dx2d.view(s, b, h), dw_qkv.to(w_qkv.dtype),
                 db_qkv.to(b_qkv.dtype) if ctx.has_bias else None,
                 dw_proj.to(w_proj.dtype), *dnorm)
 
