@@ -1,7 +1,9 @@
 """The one boundary to attention kernels (METP's ring inner loop and WallFacer use only this).
 
 Everything above this module is kernel-agnostic: it calls attention of one Q block against one
-K/V block, gets the block's output and log-sum-exp, and merges blocks with :func:`merge_partial`.
+K/V block, gets the block's output and log-sum-exp, and merges blocks with :func:`merge_partial`
+(new tensors) or, in ring loops that own their fp32 accumulator, :func:`merge_start` /
+:func:`merge_partial_` (in place, no temporary of the accumulator's size).
 
 Shapes (heads before sequence, as PyTorch's SDPA ops take them)::
 

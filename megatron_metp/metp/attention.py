@@ -174,7 +174,10 @@ class _WeightPrefetch:
     Step j reads buffer set j % 2 while the broadcast for j + 1 fills set (j + 1) % 2, which
     step j - 1 last read. On CPU step j - 1 has finished; on NCCL the broadcast is ordered after
     the kernels already queued on the compute stream, so it cannot overwrite what they read.
-    Rank j's own step reads its parameters directly (it is the broadcast's source).
+    Rank j's own step reads its parameters directly (it is the broadcast's source): nothing
+    writes them between the forward and the optimizer step, so sending from them is safe.
+    Every rank posts the same broadcasts in the same order, interleaved identically with the
+    ring's P2P batches, so collectives match on gloo and NCCL alike.
     """
 
     def __init__(self, plan: _Plan, own: List[Optional[torch.Tensor]]):
