@@ -1,0 +1,212 @@
+"""Measure one transformer layer (and the LM head) of a training step: memory and communication.
+
+The same function runs on a real backend (gloo/NCCL, real tensors) and, for ``metp plan``, under
+``FakeTensorMode`` with the ``fake`` process-group backend, where a 175B-parameter layer at
+s = 512k costs no memory and well under a second of work per rank step. Shapes per rank::
+
+    x_shard_s      [s/p, b, h]   the layer's input (sequence-parallel for tp and metp, the
+                                 context-parallel shard for wallfacer), bf16, requires grad
+    grad_shard_s   [s/p, b, h]   the gradient arriving from above (created inside the region)
+
+``LayerMeasure`` (bytes are tracked tensor bytes on this rank, MemTracker):
+
+=====================  ==========================================================================
+``retained``            bytes a layer keeps alive from its forward until its backward, its output
+                        included and its input excluded (the input is the previous layer's output)
+``peak``                the high-water mark of the layer's forward + backward over the baseline
+                        (parameters and the input), the incoming gradient included
+``handle_allowance``    bytes a live communication handle holds that a fake run cannot see: the
+                        largest single P2P send of the layer (one send in flight per ring step;
+                        ../shared/FACTS.md: a gloo ``Work`` holds its send buffer until dropped)
+``params``              parameter elements on this rank
+``sent_elements``       elements this rank sends per step, papers' convention (``CommCounter``)
+``payload_bytes``       payload bytes per op type (``CommCounter``'s convention)
+=====================  ==========================================================================
+
+Parameter gradients: Megatron's DDP copies every ``param.grad`` into its fp32 ``main_grad``
+buffer in a post-accumulate hook and drops it; the probe does the same (drops the ``.grad``), so
+the bf16 gradient is transient here too and the persistent fp32 buffer is part of the model state
+the planner adds (``planner.optimizer_bytes_per_param``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, Optional
+
+import torch
+from torch.distributed._tools.mem_tracker import MemTracker
+
+from megatron_metp.measure.comm_counter import CommCounter
+
+__all__ = ["LayerMeasure", "measure_layer", "measure_head", "build_layer"]
+
+
+@dataclass
+class LayerMeasure:
+    retained: int
+    peak: int
+    handle_allowance: int
+    params: int
+    sent_elements: float
+    payload_bytes: Dict[str, int] = field(default_factory=dict)
+    calls: int = 0
+
+
+def _total(snap: Dict) -> int:
+    return sum(int(d.get("Total", 0)) for d in snap.values())
+
+
+def _drop_param_grads(module: torch.nn.Module) -> list:
+    """Megatron DDP's hook: the bf16 ``.grad`` lives only until it is added to ``main_grad``."""
+    handles = []
+    for prm in module.parameters():
+        if prm.requires_grad:
+            handles.append(prm.register_post_accumulate_grad_hook(
+                lambda t: setattr(t, "grad", None)))
+    return handles
+
+
+def _measure(module: torch.nn.Module, x: torch.Tensor, run_forward, extra=()) -> LayerMeasure:
+    """fwd (``run_forward(x) -> output``), then bwd with a gradient of the output's shape."""
+    hooks = _drop_param_grads(module)
+    tracker = MemTracker()
+    tracker.track_external(module, x, *extra)
+    try:
+        with tracker, CommCounter() as cc:
+            base = _total(tracker.get_tracker_snapshot("current"))
+            out = run_forward(x)
+            retained = _total(tracker.get_tracker_snapshot("current")) - base
+            grad = torch.empty_like(out) if out.dim() else torch.ones_like(out)
+            out.backward(grad)
+            del out, grad
+        peak = _total(tracker.get_tracker_snapshot("peak")) - base
+    finally:
+        for h in hooks:
+            h.remove()
+    sends = [e.bytes for e in cc.events if e.op == "send"]
+    return LayerMeasure(
+        retained=retained,
+        peak=peak,
+        handle_allowance=max(sends, default=0),
+        params=sum(prm.numel() for prm in module.parameters()),
+        sent_elements=cc.sent_elements(),
+        payload_bytes={op: st.bytes for op, st in cc.stats.items() if st.calls},
+        calls=cc.calls(),
+    )
+
+
+def build_layer(config, mode: str, causal: bool = True):
+    """One Megatron ``TransformerLayer`` of ``mode``'s spec (``wallfacer`` needs its groups)."""
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.spec_utils import build_module
+
+    from megatron_metp.specs import check_spec_importable, get_gpt_layer_spec
+
+    spec = get_gpt_layer_spec(mode, qk_layernorm=bool(config.qk_layernorm))
+    if not causal:
+        spec.submodules.self_attention.params = {"attn_mask_type": AttnMaskType.no_mask}
+    check_spec_importable(spec)
+    return build_module(spec, config=config, layer_number=1)
+
+
+def measure_layer(config, mode: str, seq_length: int, micro_batch: int = 1, *,
+                  causal: bool = True, rope: bool = False, rotary_base: int = 10000,
+                  layer: Optional[torch.nn.Module] = None,
+                  device: Optional[torch.device] = None) -> LayerMeasure:
+    """Forward + backward of one layer on this rank's ``[s/p, b, h]`` shard (see module doc).
+
+    Call inside ``FakeTensorMode`` for a fake run, or with real process groups for a real one.
+    ``p`` is the size of the group that shards the sequence (TP for tp/metp, CP for wallfacer).
+    """
+    p = config.tensor_model_parallel_size * config.context_parallel_size
+    if seq_length % p:
+        raise ValueError(f"--seq-length {seq_length} must be divisible by the parallel size {p}")
+    layer = layer if layer is not None else build_layer(config, mode, causal)
+    layer.train()
+    dtype = config.params_dtype
+    x = torch.empty(seq_length // p, micro_batch, config.hidden_size, dtype=dtype,
+                    device=device).normal_().requires_grad_()
+    rot = None
+    if rope:
+        from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+        # Megatron's rotary table for the whole sequence, [s, 1, 1, d] fp32, made once per step
+        # by GPTModel (outside the layers): counted as external, like the input.
+        rot = RotaryEmbedding(kv_channels=config.kv_channels, rotary_percent=1.0,
+                              rotary_base=rotary_base)(seq_length).to(device or "cpu")
+
+    def fwd(inp):
+        out, _ = layer(inp, attention_mask=None, rotary_pos_emb=rot)
+        return out
+
+    return _measure(layer, x, fwd, extra=(rot,) if rot is not None else ())
+
+
+class _Head(torch.nn.Module):
+    """Final norm, Megatron's output layer (vocab-parallel ColumnParallelLinear) and its loss."""
+
+    def __init__(self, config, vocab_size: int):
+        super().__init__()
+        from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+        from megatron_metp.layers import Norm
+
+        self.norm = Norm(config, config.hidden_size, eps=config.layernorm_epsilon)
+        self.output_layer = ColumnParallelLinear(
+            config.hidden_size, vocab_size, config=config, init_method=config.init_method,
+            bias=False, gather_output=False, skip_bias_add=True)
+
+    def forward(self, x, labels):
+        from megatron.core import tensor_parallel
+
+        logits, _ = self.output_layer(self.norm(x))
+        # GPTModel.compute_language_model_loss (no fused cross entropy): [s, b] per-token loss.
+        return tensor_parallel.vocab_parallel_cross_entropy(logits, labels).mean()
+
+
+def measure_head(config, vocab_size: int, seq_length: int, micro_batch: int = 1,
+                 device: Optional[torch.device] = None) -> LayerMeasure:
+    """The LM head (final norm, logits, vocab-parallel cross entropy) forward + backward."""
+    p = config.tensor_model_parallel_size * config.context_parallel_size
+    head = _Head(config, vocab_size)
+    x = torch.empty(seq_length // p, micro_batch, config.hidden_size, dtype=config.params_dtype,
+                    device=device).normal_().requires_grad_()
+    # Labels of the tokens whose logits this rank computes: all s under SP (the output layer
+    # all-gathers the sequence), s/p under context parallelism.
+    rows = seq_length if config.sequence_parallel else seq_length // p
+    labels = torch.zeros(rows, micro_batch, dtype=torch.long, device=device)
+    return _measure(head, x, lambda inp: head(inp, labels), extra=(labels,))
+
+
+
+def measure_sublayers(config, mode: str, seq_length: int, micro_batch: int = 1, *,
+                      causal: bool = True) -> Dict[str, Dict[str, int]]:
+    """Forward activation peak of the attention and the MLP sublayers alone (METP Tables 1-2).
+
+    Tables 1-2 compare the *peak memory overhead during forward propagation* of one sublayer's
+    intermediate results, so this measures each sublayer's forward high-water mark over its
+    parameters and its ``[s/p, b, h]`` input (``fwd_peak``), and for reference its forward +
+    backward one (``peak``) and what it keeps for backward (``retained``). No rotary embedding.
+    """
+    layer = build_layer(config, mode, causal)
+    layer.train()
+    p = config.tensor_model_parallel_size * config.context_parallel_size
+    out: Dict[str, Dict[str, int]] = {}
+    for name, module, call in (
+        ("attention", layer.self_attention,
+         lambda m, x: m(x, attention_mask=None)[0]),
+        ("mlp", layer.mlp, lambda m, x: m(x)[0]),
+    ):
+        x = torch.empty(seq_length // p, micro_batch, config.hidden_size,
+                        dtype=config.params_dtype).normal_().requires_grad_()
+        tracker = MemTracker()
+        tracker.track_external(module, x)
+        with tracker:
+            base = _total(tracker.get_tracker_snapshot("current"))
+            with torch.no_grad():
+                call(module, x)  # forward alone: its high-water mark, nothing kept
+            fwd_peak = _total(tracker.get_tracker_snapshot("peak")) - base
+        full = _measure(module, x, lambda inp, m=module, c=call: c(m, inp))
+        out[name] = dict(fwd_peak=fwd_peak, peak=full.peak, retained=full.retained)
+    return out

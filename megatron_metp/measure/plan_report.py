@@ -1,0 +1,161 @@
+"""``metp plan`` runner: the tables (Markdown on stdout) and the JSON of the planner's points.
+
+Tables
+  1. per-rank memory (GiB of tensor bytes: model state + activation peak) per sequence length,
+     the METP/TP ratio in brackets, ``*`` where the point does not fit the budget;
+  2. longest sequence that fits the budget (bisection), METP vs TP, per p;
+  3. communication per step per rank and ESTIMATED step times on H100 / A100 at one sequence.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import List, Optional
+
+from megatron_metp.measure.planner import (
+    GIB,
+    Planner,
+    PlanSettings,
+    memory_table,
+    point_dict,
+    seq_label,
+)
+
+DEFAULT_MODELS = ("bert-large", "llama-7b", "llama-70b", "gpt-175b")
+DEFAULT_SEQS = tuple(2**k * 1024 for k in range(2, 10))  # 4k .. 512k
+PLAN_MODES = ("tp", "metp")
+
+
+def _ints(value: str) -> List[int]:
+    out = []
+    for tok in value.split(","):
+        tok = tok.strip().lower()
+        if tok:
+            out.append(int(tok[:-1]) * 1024 if tok.endswith("k") else int(tok))
+    return out
+
+
+def add_arguments(parser) -> None:
+    a = parser.add_argument
+    a("--models", default=",".join(DEFAULT_MODELS),
+      help="comma-separated configs (configs/<name>.yaml); default: METP Table 3's four")
+    a("--modes", default=",".join(PLAN_MODES), help="comma-separated: tp, metp")
+    a("--tensor-model-parallel-size", "--p", dest="p", default="2,4,8",
+      help="parallel degrees p (default 2,4,8)")
+    a("--seq-lengths", default=",".join(seq_label(s) for s in DEFAULT_SEQS),
+      help="sequence lengths, e.g. 4k,32k,512k (default 4k..512k)")
+    a("--longest-p", default="8", help="p values for the longest-sequence bisection ('' = skip)")
+    a("--memory-gb", type=float, default=80.0, help="memory per GPU, GiB (default 80)")
+    a("--reserve-gb", type=float, default=4.0,
+      help="reserve for CUDA context, NCCL buffers, workspaces, GiB (default 4)")
+    a("--fragmentation", type=float, default=0.05,
+      help="allocator fragmentation on top of tensor bytes (default 0.05)")
+    a("--use-distributed-optimizer", action="store_true",
+      help="shard fp32 master weights and Adam states over the data-parallel group")
+    a("--efficiency", type=float, default=0.5,
+      help="fraction of bf16 peak FLOP/s assumed by the time ESTIMATES (default 0.5)")
+    a("--time-seq-length", default="128k", help="sequence of the comm/time table")
+    a("--count-send-buffers", action="store_true",
+      help="add the largest P2P send per layer, as if a live request held it (upper bound)")
+    a("--json", default=None, metavar="PATH", help="write every planned point as JSON")
+
+
+def _check(args) -> None:
+    from megatron_metp.config import load_config
+
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in PLAN_MODES]
+    if bad or not modes:
+        raise ValueError(f"--modes {args.modes!r}: metp plan supports {', '.join(PLAN_MODES)} "
+                         "(wallfacer is not planned yet)")
+    for p in _ints(args.p) + _ints(args.longest_p):
+        if p < 1:
+            raise ValueError(f"--tensor-model-parallel-size {p}: must be >= 1")
+    for s in _ints(args.seq_lengths):
+        if s % 1024:
+            raise ValueError(f"--seq-lengths {s}: use multiples of 1024 (e.g. 4k, 32k)")
+    for name in args.models.split(","):
+        load_config(name.strip())
+    if args.memory_gb <= args.reserve_gb:
+        raise ValueError("--memory-gb must exceed --reserve-gb")
+
+
+def run(args) -> int:
+    import warnings
+
+    from megatron_metp.config import load_config
+
+    _check(args)
+    warnings.filterwarnings("ignore")
+    settings = PlanSettings(memory_gib=args.memory_gb, reserve_gib=args.reserve_gb,
+                            fragmentation=args.fragmentation,
+                            distributed_optimizer=args.use_distributed_optimizer,
+                            efficiency=args.efficiency,
+                            count_send_buffers=args.count_send_buffers)
+    planner = Planner(settings)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    cfgs = [load_config(n.strip()) for n in args.models.split(",") if n.strip()]
+    ps, seqs = _ints(args.p), _ints(args.seq_lengths)
+    t0 = time.time()
+    points = [planner.plan(cfg, mode, p, s)
+              for cfg in cfgs for p in ps for mode in modes for s in seqs]
+    out: List[str] = []
+    out.append(f"## Per-rank memory of a training step, GiB (state + activation peak; "
+               f"METP/TP in brackets; * = exceeds {settings.memory_gib:g} GiB with "
+               f"{settings.reserve_gib:g} GiB reserve and {settings.fragmentation:.0%} "
+               f"fragmentation)\n")
+    out.append(memory_table(points))
+    longest = []
+    lp = _ints(args.longest_p)
+    if lp:
+        out.append(f"\n## Longest sequence within {settings.memory_gib:g} GiB per GPU\n")
+        out.append("| model | p | " + " | ".join(modes) + " | metp / tp |")
+        out.append("|---|---|" + "---:|" * (len(modes) + 1))
+        for cfg in cfgs:
+            for p in lp:
+                best = {m: planner.longest_sequence(cfg, m, p) for m in modes}
+                longest += [point_dict(v) for v in best.values() if v is not None]
+                cells = [seq_label(best[m].seq_length) if best[m] else "none" for m in modes]
+                ratio = ""
+                if best.get("tp") and best.get("metp"):
+                    ratio = f"{best['metp'].seq_length / best['tp'].seq_length:.2f}x"
+                out.append(f"| {cfg.name} | {p} | " + " | ".join(cells) + f" | {ratio} |")
+    ts = _ints(args.time_seq_length)[0]
+    out.append(f"\n## Communication per step per rank and ESTIMATED step time at s = "
+               f"{seq_label(ts)} (estimates: FLOPs at {settings.efficiency:.0%} of bf16 peak, "
+               "alpha-beta NVLink, tp serialised, metp overlapped)\n")
+    out.append("| model | p | mode | sent GiB | calls | H100 compute s | H100 comm s | "
+               "H100 step s (est.) | A100 step s (est.) |")
+    out.append("|---|---|---|---:|---:|---:|---:|---:|---:|")
+    timed = []
+    for cfg in cfgs:
+        for p in ps:
+            for mode in modes:
+                pt = planner.plan(cfg, mode, p, ts)
+                timed.append(point_dict(pt))
+                e = pt.est_time_s
+                out.append(f"| {cfg.name} | {p} | {mode} | {pt.sent_bytes / GIB:.2f} | "
+                           f"{pt.comm_calls} | {e['H100_compute']:.3f} | {e['H100_comm']:.3f} | "
+                           f"{e['H100']:.3f} | {e['A100']:.3f} |")
+    out.append(f"\n(planned in {time.time() - t0:.0f} s)")
+    print("\n".join(out), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(settings=vars(settings), points=[point_dict(x) for x in points],
+                           longest=longest, timed=timed), f, indent=1)
+    planner.world.teardown()
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="metp plan")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

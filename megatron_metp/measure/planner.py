@@ -1,0 +1,334 @@
+"""``metp plan``: per-rank memory, communication and estimated time of a training step at full scale.
+
+Everything runs in one process: ``FakeTensorMode`` (tensors without storage) and the ``fake``
+process-group backend (collectives and P2P that move nothing) let the plugin's real layers run
+at the papers' sizes (GPT-175B layers, s = 512k) while ``MemTracker`` and ``CommCounter`` read
+the tensor bytes and the communication of rank 0.
+
+Method (per rank; b = micro batch 1, s = sequence, p = parallel degree, L = layers per device)
+-----------------------------------------------------------------------------------------------
+1. One transformer layer of the mode's spec (norms, attention, MLP, residuals) runs forward and
+   backward on its ``[s/p, b, h]`` shard (``layer_probe.measure_layer``): ``R`` = bytes it keeps
+   from forward to backward (its output included, its input excluded), ``P1`` = its fwd + bwd
+   high-water mark over its input, ``A`` = the largest P2P send (held by a live handle, which a
+   fake run does not see), its parameters and its communication.
+2. The LM head (final norm, vocab-parallel logits, Megatron's cross entropy) is measured the
+   same way (``H``) when the device holds the last layer (``layers_per_device == num_layers``:
+   BERT-Large, LLaMA-7B). LLaMA-70B (5 layers) and GPT-175B (1 layer) are planned as a middle
+   pipeline stage, as METP Table 3 measures them: no embedding, no head.
+3. Activation peak of the step = x0 + max(L R + H, (L - 1) R + P1), where x0 = s/p b h
+   bf16 is the stage's input (embedding output or the received activation). Layers are
+   identical, so after the forward L - 1 layers hold R each while the last one (or the head,
+   which runs after all L layers) reaches its own peak; backward only frees from there on.
+   Live communication handles: a gloo/NCCL request keeps its send buffer alive until it is
+   waited on and dropped, which a fake run cannot see. The plugin's ``RingComm`` waits on every
+   request before the tensors it sent (the step's compute operands, alive anyway) are dropped,
+   so nothing extra is held; tests/test_planner.py checks the fake planner against a real gloo
+   run within 5 %. ``A`` (the largest single send) is the bound on what one in-flight request
+   could hold; ``count_send_buffers`` (``--count-send-buffers``) adds it.
+4. Model state = parameters per rank x ``optimizer_bytes_per_param``: Megatron's bf16 mixed
+   precision Adam keeps a bf16 parameter (2 B), an fp32 ``main_grad`` (4 B; Megatron-LM turns on
+   ``--accumulate-allreduce-grads-in-fp32`` with bf16), and fp32 master weight, Adam m and v
+   (12 B): 18 B per parameter. With ``--use-distributed-optimizer`` the 12 B are sharded over the
+   data-parallel (x context-parallel) group of size d: 6 + 12/d. Here every GPU is in the TP
+   group (d = 1, 18 B) for tp and metp; for wallfacer (CP = p, TP = 1) d = p.
+   The embedding (vocab-parallel word table, and a learned position table of s x h replicated on
+   every rank, as Megatron's ``LanguageModelEmbedding`` keeps it) counts when the device holds
+   the first layer.
+5. Budget: ``(state + activation peak) x (1 + fragmentation) + reserve <= memory`` with a
+   default reserve of 4 GiB (CUDA context ~0.5 GiB, NCCL buffers and cuBLAS workspaces ~1.5
+   GiB, headroom) and 5 % fragmentation; the longest sequence is bisected over multiples of
+   1024 tokens.
+
+Estimated step time (ESTIMATES, not measurements): compute = the step's FLOPs on this rank
+(Megatron-LM's formula, ``megatron_metp.flops``, / p, METP's recomputed Q/K/V added) / (peak x
+``efficiency``); communication = sent bytes / (link bandwidth x 0.8 bus efficiency) + calls x
+alpha; overlap rule: tp is serialised (compute + comm: the SP all-gathers / reduce-scatters sit on
+the critical path); metp and wallfacer overlap ring steps, exposing one step:
+max(compute, comm) + comm / p.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+
+from megatron_metp.measure import layer_probe
+
+GIB = 2**30
+SEQ_GRANULE = 1024
+
+# Dense bf16 peak (TFLOP/s), per-direction NVLink bandwidth per GPU (GB/s), from NVIDIA's data
+# sheets (H100 SXM: NVLink 4, 900 GB/s bidirectional; A100 SXM: NVLink 3, 600 GB/s).
+GPUS = {"H100": dict(tflops=989.0, link_gbs=450.0), "A100": dict(tflops=312.0, link_gbs=300.0)}
+ALPHA_S = 10e-6          # per-call latency of a collective / P2P on NVLink (NCCL small-message)
+BUS_EFFICIENCY = 0.8     # achievable fraction of link bandwidth for large messages
+
+
+@dataclass
+class PlanSettings:
+    memory_gib: float = 80.0
+    reserve_gib: float = 4.0
+    fragmentation: float = 0.05
+    micro_batch: int = 1
+    distributed_optimizer: bool = False
+    efficiency: float = 0.5
+    count_send_buffers: bool = False
+
+
+@dataclass
+class PlanPoint:
+    model: str
+    mode: str
+    p: int
+    seq_length: int
+    layers: int
+    state_bytes: int
+    activation_bytes: int
+    handle_bytes: int
+    total_bytes: int          # state + activation peak (tensor bytes, before reserve)
+    needed_bytes: float       # with fragmentation and reserve: compare with the budget
+    fits: bool
+    layer_retained: int
+    layer_peak: int
+    head_peak: int
+    params_per_rank: int
+    sent_bytes: float         # per rank per step, papers' convention, bf16
+    comm_calls: int
+    est_time_s: Dict[str, float] = field(default_factory=dict)
+
+
+def optimizer_bytes_per_param(mode: str, p: int, distributed_optimizer: bool) -> float:
+    """Model-state bytes per parameter (see the module docstring, item 4)."""
+    d = p if mode == "wallfacer" else 1
+    return 6.0 + (12.0 / d if distributed_optimizer or mode == "wallfacer" else 12.0)
+
+
+# ------------------------------------------------------------------------------------------
+# fake world
+
+
+class FakeWorld:
+    """The ``fake`` process group of ``p`` ranks (we are rank 0) and Megatron's groups on it."""
+
+    def __init__(self):
+        self.key = None
+
+    def setup(self, mode: str, p: int) -> None:
+        import torch.distributed as dist
+        from megatron.core import parallel_state as mpu
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        from megatron_metp import cpu_compat
+        from megatron_metp import parallel_state as metp_state
+        from megatron_metp.model import initialize_parallel
+
+        if self.key == (mode, p):
+            return
+        cpu_compat.apply()
+        if mpu.model_parallel_is_initialized():
+            mpu.destroy_model_parallel()
+        metp_state.destroy()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        dist.init_process_group("fake", rank=0, world_size=p, store=FakeStore())
+        if mode == "wallfacer":
+            raise NotImplementedError("wallfacer is not planned yet")
+        initialize_parallel(tensor_model_parallel_size=p, mode=mode)
+        self.key = (mode, p)
+
+    def teardown(self) -> None:
+        import torch.distributed as dist
+        from megatron.core import parallel_state as mpu
+
+        from megatron_metp import parallel_state as metp_state
+
+        if mpu.model_parallel_is_initialized():
+            mpu.destroy_model_parallel()
+        metp_state.destroy()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.key = None
+
+
+def transformer_config(cfg, p: int, mode: str):
+    """Megatron ``TransformerConfig`` of one layer of ``cfg`` (a ``config.ModelConfig``), bf16."""
+    import torch.nn.functional as F
+
+    from megatron_metp.model import make_config
+
+    tp, cp = (1, p) if mode == "wallfacer" else (p, 1)
+    return make_config(
+        style="llama" if cfg.swiglu else "gpt", num_layers=1, hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_query_groups,
+        ffn_hidden_size=cfg.ffn_hidden_size, kv_channels=cfg.kv_channels,
+        normalization=cfg.normalization, layernorm_epsilon=cfg.norm_epsilon,
+        activation_func=F.silu if cfg.swiglu else F.gelu, gated_linear_unit=cfg.swiglu,
+        add_bias_linear=cfg.add_bias_linear, tensor_model_parallel_size=tp,
+        context_parallel_size=cp, sequence_parallel=tp > 1, bf16=True,
+        params_dtype=torch.bfloat16,
+        # Initialisation of fake weights costs time and means nothing.
+        perform_initialization=False)
+
+
+def padded_vocab(cfg, p: int) -> int:
+    v = cfg.vocab_size or 258
+    mult = 128 * p  # Megatron-LM: --make-vocab-size-divisible-by 128, times the TP size
+    return -(-v // mult) * mult
+
+
+# ------------------------------------------------------------------------------------------
+# the planner
+
+
+class Planner:
+    """Plans (model, mode, p, s) points; layer measurements are cached per point."""
+
+    def __init__(self, settings: Optional[PlanSettings] = None):
+        self.settings = settings or PlanSettings()
+        self.world = FakeWorld()
+        self._layer: Dict[tuple, layer_probe.LayerMeasure] = {}
+        self._head: Dict[tuple, layer_probe.LayerMeasure] = {}
+
+    def _measure(self, cfg, mode: str, p: int, s: int):
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        key = (cfg.name, mode, p, s)
+        if key not in self._layer:
+            self.world.setup(mode, p)
+            tcfg = transformer_config(cfg, p, mode)
+            b = self.settings.micro_batch
+            with FakeTensorMode():
+                self._layer[key] = layer_probe.measure_layer(
+                    tcfg, mode, s, b, causal=cfg.causal,
+                    rope=cfg.position_embedding_type == "rope", rotary_base=cfg.rotary_base)
+                if holds_all_layers(cfg):
+                    self._head[key] = layer_probe.measure_head(tcfg, padded_vocab(cfg, p), s, b)
+        return self._layer[key], self._head.get(key)
+
+    def plan(self, cfg, mode: str, p: int, s: int) -> PlanPoint:
+        st = self.settings
+        lm, head = self._measure(cfg, mode, p, s)
+        L, b, h = cfg.layers_per_device, st.micro_batch, cfg.hidden_size
+        x0 = s // p * b * h * 2
+        head_peak = head.peak if head else 0
+        act = x0 + max(L * lm.retained + head_peak, (L - 1) * lm.retained + lm.peak)
+        if st.count_send_buffers:
+            act += lm.handle_allowance
+        params = L * lm.params
+        if holds_all_layers(cfg):
+            params += head.params                                     # final norm, output
+            if cfg.untie_embeddings_and_output_weights:               # else shared with output
+                params += padded_vocab(cfg, p) // _tp(mode, p) * h    # word embedding
+            if cfg.position_embedding_type == "learned_absolute":
+                params += max(s, cfg.max_position_embeddings or 0) * h  # replicated table
+        state = int(params * optimizer_bytes_per_param(mode, p, st.distributed_optimizer))
+        total = state + act
+        needed = total * (1 + st.fragmentation) + st.reserve_gib * GIB
+        sent = 2.0 * (L * lm.sent_elements + (head.sent_elements if head else 0.0))
+        calls = L * lm.calls + (head.calls if head else 0)
+        point = PlanPoint(
+            model=cfg.name, mode=mode, p=p, seq_length=s, layers=L, state_bytes=state,
+            activation_bytes=act, handle_bytes=lm.handle_allowance, total_bytes=total,
+            needed_bytes=needed, fits=needed <= st.memory_gib * GIB,
+            layer_retained=lm.retained, layer_peak=lm.peak, head_peak=head_peak,
+            params_per_rank=params, sent_bytes=sent, comm_calls=calls)
+        point.est_time_s = estimate_step_time(cfg, mode, p, s, sent, calls, st)
+        return point
+
+    def longest_sequence(self, cfg, mode: str, p: int, lo: int = 4096,
+                         hi_limit: int = 2**24) -> Optional[PlanPoint]:
+        """Largest multiple of 1024 tokens whose point fits the budget (bisection), or None."""
+        g = SEQ_GRANULE
+        if not self.plan(cfg, mode, p, lo).fits:
+            return None
+        hi = lo * 2
+        while hi <= hi_limit and self.plan(cfg, mode, p, hi).fits:
+            lo, hi = hi, hi * 2
+        # lo fits, hi does not (or exceeds the limit): bisect in units of the granule.
+        a, z = lo // g, hi // g
+        while z - a > 1:
+            mid = (a + z) // 2
+            if self.plan(cfg, mode, p, mid * g).fits:
+                a = mid
+            else:
+                z = mid
+        return self.plan(cfg, mode, p, a * g)
+
+
+def _tp(mode: str, p: int) -> int:
+    return 1 if mode == "wallfacer" else p
+
+
+def holds_all_layers(cfg) -> bool:
+    return cfg.layers_per_device == cfg.num_layers
+
+
+def estimate_step_time(cfg, mode: str, p: int, s: int, sent_bytes: float, calls: int,
+                       st: PlanSettings) -> Dict[str, float]:
+    """ESTIMATED step seconds on H100 and A100 (module docstring: compute, comm, overlap rule)."""
+    from megatron_metp.flops import FlopModel, training_flops
+
+    L = cfg.layers_per_device
+    fm = FlopModel(num_layers=L, hidden_size=cfg.hidden_size,
+                   num_attention_heads=cfg.num_attention_heads,
+                   num_query_groups=cfg.num_query_groups, kv_channels=cfg.kv_channels,
+                   ffn_hidden_size=cfg.ffn_hidden_size,
+                   padded_vocab_size=padded_vocab(cfg, p) if holds_all_layers(cfg) else 0,
+                   swiglu=cfg.swiglu, causal=cfg.causal)
+    flops = training_flops(fm, st.micro_batch, s) / p
+    if mode == "metp":
+        # Alg. 6 recomputes Q/K/V in backward: one more forward of the QKV projection.
+        q = cfg.kv_channels * cfg.num_attention_heads
+        kv = cfg.kv_channels * cfg.num_query_groups
+        flops += 2 * st.micro_batch * s * L * cfg.hidden_size * (q + 2 * kv) / p
+    out = {}
+    for gpu, spec in GPUS.items():
+        comp = flops / (spec["tflops"] * 1e12 * st.efficiency)
+        comm = sent_bytes / (spec["link_gbs"] * 1e9 * BUS_EFFICIENCY) + calls * ALPHA_S
+        step = comp + comm if mode == "tp" else max(comp, comm) + comm / p
+        out[gpu] = step
+        out[f"{gpu}_compute"] = comp
+        out[f"{gpu}_comm"] = comm
+    return out
+
+
+def point_dict(pt: PlanPoint) -> dict:
+    return asdict(pt)
+
+
+def seq_label(s: int) -> str:
+    return f"{s // 1024}k" if s % 1024 == 0 else str(s)
+
+
+def fmt_gib(x: float) -> str:
+    return f"{x / GIB:.1f}"
+
+
+def memory_table(points: List[PlanPoint]) -> str:
+    """Markdown: per-rank GiB (state + activation peak) per sequence length, one row per mode."""
+    seqs = sorted({pt.seq_length for pt in points})
+    rows = {}
+    for pt in points:
+        rows.setdefault((pt.model, pt.p, pt.mode), {})[pt.seq_length] = pt
+    head = "| model | p | mode | " + " | ".join(seq_label(s) for s in seqs) + " |"
+    lines = [head, "|" + "---|" * 3 + "---:|" * len(seqs)]
+    for (model, p, mode), by_s in rows.items():
+        cells = []
+        for s in seqs:
+            pt = by_s.get(s)
+            if pt is None:
+                cells.append("")
+                continue
+            tp = rows.get((model, p, "tp"), {}).get(s)
+            ratio = f" ({pt.total_bytes / tp.total_bytes:.2f})" if tp and mode != "tp" else ""
+            cells.append(fmt_gib(pt.total_bytes) + ("" if pt.fits else "*") + ratio)
+        lines.append(f"| {model} | {p} | {mode} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def ratio_of(a: float, b: float) -> float:
+    return a / b if b else math.nan
