@@ -167,6 +167,18 @@ def _train_parser(p: argparse.ArgumentParser) -> Callable:
 
 
 # ------------------------------------------------------------------------------------------
+# metp plan (one process, fake tensors and the fake process group: no launcher)
+
+
+@subcommand("plan", "per-rank memory, communication and estimated step time at full scale")
+def _plan_parser(p: argparse.ArgumentParser) -> Callable:
+    from megatron_metp.measure import plan_report
+
+    plan_report.add_arguments(p)
+    return lambda args, explicit, argv: plan_report.run(args)
+
+
+# ------------------------------------------------------------------------------------------
 
 
 def build_parser() -> Tuple[argparse.ArgumentParser, Dict[str, Callable]]:
