@@ -119,13 +119,24 @@ def build_wallfacer_groups(all_cp_groups: Sequence[Sequence[int]], my_cp_ranks: 
     return plan
 
 
-def initialize_wallfacer(team_size: int, placement: str = "collective_intra",
-                         layout: str = "zigzag") -> WallFacerGroups:
+def initialize_wallfacer(team_size=1, placement: Optional[str] = "collective_intra",
+                         layout: str = "zigzag", *, shape: Optional[dict] = None,
+                         gpus_per_node: Optional[int] = None) -> WallFacerGroups:
     """Build the WallFacer groups from Megatron's context-parallel group and register them.
 
     Call on every rank after ``megatron.core.parallel_state.initialize_model_parallel(
     context_parallel_size=P, ...)``. Returns this rank's :class:`WallFacerGroups`.
+    ``team_size="auto"`` (``--wallfacer-team-size auto``) runs the topology scheduler on an
+    attention step of ``shape`` (b, s, n, n_kv, d) first; ``placement=None`` lets it choose.
     """
+    if team_size == "auto":
+        from megatron_metp.wallfacer.scheduler import resolve_team_size
+
+        if shape is None:
+            raise ValueError("--wallfacer-team-size auto needs the attention shape to profile "
+                             "(initialize_wallfacer(..., shape=dict(b=, s=, n=, n_kv=, d=)))")
+        team_size, placement = resolve_team_size("auto", placement, shape, gpus_per_node)
+    placement = placement or "collective_intra"
     from megatron.core import parallel_state as mpu
 
     from megatron_metp import parallel_state as ps
