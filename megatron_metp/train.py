@@ -246,9 +246,13 @@ def train_one_mode(args: Namespace, cfg: ModelConfig, mode: str, explicit: set,
         optimizer = get_megatron_optimizer(opt_config, [ddp], use_gloo_process_groups=False)
         scheduler = OptimizerParamScheduler(
             optimizer, init_lr=0.0, max_lr=ns.lr, min_lr=opt_config.min_lr,
-            lr_warmup_steps=ns.lr_warmup_iters, lr_decay_steps=max(ns.train_iters, 1),
+            lr_warmup_steps=ns.lr_warmup_iters,
+            lr_decay_steps=max(ns.train_iters, ns.lr_warmup_iters + 1),
             lr_decay_style="cosine", start_wd=ns.weight_decay, end_wd=ns.weight_decay,
-            wd_incr_steps=max(ns.train_iters, 1), wd_incr_style="constant")
+            wd_incr_steps=max(ns.train_iters, 1), wd_incr_style="constant",
+            # On --load the schedule comes from this command line and only the step count from
+            # the checkpoint (Megatron-LM's --override-opt_param-scheduler).
+            use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True)
         tconf.finalize_model_grads_func = finalize_model_grads
         tconf.grad_scale_func = optimizer.scale_loss
         tconf.no_sync_func = ddp.no_sync

@@ -62,8 +62,13 @@ def _unwrap(chunk):
     return getattr(chunk, "module", chunk)
 
 
-def _sharded_state_dict(model_chunks: List, optimizer, is_loading: bool = False) -> dict:
+def _sharded_state_dict(model_chunks: List, optimizer, iteration: int,
+                        is_loading: bool = False) -> dict:
+    """Model, and the optimizer once it has taken a step: before the first step (``--save`` with
+    ``--train-iters 0``, the initial weights) Adam has no moments to save or to load."""
     model_sd = _unwrap(model_chunks[0]).sharded_state_dict()
+    if iteration == 0:
+        return {"model": model_sd}
     # is_loading: Megatron's optimizer first creates its (still empty) Adam moments, so that the
     # request names exp_avg / exp_avg_sq and they are loaded rather than silently left at zero.
     return {"model": model_sd,
@@ -77,7 +82,7 @@ def save(root: str, iteration: int, model_chunks: List, optimizer, scheduler) ->
     if dist.get_rank() == 0:
         os.makedirs(path, exist_ok=True)
     dist.barrier()
-    sd = _sharded_state_dict(model_chunks, optimizer)
+    sd = _sharded_state_dict(model_chunks, optimizer, iteration)
     sd["iteration"] = iteration
     sd["opt_param_scheduler"] = scheduler.state_dict()
     dist_checkpointing.save(sd, path)
@@ -108,10 +113,11 @@ def load(root: str, model_chunks: List, optimizer, scheduler) -> int:
     from megatron.core import dist_checkpointing
 
     iteration = latest_iteration(root)
-    sd = _sharded_state_dict(model_chunks, optimizer, is_loading=True)
+    sd = _sharded_state_dict(model_chunks, optimizer, iteration, is_loading=True)
     loaded = dist_checkpointing.load(sd, _ckpt_dir(root, iteration))
     _unwrap(model_chunks[0]).load_state_dict(loaded["model"])
-    optimizer.load_state_dict(loaded["optimizer"])
+    if "optimizer" in loaded:
+        optimizer.load_state_dict(loaded["optimizer"])
     scheduler.load_state_dict(loaded["opt_param_scheduler"])
     rng = _rng_path(_ckpt_dir(root, iteration))
     if os.path.isfile(rng):

@@ -97,7 +97,11 @@ class Reporter:
         for mode, res in results.items():
             s = res["summary"]
             lay = s["layout"]
-            ratio = (s["last10_mean"] / s["first_loss"]) if s["first_loss"] else float("nan")
+            if not s["iterations"]:  # e.g. --train-iters 0 --save: initial weights only
+                rows.append([mode, f"{lay['dp']}x{lay['tp']}x{lay['cp']}x{lay['pp']}", 0]
+                            + ["-"] * 8)
+                continue
+            ratio = s["last10_mean"] / s["first_loss"]
             rows.append([mode, f"{lay['dp']}x{lay['tp']}x{lay['cp']}x{lay['pp']}",
                          s["iterations"], f"{s['first_loss']:.4f}", f"{s['last10_mean']:.4f}",
                          f"{ratio:.3f}", f"{s['tokens_per_s']:,.0f}",

@@ -172,3 +172,63 @@ def test_checkpoint_resume_is_exact(tmp_path, report):
     assert len(full) == 6 and len(resumed) == 2
     report(f"metp train resume at 4/6: losses 5-6 {resumed} vs uninterrupted {full[4:]}")
     assert resumed == full[4:]
+
+
+def _losses_task(argv, init_ckpt=None):
+    """Train; with ``init_ckpt``, first save the initial weights there (--train-iters 0) and
+    start the measured run from them, so that layouts that draw different initial weights
+    (Megatron seeds each pipeline stage with seed + 100 * stage) start from the same model."""
+    from megatron_metp import train
+    from tests._models import child_processes_allowed
+
+    with child_processes_allowed():  # dist_checkpointing's writer starts processes
+        if init_ckpt is not None and not os.path.exists(init_ckpt):
+            args, explicit = _args(*argv, "--train-iters", "0", "--save", init_ckpt)
+            train.run(args, explicit)
+        extra = ["--load", init_ckpt] if init_ckpt is not None else []
+        args, explicit = _args(*argv, *extra)
+        return train.run(args, explicit)
+
+
+COMPOSE = ["--train-iters", "6", "--hidden-dropout", "0", "--no-progress"]
+
+
+def test_composition_matches_the_smaller_layout(tmp_path, report):
+    """On 4 CPU ranks, metp 2 x data-parallel 2, pipeline 2 x metp 2, and wallfacer (C = 1,
+    P = 2) x data-parallel 2 give the losses of the same model on 2 ranks without the extra
+    dimension. The global batch (8) is the same, split into micro-batches differently.
+    Tolerance 1e-4 as in the --compare test: only the order of the gradient sums changes.
+
+    Models: LLaMA-style (RMSNorm, SwiGLU, RoPE, GQA, untied embeddings) for the metp cases;
+    GPT-style for wallfacer, because Megatron's RoPE under context parallelism
+    (``get_pos_emb_on_this_cp_rank``) pins memory, which a CPU build refuses.
+    """
+    cases = {
+        "metp2 x dp2": ("tiny-llama", ["--tensor-parallel-mode", "metp"]),
+        "pp2 x metp2": ("tiny-llama", ["--tensor-parallel-mode", "metp",
+                                       "--pipeline-model-parallel-size", "2"]),
+        "wallfacer2 x dp2": ("tiny-gpt", ["--tensor-parallel-mode", "wallfacer"]),
+    }
+    base = {}
+    worst = {}
+    for name, (config, extra) in cases.items():
+        # The pipeline case starts from the 2-rank model's initial weights, saved with
+        # dist_checkpointing and resharded on load (TP 2 x PP 1 -> TP 2 x PP 2).
+        init = str(tmp_path / f"{config}-init") if config == "tiny-llama" else None
+        if config not in base:  # the same model on 2 ranks: metp 2, nothing else
+            res = run_ranks(2, _losses_task, COMPOSE + ["--config", config,
+                                                        "--tensor-parallel-mode", "metp"],
+                            init, timeout=300)[0]
+            base[config] = res["metp"]["losses"]
+            assert base[config][-1] < base[config][0]
+        res = run_ranks(4, _losses_task, COMPOSE + ["--config", config] + extra, init,
+                        timeout=300)[0]
+        (summary,) = [r["summary"] for r in res.values()]
+        (losses,) = [r["losses"] for r in res.values()]
+        lay = summary["layout"]
+        assert lay["dp"] * lay["tp"] * lay["cp"] * lay["pp"] == 4, lay
+        worst[name] = max(abs(a - b) for a, b in zip(losses, base[config]))
+    report("metp train composition, max |loss - metp 2 on 2 ranks|: "
+           + ", ".join(f"{k} {v:.2e}" for k, v in worst.items()))
+    for name, w in worst.items():
+        assert w <= 1e-4, (name, w)
