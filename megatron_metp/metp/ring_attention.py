@@ -159,8 +159,10 @@ def ring_attention_backward(
     k_buf, v_buf = _RecvSlots(k_base, p), _RecvSlots(v_base, p)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk_own = dv_own = None
-    dk_travel = dv_travel = None  # accumulator of the block currently held (rank src's)
-    dkv_bufs = None
+    # The travelling (dK, dV) accumulator pairs, fp32 [b, n_kv, s/p, d] each: the one sent at
+    # the previous step and the one receiving. They swap roles every step, so the ring holds
+    # two pairs; at the first hop the block's own kernel gradients are sent, not a copy.
+    sent = recv = None
     for j in range(p):
         src = (rank - j) % p
         if j < p - 1:
@@ -174,6 +176,7 @@ def ring_attention_backward(
                 causal=mode, softmax_scale=softmax_scale,
             )
             dq += dq_b
+            del dq_b
         else:
             dk_b = dv_b = None
         if j == 0:
@@ -181,29 +184,34 @@ def ring_attention_backward(
             dk_own, dv_own = dk_b.to(acc), dv_b.to(acc)
         else:
             if j == 1:
-                # The accumulator of block src is born here (src + 1 is the first visitor).
-                dkv_bufs = [torch.zeros((2, *k.shape), dtype=acc, device=k.device) for _ in range(2)]
-                cur = dkv_bufs[0]
+                # The accumulator of block src is born here (src + 1 is its first visitor).
+                if dk_b is None:
+                    cur = (torch.zeros(k.shape, dtype=acc, device=k.device),
+                           torch.zeros(v.shape, dtype=acc, device=v.device))
+                else:
+                    cur = (dk_b.to(acc).contiguous(), dv_b.to(acc).contiguous())
+                target = tuple(torch.empty_like(t) for t in cur)
             else:
-                # It arrived during this step's compute, from rank - 1 (its previous visitor).
+                # It arrived during this step's compute, from rank - 1 (its previous visitor);
+                # the pair sent at the previous step is free again (that batch is complete).
                 dkv_comm.wait()
-                cur = dkv_bufs[(j - 1) % 2]
-            if dk_b is not None:
-                cur[0] += dk_b
-                cur[1] += dv_b
+                cur, target = recv, sent
+                if dk_b is not None:
+                    cur[0].add_(dk_b)
+                    cur[1].add_(dv_b)
+            del dk_b, dv_b
             # Send to rank + 1: the next visitor of block src, or its owner after the last step.
-            # The receive goes to the other buffer, which the previous send (completed by the
-            # wait above) no longer reads.
-            dkv_comm.send_recv(cur, dkv_bufs[j % 2])
+            dkv_comm.send_recv(cur[0], target[0])
+            dkv_comm.send_recv(cur[1], target[1])
             dkv_comm.commit()
+            sent, recv = cur, target
         if j < p - 1:
             kv_comm.wait()
             k_buf.advance()
             v_buf.advance()
     if p > 1:
         dkv_comm.wait()
-        mine = dkv_bufs[(p - 1) % 2]
-        dk_own, dv_own = dk_own + mine[0], dv_own + mine[1]
+        dk_own, dv_own = dk_own.add_(recv[0]), dv_own.add_(recv[1])
     return dq.to(q.dtype), dk_own.to(k.dtype), dv_own.to(v.dtype)
 
 
