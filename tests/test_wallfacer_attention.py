@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_metp.wallfacer import config_generator as cg
-from megatron_metp.wallfacer import zigzag
+from megatron_metp.wallfacer import scheduler, zigzag
 from megatron_metp.wallfacer.attention import wallfacer_attention
 from megatron_metp.wallfacer.groups import build_wallfacer_groups
 from tests._harness import run_ranks
@@ -68,7 +68,9 @@ def _run_configs(configs, seq_per_rank=4, b=2, n=4, d=8):
 
 
 def _all_configs(P):
-    return [(C, pl, causal, n_kv) for C in cg.valid_team_sizes(P) for pl in cg.PLACEMENTS
+    # Every distinct (C, placement): the two placements are the same rank map when C = 1 or
+    # C = sqrt(P) (checked in test_wallfacer_scheduler), so those run once.
+    return [(C, pl, causal, n_kv) for C, pl in scheduler.candidates(P)
             for causal in (True, False) for n_kv in (4, 2)]
 
 
@@ -93,7 +95,7 @@ def test_wallfacer_attention_matches_fp64(P, report):
 
 @pytest.mark.slow
 def test_wallfacer_attention_p16(report):
-    configs = [(C, pl, causal, 4) for C in (2, 4) for pl in cg.PLACEMENTS
+    configs = [(C, pl, causal, 4) for C, pl in scheduler.candidates(16) if C > 1
                for causal in (True, False)]
     per_rank = run_ranks(16, _run_configs, configs, timeout=900)
     for rank_res in per_rank:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from megatron_metp.measure.comm_counter import CommCounter
 from megatron_metp.measure.memory import PeakMemory
 from megatron_metp.wallfacer import config_generator as cg
-from megatron_metp.wallfacer import formulas
+from megatron_metp.wallfacer import formulas, scheduler
 from megatron_metp.wallfacer.attention import (WallFacerAttnFunc, from_chunk_major,
                                                to_chunk_major, wallfacer_forward)
 from megatron_metp.wallfacer.groups import build_wallfacer_groups
@@ -25,41 +25,39 @@ B, N_HEADS, N_KV, D = 1, 4, 2, 8
 def _measure(seq_per_rank, mem_seq_per_rank):
     P = dist.get_world_size()
     out = {}
-    for C in cg.valid_team_sizes(P):
-        for placement in cg.PLACEMENTS:
-            plan = build_wallfacer_groups([list(range(P))], list(range(P)), None, C, placement)
-            s = seq_per_rank * P
-            g = torch.Generator().manual_seed(7)
-            q, k, v = (torch.randn(2, B, h, seq_per_rank // 2, D, generator=g)
-                       for h in (N_HEADS, N_KV, N_KV))
-            q, k, v = (t.requires_grad_() for t in (q, k, v))
-            # Communication: forward and backward counted separately.
-            with CommCounter() as fwd:
-                o = WallFacerAttnFunc.apply(q, k, v, plan, True, None)
-            with CommCounter() as bwd:
-                o.backward(torch.ones_like(o))
-            counted = {
-                ph: {op: cc.sent_elements([op]) for op in ("all_gather", "reduce_scatter", "send")}
-                for ph, cc in (("fwd", fwd), ("bwd", bwd))}
-            counted["recv_calls_fwd"] = fwd.calls(["recv"])
-            # Causal work actually computed per ring step.
-            stats = {}
-            with torch.no_grad():
-                wallfacer_forward(q, k, v, plan, causal=True, stats=stats)
-            # Memory of forward + backward at a larger size (inputs counted from the start).
-            ms = mem_seq_per_rank
-            qm, km, vm = (torch.randn(2, B, h, ms // 2, D, generator=g).requires_grad_()
-                          for h in (N_HEADS, N_HEADS, N_HEADS))
-            with PeakMemory(qm, km, vm) as pm_fwd:
-                om = WallFacerAttnFunc.apply(qm, km, vm, plan, True, None)
-            with PeakMemory(qm, km, vm, om) as pm_all:
-                om.backward(torch.ones_like(om))
-                del om
-            out[(C, placement)] = dict(
-                counted=counted, work=stats["work"], peak=pm_fwd.peak_increase,
-                peak_bwd=pm_all.peak_increase,
-                self_send=plan.init_send_to == plan.idx, s=s)
-            dist.barrier()
+    for C, placement in scheduler.candidates(P):
+        plan = build_wallfacer_groups([list(range(P))], list(range(P)), None, C, placement)
+        s = seq_per_rank * P
+        g = torch.Generator().manual_seed(7)
+        q, k, v = (torch.randn(2, B, h, seq_per_rank // 2, D, generator=g)
+                   for h in (N_HEADS, N_KV, N_KV))
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        # Communication: forward and backward counted separately.
+        with CommCounter() as fwd:
+            o = WallFacerAttnFunc.apply(q, k, v, plan, True, None)
+        with CommCounter() as bwd:
+            o.backward(torch.ones_like(o))
+        counted = {
+            ph: {op: cc.sent_elements([op]) for op in ("all_gather", "reduce_scatter", "send")}
+            for ph, cc in (("fwd", fwd), ("bwd", bwd))}
+        # Causal work actually computed per ring step.
+        stats = {}
+        with torch.no_grad():
+            wallfacer_forward(q, k, v, plan, causal=True, stats=stats)
+        # Memory of forward + backward at a larger size (inputs counted from the start).
+        ms = mem_seq_per_rank
+        qm, km, vm = (torch.randn(2, B, h, ms // 2, D, generator=g).requires_grad_()
+                      for h in (N_HEADS, N_HEADS, N_HEADS))
+        with PeakMemory(qm, km, vm) as pm_fwd:
+            om = WallFacerAttnFunc.apply(qm, km, vm, plan, True, None)
+        with PeakMemory(qm, km, vm, om) as pm_all:
+            om.backward(torch.ones_like(om))
+            del om
+        out[(C, placement)] = dict(
+            counted=counted, work=stats["work"], peak=pm_fwd.peak_increase,
+            peak_bwd=pm_all.peak_increase,
+            self_send=plan.init_send_to == plan.idx, s=s)
+        dist.barrier()
     return out
 
 
@@ -87,20 +85,19 @@ def _check(P, per_rank, report, seq_per_rank, mem_seq_per_rank):
     # the bound is asserted on the forward's peak; the backward's is reported (the backward
     # holds the team's q, dout, out and their gradients, all C times larger, see the report).
     A_bytes = B * mem_seq_per_rank * N_HEADS * D * 4
-    for placement in cg.PLACEMENTS:
-        ring = max(res[(1, placement)]["peak"] for res in per_rank)
-        ring_b = max(res[(1, placement)]["peak_bwd"] for res in per_rank)
-        for C in cg.valid_team_sizes(P)[1:]:
-            wall = max(res[(C, placement)]["peak"] for res in per_rank)
-            wall_b = max(res[(C, placement)]["peak_bwd"] for res in per_rank)
-            ratio = (wall - ring) / ((C - 1) * A_bytes)
-            ratio_b = (wall_b - ring_b) / ((C - 1) * A_bytes)
-            report(f"wallfacer memory P={P} C={C} {placement}: forward peak {wall / 2**20:.4f} "
-                   f"MiB vs ring {ring / 2**20:.4f} MiB -> diff {ratio:.2f} (C-1)A (paper "
-                   f"3 (C-1)A, bound 5 (C-1)A); backward peak {wall_b / 2**20:.4f} vs "
-                   f"{ring_b / 2**20:.4f} MiB -> diff {ratio_b:.2f} (C-1)A; "
-                   f"A = {A_bytes / 2**10:.1f} KiB")
-            assert ratio <= 5.0, (C, placement, ratio)
+    ring = max(res[(1, "collective_intra")]["peak"] for res in per_rank)
+    ring_b = max(res[(1, "collective_intra")]["peak_bwd"] for res in per_rank)
+    for C, placement in scheduler.candidates(P)[1:]:
+        wall = max(res[(C, placement)]["peak"] for res in per_rank)
+        wall_b = max(res[(C, placement)]["peak_bwd"] for res in per_rank)
+        ratio = (wall - ring) / ((C - 1) * A_bytes)
+        ratio_b = (wall_b - ring_b) / ((C - 1) * A_bytes)
+        report(f"wallfacer memory P={P} C={C} {placement}: forward peak {wall / 2**20:.4f} "
+               f"MiB vs ring {ring / 2**20:.4f} MiB -> diff {ratio:.2f} (C-1)A (paper "
+               f"3 (C-1)A, bound 5 (C-1)A); backward peak {wall_b / 2**20:.4f} vs "
+               f"{ring_b / 2**20:.4f} MiB -> diff {ratio_b:.2f} (C-1)A; "
+               f"A = {A_bytes / 2**10:.1f} KiB")
+        assert ratio <= 5.0, (C, placement, ratio)
 
 
 @pytest.mark.parametrize("P", [4, 8])

@@ -1,0 +1,84 @@
+"""``WallFacerCoreAttention``: WallFacer as Megatron-Core's ``core_attention`` submodule."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_metp.wallfacer.groups import WallFacerGroups
+
+
+class WallFacerCoreAttention(MegatronModule):
+    """Megatron core attention over the context-parallel group with WallFacer's multi-ring.
+
+    Same constructor and ``forward`` as Megatron's ``DotProductAttention``; used as
+    ``core_attention`` inside ``SelfAttention`` (``wallfacer_layer_spec``), so ``linear_qkv``,
+    ``linear_proj`` and every parameter name and shape are those of the ``tp`` model::
+
+        query        [s/P, b, np, hn]    this rank's zigzag tokens (np = heads per TP rank)
+        key, value   [s/P, b, ng, hn]    GQA: ng query groups (K/V travel with ng heads)
+        returns      [s/P, b, np * hn]
+
+    The groups come from ``megatron_metp.parallel_state.get_wallfacer_groups()`` at
+    construction (call ``initialize_wallfacer`` after Megatron's ``initialize_model_parallel``)
+    and are passed explicitly to the autograd Function. Tensor parallelism composes: each TP
+    rank runs WallFacer on its own heads. Causal mask types use the chunk-pair causal mask
+    (an explicit ``attention_mask`` is ignored for them, as Transformer Engine's CP path does);
+    ``no_mask`` is full attention (DiT-style).
+    """
+
+    def __init__(self, config: TransformerConfig, layer_number: int,
+                 attn_mask_type: AttnMaskType, attention_type: str,
+                 attention_dropout: Optional[float] = None,
+                 softmax_scale: Optional[float] = None, cp_comm_type: Optional[str] = None,
+                 pg_collection=None):
+        super().__init__(config=config)
+        from megatron_metp import parallel_state as ps
+
+        self.plan: WallFacerGroups = ps.get_wallfacer_groups()
+        if config.context_parallel_size != self.plan.cp_size:
+            raise ValueError(
+                f"--context-parallel-size {config.context_parallel_size} differs from the "
+                f"WallFacer groups' P = {self.plan.cp_size}: call initialize_wallfacer after "
+                f"initialize_model_parallel with the same context-parallel size"
+            )
+        if cp_comm_type not in (None, "wallfacer") and config.context_parallel_size > 1:
+            raise ValueError(
+                f"--cp-comm-type {cp_comm_type!r} conflicts with the WallFacer core attention: "
+                f"use --cp-comm-type wallfacer (or --tensor-parallel-mode wallfacer)")
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        if dropout > 0:
+            raise ValueError(
+                f"--attention-dropout {dropout}: WallFacer attention has no attention dropout; "
+                f"set --attention-dropout 0")
+        if config.softmax_type != "vanilla" or config.window_size is not None:
+            raise ValueError("WallFacer attention supports --softmax-type vanilla and no "
+                             "--window-size")
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.attention_type = attention_type
+        # apply_query_key_layer_scaling divides scores by layer_number and the softmax
+        # multiplies back: the effective scale is 1/sqrt(kv_channels) unless given.
+        self.softmax_scale = (softmax_scale if softmax_scale is not None
+                              else 1.0 / math.sqrt(config.kv_channels))
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        if packed_seq_params is not None or attention_bias is not None:
+            raise ValueError("WallFacer attention supports neither packed sequences nor an "
+                             "attention bias")
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        causal = mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
+        if not causal and attention_mask is not None:
+            raise ValueError("WallFacer attention cannot apply an arbitrary attention_mask; use "
+                             "a causal or no_mask attention mask type")
+        sq, b, np_, hn = query.shape
+        from megatron_metp.wallfacer.attention import wallfacer_attention
+
+        out = wallfacer_attention(query, key, value, self.plan, causal=causal,
+                                  softmax_scale=self.softmax_scale)
+        return out.reshape(sq, b, np_ * hn)
