@@ -117,3 +117,38 @@ def _large_fp32():
     ref, _, _, _ = _reference(q, k, v, torch.ones_like(q), True, 8 ** -0.5)
     torch.testing.assert_close(out.detach().double(), ref[:, :, sl], rtol=0,
                                atol=5e-3 * v.abs().max().item())
+
+
+def _count_blocks(causal):
+    """Kernel calls per rank, forward and backward, with the kernels wrapped to count."""
+    import megatron_metp.metp.ring_attention as ra
+
+    calls = {"fwd": [], "bwd": []}
+    fwd, bwd = ra.attention_forward, ra.attention_backward
+
+    def count_fwd(q, k, v, **kw):
+        calls["fwd"].append(kw["causal"])
+        return fwd(q, k, v, **kw)
+
+    def count_bwd(*args, **kw):
+        calls["bwd"].append(kw["causal"])
+        return bwd(*args, **kw)
+
+    ra.attention_forward, ra.attention_backward = count_fwd, count_bwd
+    try:
+        q, k, v = (torch.randn(1, 2, 4, 8, requires_grad=True) for _ in range(3))
+        ring_attention(q, k, v, None, causal=causal).sum().backward()
+    finally:
+        ra.attention_forward, ra.attention_backward = fwd, bwd
+    return calls
+
+
+def test_causal_ring_skips_blocks_above_the_diagonal():
+    # Rank r owns the r-th contiguous chunk: it sees blocks 0..r (the r-th causally) and skips
+    # the p-1-r blocks above the diagonal, in forward and backward alike.
+    p = 4
+    for rank, calls in enumerate(run_ranks(p, _count_blocks, True)):
+        for phase in ("fwd", "bwd"):
+            assert sorted(calls[phase]) == [False] * rank + [True], (rank, phase, calls)
+    for calls in run_ranks(p, _count_blocks, False):
+        assert calls == {"fwd": [False] * p, "bwd": [False] * p}
