@@ -13,8 +13,11 @@ s = 512k costs no memory and well under a second of work per rank step. Shapes p
 =====================  ==========================================================================
 ``retained``            bytes a layer keeps alive from its forward until its backward, its output
                         included and its input excluded (the input is the previous layer's output)
+``shared_buffer``       Megatron's ``GlobalMemoryBuffer`` at the end (the SP all-gather scratch,
+                        one per process, reused by every layer): in ``peak``, not in ``retained``
 ``peak``                the high-water mark of the layer's forward + backward over the baseline
                         (parameters and the input), the incoming gradient included
+``fwd_peak``            the high-water mark of the (training, grad-enabled) forward alone
 ``handle_allowance``    bytes a live communication handle holds that a fake run cannot see: the
                         largest single P2P send of the layer (one send in flight per ring step;
                         ../shared/FACTS.md: a gloo ``Work`` holds its send buffer until dropped)
@@ -51,6 +54,8 @@ class LayerMeasure:
     sent_elements: float
     payload_bytes: Dict[str, int] = field(default_factory=dict)
     calls: int = 0
+    fwd_peak: int = 0
+    shared_buffer: int = 0
 
 
 def _total(snap: Dict) -> int:
@@ -67,9 +72,32 @@ def _drop_param_grads(module: torch.nn.Module) -> list:
     return handles
 
 
+def _global_buffer():
+    """Megatron's ``GlobalMemoryBuffer`` (the SP all-gather scratch), or None."""
+    from megatron.core import parallel_state as mpu
+
+    try:
+        return mpu.get_global_memory_buffer()
+    except AssertionError:
+        return None
+
+
+def _buffer_bytes(gbuf) -> int:
+    if gbuf is None:
+        return 0
+    return sum(t.numel() * t.element_size() for t in gbuf.buffer.values())
+
+
 def _measure(module: torch.nn.Module, x: torch.Tensor, run_forward, extra=()) -> LayerMeasure:
     """fwd (``run_forward(x) -> output``), then bwd with a gradient of the output's shape."""
     hooks = _drop_param_grads(module)
+    # Megatron's SP linears all-gather into one process-wide scratch buffer that outlives every
+    # layer: start empty so it is allocated (and counted) inside the region, and report it apart
+    # (``shared_buffer``) so the planner counts it once per rank, not once per layer. Emptying it
+    # also drops tensors of an earlier FakeTensorMode.
+    gbuf = _global_buffer()
+    if gbuf is not None:
+        gbuf.buffer.clear()
     tracker = MemTracker()
     tracker.track_external(module, x, *extra)
     try:
@@ -77,6 +105,8 @@ def _measure(module: torch.nn.Module, x: torch.Tensor, run_forward, extra=()) ->
             base = _total(tracker.get_tracker_snapshot("current"))
             out = run_forward(x)
             retained = _total(tracker.get_tracker_snapshot("current")) - base
+            retained -= _buffer_bytes(gbuf)
+            fwd_peak = _total(tracker.get_tracker_snapshot("peak")) - base
             grad = torch.empty_like(out) if out.dim() else torch.ones_like(out)
             out.backward(grad)
             del out, grad
@@ -88,6 +118,8 @@ def _measure(module: torch.nn.Module, x: torch.Tensor, run_forward, extra=()) ->
     return LayerMeasure(
         retained=retained,
         peak=peak,
+        fwd_peak=fwd_peak,
+        shared_buffer=_buffer_bytes(gbuf),
         handle_allowance=max(sends, default=0),
         params=sum(prm.numel() for prm in module.parameters()),
         sent_elements=cc.sent_elements(),
@@ -185,9 +217,10 @@ def measure_sublayers(config, mode: str, seq_length: int, micro_batch: int = 1, 
     """Forward activation peak of the attention and the MLP sublayers alone (METP Tables 1-2).
 
     Tables 1-2 compare the *peak memory overhead during forward propagation* of one sublayer's
-    intermediate results, so this measures each sublayer's forward high-water mark over its
-    parameters and its ``[s/p, b, h]`` input (``fwd_peak``), and for reference its forward +
-    backward one (``peak``) and what it keeps for backward (``retained``). No rotary embedding.
+    intermediate results, so this measures each sublayer's training forward (autograd on, so
+    what it saves for backward counts, as in the tables) high-water mark over its parameters and
+    its ``[s/p, b, h]`` input (``fwd_peak``), and for reference its forward + backward one
+    (``peak``) and what it keeps for backward (``retained``). No rotary embedding.
     """
     layer = build_layer(config, mode, causal)
     layer.train()
@@ -200,13 +233,6 @@ def measure_sublayers(config, mode: str, seq_length: int, micro_batch: int = 1, 
     ):
         x = torch.empty(seq_length // p, micro_batch, config.hidden_size,
                         dtype=config.params_dtype).normal_().requires_grad_()
-        tracker = MemTracker()
-        tracker.track_external(module, x)
-        with tracker:
-            base = _total(tracker.get_tracker_snapshot("current"))
-            with torch.no_grad():
-                call(module, x)  # forward alone: its high-water mark, nothing kept
-            fwd_peak = _total(tracker.get_tracker_snapshot("peak")) - base
         full = _measure(module, x, lambda inp, m=module, c=call: c(m, inp))
-        out[name] = dict(fwd_peak=fwd_peak, peak=full.peak, retained=full.retained)
+        out[name] = dict(fwd_peak=full.fwd_peak, peak=full.peak, retained=full.retained)
     return out

@@ -16,8 +16,10 @@ Method (per rank; b = micro batch 1, s = sequence, p = parallel degree, L = laye
    same way (``H``) when the device holds the last layer (``layers_per_device == num_layers``:
    BERT-Large, LLaMA-7B). LLaMA-70B (5 layers) and GPT-175B (1 layer) are planned as a middle
    pipeline stage, as METP Table 3 measures them: no embedding, no head.
-3. Activation peak of the step = x0 + max(L R + H, (L - 1) R + P1), where x0 = s/p b h
-   bf16 is the stage's input (embedding output or the received activation). Layers are
+3. Activation peak of the step = x0 + max(L R + G + H, (L - 1) R + P1), where G is Megatron's
+   process-wide all-gather scratch buffer (one per rank, reused by every layer; R excludes it,
+   P1 and H include it once) and x0 = s/p b h bf16 is the stage's input (embedding output or
+   the received activation). Layers are
    identical, so after the forward L - 1 layers hold R each while the last one (or the head,
    which runs after all L layers) reaches its own peak; backward only frees from there on.
    Live communication handles: a gloo/NCCL request keeps its send buffer alive until it is
@@ -215,7 +217,12 @@ class Planner:
         L, b, h = cfg.layers_per_device, st.micro_batch, cfg.hidden_size
         x0 = s // p * b * h * 2
         head_peak = head.peak if head else 0
-        act = x0 + max(L * lm.retained + head_peak, (L - 1) * lm.retained + lm.peak)
+        # Megatron's all-gather scratch buffer is one per process: once, the larger of the
+        # layer's and the head's (the head's peak includes its own, hence the subtraction).
+        shared = max(lm.shared_buffer, head.shared_buffer if head else 0)
+        head_extra = head_peak - (head.shared_buffer if head else 0)
+        act = x0 + max(L * lm.retained + shared + head_extra,
+                       (L - 1) * lm.retained + lm.peak - lm.shared_buffer + shared)
         if st.count_send_buffers:
             act += lm.handle_allowance
         params = L * lm.params
