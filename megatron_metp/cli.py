@@ -133,6 +133,8 @@ def _train_parser(p: argparse.ArgumentParser) -> Callable:
     a("--hidden-dropout", type=float, default=None)
     a("--attention-dropout", type=float, default=None)
     a("--bf16", action="store_true", help="bf16 parameters and compute (GPU only)")
+    a("--use-distributed-optimizer", action="store_true",
+      help="shard optimizer state over data-parallel ranks (GPU only)")
     a("--seed", type=int, default=None)
     a("--data-path", default=None,
       help="Megatron indexed dataset PREFIX (PREFIX.bin/.idx); default: the shipped corpus")
@@ -176,6 +178,18 @@ def _plan_parser(p: argparse.ArgumentParser) -> Callable:
 
     plan_report.add_arguments(p)
     return lambda args, explicit, argv: plan_report.run(args)
+
+
+# ------------------------------------------------------------------------------------------
+# metp bench (real backend; launches its ranks like train)
+
+
+@subcommand("bench", "memory, communication and overlapped/serialised step time per mode")
+def _bench_parser(p: argparse.ArgumentParser) -> Callable:
+    from megatron_metp.measure import bench
+
+    bench.add_arguments(p)
+    return lambda args, explicit, argv: bench.main(args, argv)
 
 
 # ------------------------------------------------------------------------------------------

@@ -1,0 +1,408 @@
+"""``metp bench``: one layer or a whole model under tp, metp, wallfacer and ring attention, measured.
+
+Every mode runs on the real backend (gloo on CPU, NCCL on GPU) on the same ranks, one after the
+other, at each sequence length. Per (mode, s), one training step (forward + backward) gives:
+
+===================  ============================================================================
+memory               per-rank peak of tracked tensor bytes (``PeakMemory``, MemTracker), the
+                     parameters and the input included, and what the step added over them
+communication        per op: calls and payload bytes (``CommCounter``), elements sent per rank in
+                     the papers' convention; for ``--scope layer`` also the attention and the MLP
+                     sublayers counted alone
+time                 median over ``--iters`` of the slowest rank: ``overlapped`` (the normal
+                     code), ``serialised`` (each communication completes before computation goes
+                     on), ``compute`` (communication stubbed out); ``comm`` = serialised -
+                     compute. Shares as in the METP paper's Fig. 7: comp = compute / serialised,
+                     comm = comm / serialised, async = overlapped / serialised
+throughput           tokens/s (overlapped); model FLOPs (``megatron_metp.flops``) per second per
+                     rank, and MFU on a GPU with a known peak
+===================  ============================================================================
+
+Modes: ``tp`` (Megatron TP+SP, TP = p), ``metp`` (METP weight rings and two-level attention,
+TP = p), ``wallfacer`` (CP = p, team size C = ``--wallfacer-team-size``, default the largest
+valid C > 1; skipped when only C = 1 is valid, i.e. it would be ``ring``), ``ring`` (WallFacer with
+C = 1: plain ring attention). Shapes per rank: ``x_shard_s [s/p, b, h]`` into the layer.
+
+Eq. 5 (METP Sec. 3.3): the weight ring overlaps its transfers when the arithmetic intensity
+2 m / (p e) FLOPs per byte (m = b s tokens, e bytes per element; the paper's m/p at e = 2) exceeds
+the machine's FLOP/s over its bandwidth, i.e. s > p e F / (2 W b). ``overlap`` in the JSON holds
+F (a matmul microbenchmark), W (a gloo/NCCL ring step), the threshold and, for metp above it,
+overlapped / max(compute, comm).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import time
+import warnings
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_metp.measure.bench_report import markdown, plot
+from megatron_metp.measure.comm_counter import CommCounter
+from megatron_metp.measure.comm_modes import (matmul_flops, ring_bandwidth, serialised_comm,
+                                              stubbed_comm, sync)
+from megatron_metp.measure.memory import PeakMemory
+
+__all__ = ["BENCH_MODES", "add_arguments", "main", "bench_in_rank", "eq5_threshold"]
+
+BENCH_MODES = ("tp", "metp", "wallfacer", "ring")
+VARIANTS = ("overlapped", "serialised", "compute")
+
+
+def _ints(value: str) -> List[int]:
+    try:
+        return [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: give comma-separated integers") from None
+
+
+def _modes(value: str) -> List[str]:
+    modes = [m.strip() for m in value.split(",") if m.strip()]
+    bad = [m for m in modes if m not in BENCH_MODES]
+    if bad or not modes:
+        raise argparse.ArgumentTypeError(
+            f"--modes {value!r}: give a comma-separated list of {', '.join(BENCH_MODES)}")
+    return modes
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    a = p.add_argument
+    a("--modes", type=_modes, default=list(BENCH_MODES), help="default tp,metp,wallfacer,ring")
+    a("--scope", choices=("layer", "model"), default="layer",
+      help="layer: one TransformerLayer (attention + MLP); model: a GPTModel with its loss")
+    a("--style", choices=("gpt", "llama"), default="gpt")
+    a("--seq-lengths", type=_ints, default=[256, 512, 1024, 2048], metavar="S1,S2,...")
+    a("--micro-batch-size", type=int, default=1)
+    a("--hidden-size", type=int, default=256)
+    a("--num-attention-heads", type=int, default=8)
+    a("--num-query-groups", type=int, default=None, help="llama style; default: the heads")
+    a("--ffn-hidden-size", type=int, default=None, help="default 4 x hidden")
+    a("--num-layers", type=int, default=2, help="--scope model only")
+    a("--vocab-size", type=int, default=1024, help="--scope model only")
+    a("--wallfacer-team-size", type=int, default=None,
+      help="C for the wallfacer mode (C^2 divides p); default the largest valid C > 1")
+    a("--bf16", action="store_true", help="bf16 parameters and compute")
+    a("--iters", type=int, default=3, help="timed steps per variant (median reported)")
+    a("--warmup", type=int, default=1)
+    a("--no-microbench", action="store_true", help="skip the FLOP/s and bandwidth probes")
+    a("--json", default=None, metavar="PATH", help="write every figure as JSON")
+    a("--plot", default=None, metavar="PATH", help="PNG of memory and time against s "
+      "(needs matplotlib: pip install 'megatron-metp[plot]')")
+    a("--nproc-per-node", type=int, default=None,
+      help="ranks to launch when not under torchrun/srun (default: 4 on CPU, #GPUs)")
+
+
+def preflight(args: argparse.Namespace, world: int) -> None:
+    """Configuration errors before any rank starts (flag names as Megatron-LM spells them)."""
+    if args.iters < 1 or args.warmup < 0:
+        raise ValueError("--iters must be >= 1 and --warmup >= 0")
+    if world < 2:
+        raise ValueError("metp bench compares parallel modes: --nproc-per-node must be >= 2")
+    for s in args.seq_lengths:
+        # wallfacer/ring shard the sequence in 2p zigzag chunks.
+        if s % (2 * world):
+            raise ValueError(f"--seq-lengths: {s} is not divisible by 2 x {world} ranks "
+                             "(the zigzag layout of wallfacer/ring needs 2p chunks)")
+    if args.num_attention_heads % world:
+        raise ValueError(f"--num-attention-heads {args.num_attention_heads} must be divisible "
+                         f"by the {world} ranks (--tensor-model-parallel-size = p for tp/metp)")
+    c = args.wallfacer_team_size
+    if c is not None and (c < 1 or world % (c * c)):
+        raise ValueError(f"--wallfacer-team-size {c}: C^2 must divide the {world} ranks")
+
+
+def eq5_threshold(p: int, flops: float, bandwidth: float, bytes_per_element: int,
+                  micro_batch: int = 1) -> float:
+    """Sequence length above which METP's weight ring hides its transfers (Eq. 5 generalised).
+
+    Per ring step a rank computes 2 (m/p) k1 k2/p + 2 (m/p) k2 n/p FLOPs and sends
+    e (k1 k2 + k2 n)/p bytes: intensity 2m/(p e). Overlap needs it above F/W:
+    m = b s > p e F / (2 W).
+    """
+    return p * bytes_per_element * flops / (2 * bandwidth * micro_batch)
+
+
+# ------------------------------------------------------------------------------------------
+# building one mode
+
+
+def _team_size(args, p: int) -> Optional[int]:
+    from megatron_metp.wallfacer.config_generator import valid_team_sizes
+
+    if args.wallfacer_team_size is not None:
+        return args.wallfacer_team_size
+    bigger = [c for c in valid_team_sizes(p) if c > 1]
+    return max(bigger) if bigger else None
+
+
+def _setup(mode: str, args, p: int):
+    """Megatron's and the plugin's groups for ``mode``; returns (spec mode, config, label)."""
+    from megatron_metp.model import initialize_parallel, make_config
+
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    kw = dict(num_layers=args.num_layers if args.scope == "model" else 1,
+              hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+              params_dtype=dtype, bf16=args.bf16)
+    if args.ffn_hidden_size:
+        kw["ffn_hidden_size"] = args.ffn_hidden_size
+    if args.style == "llama":
+        kw["num_query_groups"] = args.num_query_groups or args.num_attention_heads
+    if mode in ("tp", "metp"):
+        initialize_parallel(tensor_model_parallel_size=p, mode=mode)
+        return mode, make_config(args.style, **kw), mode
+    from megatron_metp.wallfacer.groups import initialize_wallfacer
+
+    c = 1 if mode == "ring" else _team_size(args, p)
+    initialize_parallel(tensor_model_parallel_size=1, context_parallel_size=p, mode="wallfacer")
+    initialize_wallfacer(c, "collective_intra")
+    label = "ring (C=1)" if mode == "ring" else f"wallfacer (C={c})"
+    return "wallfacer", make_config(args.style, cp_comm_type="wallfacer", **kw), label
+
+
+def _teardown() -> None:
+    from megatron.core import parallel_state as mpu
+
+    from megatron_metp import parallel_state as metp_state
+
+    mpu.destroy_model_parallel()
+    metp_state.destroy()
+
+
+def _layer_step(config, spec_mode: str, s: int, b: int, device):
+    """One TransformerLayer on ``x_shard_s [s/p, b, h]``; also its two sublayers alone."""
+    from megatron.core.transformer.spec_utils import build_module
+
+    from megatron_metp.specs import get_gpt_layer_spec
+
+    p = config.tensor_model_parallel_size * config.context_parallel_size
+    torch.manual_seed(0)
+    layer = build_module(get_gpt_layer_spec(spec_mode), config=config, layer_number=1).to(device)
+    x_shard_s = torch.randn(s // p, b, config.hidden_size, dtype=config.params_dtype,
+                            device=device, requires_grad=True)
+    grad_shard_s = torch.randn_like(x_shard_s)
+
+    def run(module, call):
+        def step():
+            for prm in module.parameters():
+                prm.grad = None
+            x_shard_s.grad = None
+            call(module).backward(grad_shard_s)
+        return step
+
+    step = run(layer, lambda m: m(x_shard_s, attention_mask=None)[0])
+    sublayers = {
+        "attention": run(layer.self_attention, lambda m: m(x_shard_s, attention_mask=None)[0]),
+        "mlp": run(layer.mlp, lambda m: m(x_shard_s)[0]),
+    }
+    return step, (layer, x_shard_s, grad_shard_s), sublayers
+
+
+def _model_step(config, spec_mode: str, s: int, b: int, vocab: int, device, style: str):
+    """A GPTModel forward (per-token loss) + backward on this rank's tokens."""
+    from megatron_metp.model import build_gpt_model
+    from megatron_metp.wallfacer import zigzag
+
+    tp, cp = config.tensor_model_parallel_size, config.context_parallel_size
+    vocab = -(-vocab // max(tp, 1)) * max(tp, 1)
+    torch.manual_seed(0)
+    model = build_gpt_model(config, spec_mode, vocab_size=vocab, max_sequence_length=s,
+                            position_embedding_type="rope" if style == "llama"
+                            else "learned_absolute").to(device)
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, vocab, (b, s + 1), generator=g)
+    inp, labels = tokens[:, :-1], tokens[:, 1:]
+    pos = torch.arange(s).expand(b, s)
+    if cp > 1:
+        from megatron.core import parallel_state as mpu
+
+        idx = mpu.get_context_parallel_rank()
+        inp, labels, pos = (zigzag.shard_sequence(t, idx, cp, dim=1) for t in (inp, labels, pos))
+    inp, labels, pos = (t.contiguous().to(device) for t in (inp, labels, pos))
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        model(inp, pos, None, labels=labels).float().sum().backward()
+
+    return step, (model, inp, labels, pos), {}, vocab
+
+
+# ------------------------------------------------------------------------------------------
+# measuring one (mode, s)
+
+
+def _comm_stats(cc: CommCounter) -> Dict:
+    return {
+        "ops": {op: {"calls": st.calls, "payload_elements": st.elements,
+                     "payload_bytes": st.bytes}
+                for op, st in cc.stats.items() if st.calls},
+        "sent_elements": cc.sent_elements(),
+        "sent_bytes": cc.sent_bytes(),
+        "calls": cc.calls(),
+    }
+
+
+def _timed(step: Callable, device, group=None) -> float:
+    dist.barrier(group)
+    sync(device)
+    t0 = time.perf_counter()
+    step()
+    sync(device)
+    t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)  # a step ends on the slowest rank
+    return float(t)
+
+
+def _measure(step, external, sublayers, args, device) -> Dict:
+    # One step counted and tracked (the dispatch modes slow it, so it is not timed).
+    with PeakMemory(*external) as pm, CommCounter() as cc:
+        step()
+    out = {"memory": {"peak_bytes": pm.peak_bytes, "peak_increase": pm.peak_increase,
+                      "baseline_bytes": pm.baseline_bytes, "by_category": pm.peak_by_category},
+           "comm": {"step": _comm_stats(cc)}}
+    for name, sub in sublayers.items():
+        with CommCounter() as sc:
+            sub()
+        out["comm"][name] = _comm_stats(sc)
+    # Variants interleaved per iteration, so that a change in the machine's load (it is shared)
+    # hits all three alike.
+    contexts = {"overlapped": contextlib.nullcontext, "serialised": serialised_comm,
+                "compute": stubbed_comm}
+    times: Dict[str, List[float]] = {v: [] for v in VARIANTS}
+    for i in range(args.warmup + args.iters):
+        for v in VARIANTS:
+            with contexts[v]():
+                t = _timed(step, device)
+            if i >= args.warmup:
+                times[v].append(t)
+    med = {v: sorted(ts)[len(ts) // 2] for v, ts in times.items()}
+    med["comm"] = max(med["serialised"] - med["compute"], 0.0)
+    out["time_s"] = med
+    out["time_samples_s"] = times
+    ser = med["serialised"]
+    out["shares"] = {"comp": med["compute"] / ser, "comm": med["comm"] / ser,
+                     "async": med["overlapped"] / ser}
+    out["overlap_vs_max"] = med["overlapped"] / max(med["compute"], med["comm"])
+    return out
+
+
+def _flops(config, args, s: int, vocab: int) -> float:
+    from megatron_metp.flops import FlopModel, training_flops
+
+    m = FlopModel(num_layers=config.num_layers, hidden_size=config.hidden_size,
+                  num_attention_heads=config.num_attention_heads,
+                  num_query_groups=config.num_query_groups or config.num_attention_heads,
+                  kv_channels=config.kv_channels, ffn_hidden_size=config.ffn_hidden_size,
+                  padded_vocab_size=vocab, swiglu=bool(config.gated_linear_unit))
+    return training_flops(m, args.micro_batch_size, s)
+
+
+def bench_in_rank(args: argparse.Namespace) -> Dict:
+    """Every mode at every sequence length on this rank; the result is the same on all ranks.
+
+    Needs ``torch.distributed`` initialised and ``cpu_compat.apply()`` called (``main`` does
+    both; the tests' harness too).
+    """
+    from megatron_metp.flops import gpu_peak_tflops, throughput
+
+    p = dist.get_world_size()
+    preflight(args, p)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
+        else torch.device("cpu")
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    e = torch.finfo(dtype).bits // 8
+    result: Dict = {"world_size": p, "backend": dist.get_backend(), "device": str(device),
+                    "host": platform.node(), "cpu_count": os.cpu_count(),
+                    "torch_threads": torch.get_num_threads(),
+                    "settings": {k: v for k, v in vars(args).items()
+                                 if k not in ("json", "plot", "nproc_per_node", "func")},
+                    "points": [], "skipped": []}
+    if not args.no_microbench:
+        f = torch.tensor([matmul_flops(dtype=dtype, device=device)], dtype=torch.float64,
+                         device=device)
+        dist.all_reduce(f, op=dist.ReduceOp.MIN)  # the slowest rank bounds a ring step
+        bw = ring_bandwidth(device=device)
+        thr = eq5_threshold(p, float(f), bw["bandwidth"], e, args.micro_batch_size)
+        result["overlap"] = {"flops_per_s": float(f), "ring": bw, "bytes_per_element": e,
+                             "intensity_needed_flops_per_byte": float(f) / bw["bandwidth"],
+                             "eq5_threshold_seq_length": thr, "ranks": p}
+    peak = gpu_peak_tflops() if device.type == "cuda" else None
+    for mode in args.modes:
+        if mode == "wallfacer" and _team_size(args, p) is None:
+            result["skipped"].append(f"wallfacer: p={p} allows only C=1, which is the ring mode")
+            continue
+        spec_mode, config, label = _setup(mode, args, p)
+        try:
+            for s in args.seq_lengths:
+                if args.scope == "layer":
+                    step, ext, subs = _layer_step(config, spec_mode, s, args.micro_batch_size,
+                                                  device)
+                    vocab = 0
+                else:
+                    step, ext, subs, vocab = _model_step(config, spec_mode, s,
+                                                         args.micro_batch_size, args.vocab_size,
+                                                         device, args.style)
+                pt = {"mode": mode, "label": label, "seq_length": s}
+                pt.update(_measure(step, ext, subs, args, device))
+                # Per-rank memory and traffic (ranks differ: e.g. WallFacer's self-sends).
+                mine = (pt["memory"]["peak_bytes"], pt["memory"]["peak_increase"],
+                        pt["comm"]["step"]["sent_bytes"])
+                every: List = [None] * p
+                dist.all_gather_object(every, mine)
+                pt["memory"]["peak_bytes_per_rank"] = [m[0] for m in every]
+                pt["memory"]["peak_increase_per_rank"] = [m[1] for m in every]
+                pt["comm"]["step"]["sent_bytes_per_rank"] = [m[2] for m in every]
+                t = pt["time_s"]["overlapped"]
+                flops = _flops(config, args, s, vocab)
+                tflops, mfu = throughput(flops, t, p, peak)
+                pt["throughput"] = {"tokens_per_s": args.micro_batch_size * s / t,
+                                    "model_flops": flops, "tflops_per_rank": tflops, "mfu": mfu}
+                if "overlap" in result:
+                    pt["above_eq5_threshold"] = s > result["overlap"]["eq5_threshold_seq_length"]
+                result["points"].append(pt)
+                del step, ext, subs
+        finally:
+            _teardown()
+    return result
+
+
+def _rank_entry(args: argparse.Namespace) -> int:
+    from megatron_metp import cpu_compat
+
+    own = not dist.is_initialized()
+    if own:
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    try:
+        for cat in (UserWarning, FutureWarning, DeprecationWarning):
+            warnings.filterwarnings("ignore", category=cat)
+        cpu_compat.apply()
+        result = bench_in_rank(args)
+        if dist.get_rank() == 0:
+            print(markdown(result), flush=True)
+            if args.json:
+                with open(args.json, "w") as fh:
+                    json.dump(result, fh, indent=1)
+                print(f"[metp bench] wrote {args.json}")
+            if args.plot:
+                print(plot(result, args.plot))
+        return 0
+    finally:
+        if own:
+            dist.destroy_process_group()
+
+
+def main(args: argparse.Namespace, argv: List[str]) -> int:
+    """``metp bench``: run in place under torchrun/srun, else launch the ranks (see cli)."""
+    from megatron_metp.cli import launch_or_run
+
+    return launch_or_run(argv, args.nproc_per_node, lambda: _rank_entry(args),
+                         lambda world: preflight(args, world))
+

@@ -1,0 +1,169 @@
+"""Run the same code with its communication serialised or stubbed out, and measure the machine.
+
+``metp bench`` times one training step three ways (the METP paper's Fig. 7):
+
+=====================  ==========================================================================
+overlapped             the normal code: ring transfers and async collectives run while the
+                       layer computes (double buffering)
+``serialised_comm()``  every communication completes before the next computation starts: P2P
+                       batches through ``megatron_metp.comm.p2p.serialised_p2p`` (the ring's
+                       ``commit`` waits), collectives by waiting on their ``Work`` right after
+                       launch (a dispatch mode over the ``c10d`` ops)
+``stubbed_comm()``     the same computation with no communication at all: every ``c10d`` op
+                       returns an already completed ``Work`` without moving data (receive
+                       buffers keep whatever they held), so the numbers computed are wrong but
+                       the work is the same
+=====================  ==========================================================================
+
+communication time = serialised - stubbed (the paper's "Comm" share), computation = stubbed.
+
+Microbenchmarks for Eq. 5's threshold, run on every rank at once (the ranks share the machine as
+they do in the benchmark): :func:`matmul_flops` (FLOP/s of a square matmul) and
+:func:`ring_bandwidth` (bytes one rank sends per second while every rank sends to its ring
+successor and receives from its predecessor, as METP's weight ring does).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Dict, Iterator
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import _create_work_from_future
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from megatron_metp.comm import RingComm
+from megatron_metp.comm.p2p import serialised_p2p
+
+__all__ = ["serialised_comm", "stubbed_comm", "matmul_flops", "ring_bandwidth", "sync"]
+
+_P2P = ("c10d::send", "c10d::recv_", "c10d::recv_any_source_")
+# Set-up ops (group creation, object exchange) are never stubbed: they only run outside the
+# timed region, and stubbing them would break the caller's bookkeeping.
+_NOT_STUBBED = ("c10d::barrier", "c10d::monitored_barrier_")
+
+
+def _work_of(out):
+    return out[-1] if isinstance(out, tuple) else out
+
+
+class _WaitCollectives(TorchDispatchMode):
+    """Waits on every c10d collective right after launching it (P2P: see serialised_p2p)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.namespace == "c10d" and func._schema.name not in _P2P:
+            # Every rank issues its collectives in the same order (SPMD), so completing each one
+            # before issuing the next cannot deadlock; the later handle.wait() is then a no-op.
+            work = _work_of(out)
+            if work is not None:
+                dist.distributed_c10d.Work.unbox(work).wait()
+        return out
+
+
+class _Stub(TorchDispatchMode):
+    """Replaces every c10d op by a completed ``Work``; the op's tensors are returned untouched."""
+
+    def __init__(self):
+        super().__init__()
+        self.stubbed_calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace != "c10d" or func._schema.name in _NOT_STUBBED:
+            return func(*args, **kwargs)
+        self.stubbed_calls += 1
+        fut = torch.futures.Future()
+        fut.set_result([])
+        work = _create_work_from_future(fut).boxed()
+        if len(func._schema.returns) == 1:
+            return work  # send, recv_, alltoall_base_, ...: Work only
+        # (tensors, Work): the first argument is always the op's output tensor(s).
+        first = func._schema.arguments[0].name
+        bound = {a.name: v for a, v in zip(func._schema.arguments, args)}
+        bound.update(kwargs)
+        return bound[first], work
+
+
+@contextlib.contextmanager
+def serialised_comm() -> Iterator[None]:
+    """No overlap: each communication finishes before the computation after it starts."""
+    with serialised_p2p(), _WaitCollectives():
+        yield
+
+
+@contextlib.contextmanager
+def stubbed_comm() -> Iterator[_Stub]:
+    """Computation only: communication ops complete at once and move nothing (see module doc).
+
+    Flush-to-zero is on inside: stale receive buffers may hold denormals, which would make CPU
+    arithmetic slower than on real data.
+    """
+    flush = torch.set_flush_denormal(True)
+    stub = _Stub()
+    try:
+        with stub:
+            yield stub
+    finally:
+        if flush:
+            torch.set_flush_denormal(False)
+
+
+def sync(device: torch.device) -> None:
+    """Wait for queued device work before reading a clock (GPU only; CPU work is synchronous)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_flops(n: int = 512, iters: int = 10, dtype=torch.float32,
+                 device: torch.device = torch.device("cpu")) -> float:
+    """Median FLOP/s of ``[n, n] @ [n, n]`` on this rank (2 n^3 FLOPs per product)."""
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    a @ b  # warm-up (thread pool, kernel selection)
+    times = []
+    for _ in range(iters):
+        sync(device)
+        t0 = time.perf_counter()
+        a @ b
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return 2 * n**3 / times[len(times) // 2]
+
+
+def ring_bandwidth(group=None, sizes_bytes=(1 << 12, 1 << 22), iters: int = 5,
+                   device: torch.device = torch.device("cpu")) -> Dict[str, float]:
+    """Alpha-beta fit of one ring step (send to rank + 1, receive from rank - 1, all at once).
+
+    Returns ``bandwidth`` (bytes one rank sends per second, from the largest size),
+    ``latency`` (seconds of a step of the smallest size) and the median step time per size.
+    The slowest rank's time counts (a ring step ends when every rank has its block).
+    """
+    comm = RingComm(group)
+    out: Dict[str, float] = {}
+    for size in sizes_bytes:
+        send = torch.ones(size // 4, dtype=torch.float32, device=device)
+        recv = torch.empty_like(send)
+        times = []
+        for i in range(iters + 1):
+            dist.barrier(group)
+            sync(device)
+            t0 = time.perf_counter()
+            comm.send_recv(send, recv)
+            comm.commit()
+            comm.wait()
+            sync(device)
+            t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)  # gloo: CPU scalar
+            if i:  # the first step sets up the connection
+                times.append(float(t))
+        times.sort()
+        out[f"step_s_{size}"] = times[len(times) // 2]
+    small, large = min(sizes_bytes), max(sizes_bytes)
+    out["latency"] = out[f"step_s_{small}"]
+    out["bandwidth"] = (large - small) / max(out[f"step_s_{large}"] - out[f"step_s_{small}"],
+                                             1e-12)
+    return out

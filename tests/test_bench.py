@@ -1,0 +1,140 @@
+"""``metp bench``: a tiny 2-rank run writes the JSON with every figure, its communication counts
+equal the analytic formulas, and the serialised / stubbed communication modes do what they say.
+
+No timing is asserted (the machine is shared); times are only checked to be positive.
+"""
+
+import argparse
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_metp.comm import RingComm
+from megatron_metp.measure import bench, formulas
+from megatron_metp.measure.comm_modes import serialised_comm, stubbed_comm
+from megatron_metp.wallfacer import formulas as wf_formulas
+from tests._harness import run_ranks
+
+H, HEADS, S, B = 32, 4, 32, 1
+D = H // HEADS
+FFN = 4 * H  # TransformerConfig's default
+
+
+def _args(*extra):
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    return p.parse_args(["--style", "llama", "--hidden-size", str(H), "--num-attention-heads",
+                         str(HEADS), "--seq-lengths", str(S), "--iters", "1", "--warmup", "0",
+                         *extra])
+
+
+def _comm_modes():
+    """The two switches on real gloo traffic (checks the mechanism, not the bench's numbers)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = torch.full((4,), float(rank + 1))
+    # stubbed: an all-gather completes at once and leaves its output untouched.
+    out = torch.zeros(4 * world)
+    with stubbed_comm() as stub:
+        dist.all_gather_into_tensor(out, mine, async_op=True).wait()
+    stubbed = (out.abs().sum().item(), stub.stubbed_calls)
+    # serialised: the ring's block is already in the receive buffer when commit() returns.
+    comm = RingComm(None)
+    recv = torch.zeros(4)
+    with serialised_comm():
+        comm.send_recv(mine, recv)
+        comm.commit()
+        early = recv.clone()
+        comm.wait()
+    # serialised collectives: the async all-gather has completed before its handle is waited on.
+    with serialised_comm():
+        work = dist.all_gather_into_tensor(out, mine, async_op=True)
+        done = work.is_completed()
+        work.wait()
+    return stubbed, early.tolist(), done, out.tolist()
+
+
+def test_comm_modes():
+    for rank, (stubbed, early, done, gathered) in enumerate(run_ranks(2, _comm_modes)):
+        assert stubbed == (0.0, 1)
+        assert early == [float((rank - 1) % 2 + 1)] * 4  # the predecessor's block
+        assert done
+        assert gathered == [1.0] * 4 + [2.0] * 4
+
+
+def _bench(json_path):
+    args = _args("--modes", "tp,metp,wallfacer,ring", "--json", json_path)
+    bench._rank_entry(args)  # rank 0 prints the tables and writes the JSON
+    dist.barrier()
+    with open(json_path) as fh:
+        return json.load(fh)
+
+
+def test_bench_json_and_counts(tmp_path, report):
+    p = 2
+    res = run_ranks(p, _bench, str(tmp_path / "bench.json"))[0]
+    assert res["world_size"] == p and res["backend"] == "gloo"
+    # p = 2 allows only C = 1: wallfacer is the ring mode, reported as skipped.
+    assert [pt["mode"] for pt in res["points"]] == ["tp", "metp", "ring"]
+    assert "wallfacer" in res["skipped"][0]
+    ov = res["overlap"]
+    assert ov["ranks"] == p and ov["flops_per_s"] > 0 and ov["ring"]["bandwidth"] > 0
+    assert ov["eq5_threshold_seq_length"] == pytest.approx(
+        bench.eq5_threshold(p, ov["flops_per_s"], ov["ring"]["bandwidth"], 4))
+    pts = {pt["mode"]: pt for pt in res["points"]}
+    for pt in res["points"]:
+        assert set(pt["time_s"]) == {"overlapped", "serialised", "compute", "comm"}
+        assert all(pt["time_s"][k] > 0 for k in ("overlapped", "serialised", "compute"))
+        assert set(pt["shares"]) == {"comp", "comm", "async"}
+        assert len(pt["memory"]["peak_bytes_per_rank"]) == p
+        # The layer's parameters and input are tracked, and the step adds activations.
+        assert min(pt["memory"]["peak_increase_per_rank"]) > 0
+        assert pt["memory"]["peak_bytes"] > pt["memory"]["baseline_bytes"]
+        assert pt["throughput"]["tokens_per_s"] > 0 and pt["throughput"]["mfu"] is None
+        assert set(pt["comm"]) == {"step", "attention", "mlp"}
+        assert isinstance(pt["above_eq5_threshold"], bool)
+
+    # Counting convention: CommCounter.sent_elements() = elements this rank sends (P2P sends at
+    # their size; all-gather / reduce-scatter of a full tensor N at (p-1)/p N). Exact equality:
+    # these are integer element counts.
+    metp, tp = pts["metp"]["comm"], pts["tp"]["comm"]
+    assert metp["mlp"]["sent_elements"] == formulas.metp_mlp_comm(H, FFN, p, gated=True)
+    assert tp["mlp"]["sent_elements"] == formulas.tp_sp_mlp_comm(B, S, H, p)
+    # METP attention (llama style: no biases; num_query_groups = heads here), payload elements:
+    # W_qkv_j (h + 2 ng d rows of h) and W_proj_j (h x h/p), summed over j, broadcast in forward
+    # and again in backward, the gradients reduced once; K/V of s/p tokens for p - 1 hops
+    # forward, K/V and dK/dV backward (the closed forms of test_metp_attention).
+    weights = H * (H + 2 * HEADS * D) + H * H
+    kv = 2 * (p - 1) * B * S * HEADS * D // p
+    ops = {op: o["payload_elements"] for op, o in metp["attention"]["ops"].items()}
+    assert ops == {"broadcast": 2 * weights, "reduce": weights, "send": 3 * kv, "recv": 3 * kv}
+    # MHA closed form 4h^2 + 2(p-1)/p bsh forward, 8h^2 + 4(p-1)/p bsh backward, at log2(p) = 1
+    # for the tree broadcast / reduce: the attention's sent elements.
+    assert metp["attention"]["sent_elements"] == 12 * H * H + 6 * (p - 1) * B * S * H // p
+    # The whole layer is its two sublayers (layer norms communicate nothing in a step).
+    assert metp["step"]["sent_elements"] == (metp["attention"]["sent_elements"]
+                                             + metp["mlp"]["sent_elements"])
+    # Ring attention (WallFacer, C = 1): only P2P, equal to WallFacer's exact per-op counts
+    # (C = 1 makes every rank's initial K/V send a send to itself, hence self_send).
+    ring = pts["ring"]["comm"]["step"]
+    assert set(ring["ops"]) == {"send", "recv"}
+    shape = dict(b=B, s=S, n=HEADS, n_kv=HEADS, d=D, P=p, C=1, self_send=True)
+    assert ring["sent_elements"] == (wf_formulas.forward_elements(**shape)["send"]
+                                     + wf_formulas.backward_elements(**shape)["send"])
+    report(f"bench p=2 s={S} h={H}: sent elements/rank metp "
+           f"{metp['step']['sent_elements']:.0f} (attention {metp['attention']['sent_elements']:.0f}"
+           f" + mlp {metp['mlp']['sent_elements']:.0f} = formulas), tp "
+           f"{tp['step']['sent_elements']:.0f}, ring {ring['sent_elements']:.0f}; Eq. 5 "
+           f"threshold s > {ov['eq5_threshold_seq_length']:.0f} on this machine")
+
+
+def test_bench_bad_input_names_the_flag():
+    with pytest.raises(ValueError, match="--seq-lengths"):
+        bench.preflight(_args("--seq-lengths", "30"), 2)
+    with pytest.raises(ValueError, match="--num-attention-heads"):
+        bench.preflight(_args("--num-attention-heads", "3"), 2)
+    with pytest.raises(ValueError, match="--wallfacer-team-size"):
+        bench.preflight(_args("--wallfacer-team-size", "2"), 2)
+    with pytest.raises(ValueError, match="--nproc-per-node"):
+        bench.preflight(_args(), 1)
