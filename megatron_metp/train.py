@@ -10,9 +10,12 @@ Per mode (one mode, or each of ``--compare``'s in turn inside the same processes
 
 Data x tensor/context x pipeline parallel come from Megatron's own groups; every rank computes
 its micro-batches from the iteration number (``GPTSamples``), so no data broadcast is needed.
-On CPU the distributed optimizer is off: Megatron's ``DistributedOptimizer`` (like its bf16
-optimizer) checks for CUDA tensors, so the plain Megatron optimizer with DDP gradient
-all-reduce is used instead (the model states are replicated across data-parallel ranks).
+``--use-distributed-optimizer`` (Megatron-LM's flag, off by default as there) shards the
+optimizer state over data-parallel ranks on GPU. On CPU it is refused: Megatron's
+``DistributedOptimizer`` (like its bf16 optimizer) checks for CUDA tensors, so the plain Megatron
+optimizer with DDP's gradient all-reduce is used (optimizer states replicated across
+data-parallel ranks). The GPU paths (NCCL, bf16, distributed optimizer, MFU) are written but
+were not run in this project's CI, which has no GPU.
 """
 
 from __future__ import annotations
@@ -99,6 +102,10 @@ def check_model_config(args: Namespace) -> ModelConfig:
         raise ValueError(f"--config {args.config}: a {cfg.architecture} model with "
                          f"{'causal' if cfg.causal else 'bidirectional'} attention; metp train "
                          f"trains causal GPT models only (use it with metp bench / metp plan)")
+    if args.use_distributed_optimizer and not torch.cuda.is_available():
+        raise ValueError("--use-distributed-optimizer needs a GPU: Megatron-Core's "
+                         "DistributedOptimizer checks for CUDA tensors; on CPU drop the flag "
+                         "(the plain Megatron optimizer with DDP's gradient all-reduce is used)")
     if args.bf16 and not torch.cuda.is_available():
         raise ValueError("--bf16 needs a GPU: Megatron-Core's mixed-precision optimizer "
                          "(Float16OptimizerWithFloat16Params) refuses CPU tensors; drop --bf16 "
@@ -152,7 +159,10 @@ def _initialize(ns: Namespace) -> None:
               pipeline_model_parallel_size=ns.pipeline_model_parallel_size,
               context_parallel_size=ns.context_parallel_size, seed=ns.seed,
               mode=ns.tensor_parallel_mode, wallfacer_team_size=ns.wallfacer_team_size,
-              wallfacer_placement=ns.wallfacer_placement)
+              wallfacer_placement=ns.wallfacer_placement,
+              # Megatron's groups take their own timeout (torch's new_group default is 30 min,
+              # not the world group's); forwarded when initialize_parallel accepts it.
+              distributed_timeout_minutes=ns.distributed_timeout_minutes)
     accepted = inspect.signature(initialize_parallel).parameters
     initialize_parallel(**{k: v for k, v in kw.items() if k in accepted})
     from megatron_metp import parallel_state as metp_state
@@ -231,7 +241,11 @@ def train_one_mode(args: Namespace, cfg: ModelConfig, mode: str, explicit: set,
             pre_process=mpu.is_pipeline_first_stage(), post_process=mpu.is_pipeline_last_stage(),
             share_embeddings_and_output_weights=not cfg.untie_embeddings_and_output_weights,
         ).to(device)
-        use_dist_opt = device.type == "cuda"
+        if ns.bf16:  # as Megatron-LM: bf16 parameters, fp32 loss, inputs cast at the boundary
+            from megatron.core.transformer.module import Float16Module
+
+            model = Float16Module(tconf, model)
+        use_dist_opt = bool(args.use_distributed_optimizer)
         ddp = DistributedDataParallel(
             config=tconf, module=model,
             ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True,
@@ -312,7 +326,8 @@ def train_one_mode(args: Namespace, cfg: ModelConfig, mode: str, explicit: set,
                 lr=float(scheduler.get_lr(optimizer.param_groups[0])),
                 grad_norm=None if grad_norm is None else float(grad_norm),
                 iter_time_s=seconds, tokens_per_s=ns.global_batch_size * ns.seq_length / seconds,
-                tflops_per_device=tflops, mfu=mfu, peak_mem_bytes=int(mem.item())))
+                tflops_per_device=tflops, mfu=mfu, peak_mem_bytes=int(mem.item()),
+                peak_mem_kind="allocated" if device.type == "cuda" else "rss"))
             if args.save and ns.save_interval and (it + 1) % ns.save_interval == 0:
                 checkpoint_io.save(args.save, it + 1, [ddp], optimizer, scheduler)
         if args.save and (not ns.save_interval or ns.train_iters % ns.save_interval):

@@ -65,7 +65,8 @@ class Reporter:
         mfu = f" | MFU {100 * rec['mfu']:.1f}%" if rec.get("mfu") is not None else ""
         line = (f"[{rec['mode']}] iter {rec['iteration']:>5}/{self._total} | loss "
                 f"{rec['loss']:.4f} | lr {rec['lr']:.2e} | {rec['tokens_per_s']:,.0f} tok/s | "
-                f"{rec['tflops_per_device']:.4f} TFLOP/s/dev{mfu} | peak mem "
+                f"{rec['tflops_per_device']:.4f} TFLOP/s/dev{mfu} | "
+                f"{'peak RSS' if rec.get('peak_mem_kind') == 'rss' else 'peak mem'} "
                 f"{_fmt_bytes(rec['peak_mem_bytes'])} | {1000 * rec['iter_time_s']:.0f} ms")
         if not self.interactive:
             self._print(line)

@@ -84,16 +84,17 @@ def test_compare_modes_agree(report):
     (["--tensor-model-parallel-size", "3"], "--tensor-model-parallel-size"),
     (["--tensor-parallel-mode", "metp", "--no-sequence-parallel"], "--sequence-parallel"),
     (["--bf16"], "--bf16 needs a GPU"),
+    (["--use-distributed-optimizer"], "--use-distributed-optimizer needs a GPU"),
     (["--config", "no-such-model"], "known configs"),
     (["--global-batch-size", "6"], "--global-batch-size"),
 ])
 def test_bad_configuration_fails_before_launch(argv, match, capsys, monkeypatch):
     for k in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
         monkeypatch.delenv(k, raising=False)
-    if "--bf16" in argv:
+    if "GPU" in match:
         import torch
         if torch.cuda.is_available():
-            pytest.skip("bf16 is allowed on GPU")
+            pytest.skip("allowed on GPU")
     launched = []
     monkeypatch.setattr(cli.subprocess, "call", lambda *a, **k: launched.append(a) or 0)
     assert cli.main(["train", "--nproc-per-node", "4", *argv]) == 2
