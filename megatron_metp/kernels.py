@@ -341,7 +341,9 @@ def merge_partial(
     acc = _stat_dtype(block_out.dtype if out is None else out.dtype)
     if out is None:
         return merge_start(block_out.to(acc, copy=True), block_lse.to(acc, copy=True))
-    return merge_partial_(out.to(acc, copy=True), lse.to(acc, copy=True), block_out.clone(), block_lse)
+    return merge_partial_(
+        out.to(acc, copy=True), lse.to(acc, copy=True), block_out.clone(), block_lse
+    )
 
 
 def merge_start(block_out: torch.Tensor, block_lse: torch.Tensor):

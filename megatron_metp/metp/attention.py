@@ -73,7 +73,9 @@ def check_metp_attention_config(config: TransformerConfig, p: int) -> None:
             "--tensor-model-parallel-size > 1 (METP keeps hidden states sequence-sharded)"
         )
     if config.context_parallel_size != 1:
-        raise ValueError("--tensor-parallel-mode metp does not compose with --context-parallel-size > 1")
+        raise ValueError(
+            "--tensor-parallel-mode metp does not compose with --context-parallel-size > 1"
+        )
     if config.attention_dropout and config.attention_dropout > 0:
         raise ValueError(
             f"--tensor-parallel-mode metp: attention dropout is not implemented by the ring "
@@ -360,7 +362,9 @@ class MetpSelfAttention(SelfAttention):
             self.q_layernorm = None
         if isinstance(self.k_layernorm, IdentityOp):
             self.k_layernorm = None
-        self._global_ranks = [dist.get_global_rank(self.tp_group, r) for r in range(p)] if p > 1 else [0]
+        self._global_ranks = (
+            [dist.get_global_rank(self.tp_group, r) for r in range(p)] if p > 1 else [0]
+        )
         self._softmax_scale = (config.softmax_scale if config.softmax_scale is not None
                                else 1.0 / math.sqrt(self.hidden_size_per_attention_head))
 
@@ -380,8 +384,10 @@ class MetpSelfAttention(SelfAttention):
         *,
         inference_params=None,
     ):
-        if key_value_states is not None or inference_context is not None or inference_params is not None:
-            raise NotImplementedError("MetpSelfAttention: no cross attention or inference (KV cache)")
+        if any(a is not None for a in (key_value_states, inference_context, inference_params)):
+            raise NotImplementedError(
+                "MetpSelfAttention: no cross attention or inference (KV cache)"
+            )
         if packed_seq_params is not None or attention_bias is not None:
             raise NotImplementedError("MetpSelfAttention: no packed sequences or attention bias")
         if rotary_pos_cos is not None or rotary_pos_sin is not None:
