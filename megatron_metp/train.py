@@ -118,7 +118,10 @@ def preflight(args: Namespace, explicit: set, world_size: int) -> None:
     so that a bad configuration fails in one line instead of once per rank under torchrun."""
     cfg = check_model_config(args)
     for mode in modes_of(args, cfg):
-        _parallel_setup(resolve_namespace(args, cfg, mode, world_size), explicit, quiet=True)
+        ns = _parallel_setup(resolve_namespace(args, cfg, mode, world_size), explicit,
+                             quiet=True)
+    if ns.data_path is not None:  # missing, truncated or out-of-vocabulary data fails here
+        GPTSamples(load_tokens(ns.data_path, ns.vocab_size), ns.seq_length, ns.seed)
 
 
 def _print0(msg: str) -> None:

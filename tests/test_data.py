@@ -148,3 +148,33 @@ def test_samples_independent_of_dp_size():
     assert torch.equal(b["labels"][:, :-1], b["tokens"][:, 1:])
     with pytest.raises(ValueError, match="--seq-length"):
         GPTSamples(np.arange(5), seq_length=8)
+
+
+def test_data_path_feeds_the_same_stream(tmp_path):
+    """The shipped corpus written as a Megatron indexed dataset and read back through
+    ``--data-path`` gives the same token stream (what ``metp train --data-path`` trains on)."""
+    from megatron_metp.data import load_tokens
+
+    tokens = corpus_tokens()
+    eod = np.nonzero(tokens == ByteTokenizer.EOD)[0]
+    docs = np.split(tokens, eod[:-1] + 1)  # each document keeps its trailing EOD
+    prefix = str(tmp_path / "corpus")
+    write_indexed_dataset(prefix, docs, dtype=np.uint16, vocab_size=258)
+    np.testing.assert_array_equal(load_tokens(prefix, vocab_size=258), tokens)
+    with pytest.raises(IndexedDataError, match="--vocab-size"):
+        load_tokens(prefix, vocab_size=256)  # EOD = 256 is outside a 256-entry vocabulary
+
+
+def test_cli_refuses_bad_data_before_launch(tmp_path, capsys, monkeypatch):
+    from megatron_metp import cli
+
+    for k in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(k, raising=False)
+    launched = []
+    monkeypatch.setattr(cli.subprocess, "call", lambda *a, **k: launched.append(a) or 0)
+    prefix = str(tmp_path / "d")
+    write_indexed_dataset(prefix, DOCS, dtype=np.uint16)
+    raw = open(prefix + ".bin", "rb").read()
+    open(prefix + ".bin", "wb").write(raw[:-4])
+    assert cli.main(["train", "--nproc-per-node", "4", "--data-path", prefix]) == 2
+    assert launched == [] and "truncated .bin" in capsys.readouterr().err
