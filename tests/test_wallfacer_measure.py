@@ -144,3 +144,35 @@ def test_bad_input_names_the_flag(kwargs, flag):
 def test_good_input_passes():
     cg.validate_wallfacer(16, 4, 64, num_attention_heads=8, num_query_groups=2)
     cg.validate_wallfacer(16, "auto", 64)
+
+
+def test_core_attention_refuses_what_it_cannot_do():
+    """Construction-time and call-time refusals of ``WallFacerCoreAttention`` (one process)."""
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_metp import parallel_state as ps
+    from megatron_metp.wallfacer.core_attention import WallFacerCoreAttention
+    from megatron_metp.wallfacer.groups import plan_for
+
+    cfg = lambda **kw: TransformerConfig(num_layers=1, hidden_size=16,  # noqa: E731
+                                         num_attention_heads=2, **kw)
+    ps.set_wallfacer_groups(plan_for(0, 1, 1, "collective_intra"))
+    try:
+        with pytest.raises(ValueError, match="--attention-dropout"):
+            WallFacerCoreAttention(cfg(attention_dropout=0.1), 1, AttnMaskType.causal, "self")
+        with pytest.raises(ValueError, match="--context-parallel-size"):
+            WallFacerCoreAttention(cfg(attention_dropout=0.0, context_parallel_size=2), 1,
+                                   AttnMaskType.causal, "self")
+        core = WallFacerCoreAttention(cfg(attention_dropout=0.0), 1, AttnMaskType.padding,
+                                      "self")
+        x = torch.randn(4, 1, 2, 8)
+        with pytest.raises(ValueError, match="mask type"):
+            core(x, x, x, None)
+        # With P = 1 it is plain causal attention: compare with PyTorch's SDPA.
+        core = WallFacerCoreAttention(cfg(attention_dropout=0.0), 1, AttnMaskType.causal, "self")
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            *(t.permute(1, 2, 0, 3) for t in (x, x, x)), is_causal=True)
+        torch.testing.assert_close(core(x, x, x, None), ref.permute(2, 0, 1, 3).reshape(4, 1, 16))
+    finally:
+        ps.destroy()

@@ -25,10 +25,11 @@ class WallFacerCoreAttention(MegatronModule):
 
     The groups come from ``megatron_metp.parallel_state.get_wallfacer_groups()`` at
     construction (call ``initialize_wallfacer`` after Megatron's ``initialize_model_parallel``)
-    and are passed explicitly to the autograd Function. Tensor parallelism composes: each TP
-    rank runs WallFacer on its own heads. Causal mask types use the chunk-pair causal mask
-    (an explicit ``attention_mask`` is ignored for them, as Transformer Engine's CP path does);
-    ``no_mask`` is full attention (DiT-style).
+    and are passed explicitly to the autograd Function. Tensor parallelism should compose (each
+    TP rank runs WallFacer on its own heads over its own CP group); only TP = 1 is tested.
+    ``causal`` uses the chunk-pair causal mask (an explicit ``attention_mask`` is ignored, as
+    Transformer Engine's CP path does); ``no_mask`` is full attention (DiT-style); other mask
+    types are refused.
     """
 
     def __init__(self, config: TransformerConfig, layer_number: int,
@@ -72,7 +73,10 @@ class WallFacerCoreAttention(MegatronModule):
             raise ValueError("WallFacer attention supports neither packed sequences nor an "
                              "attention bias")
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
-        causal = mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
+        if mask_type not in (AttnMaskType.causal, AttnMaskType.no_mask):
+            raise ValueError(f"WallFacer attention supports the causal and no_mask attention "
+                             f"mask types, not {mask_type}")
+        causal = mask_type == AttnMaskType.causal
         if not causal and attention_mask is not None:
             raise ValueError("WallFacer attention cannot apply an arbitrary attention_mask; use "
                              "a causal or no_mask attention mask type")
