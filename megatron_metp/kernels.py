@@ -25,8 +25,8 @@ Backends, chosen per call by :func:`select_backend` (and :func:`attention_backen
 ==================  ===========================================  ===========================
 name                kernel                                       used when
 ==================  ===========================================  ===========================
-``flash_attn``      flash-attn 2 (2.7 <= version < 3),            CUDA, fp16/bf16, d <= 256,
-                    ``_flash_attn_forward/_backward``            package importable
+``flash_attn``      flash-attn 2 (2.7 <= version < 3),            CUDA, fp16/bf16, d % 8 == 0,
+                    ``_flash_attn_forward/_backward``            d <= 256, package importable
 ``torch_flash_cuda`` ``aten._scaled_dot_product_flash_attention``  CUDA, fp16/bf16, d % 8 == 0,
                     (+ ``_backward``)                            d <= 256
 ``torch_flash_cpu``  ``aten._scaled_dot_product_flash_attention_``  CPU, fp16/bf16/fp32/fp64
@@ -37,7 +37,9 @@ name                kernel                                       used when
 
 flash-attn 3 (the Hopper build) is not wired: its private forward/backward signatures changed
 across its beta releases, so on H100 the torch flash op is used unless flash-attn 2 is present.
-:func:`use_backend` forces a backend (tests use it to run the math path).
+:func:`use_backend` forces a backend (tests use it to run the math path). The two CUDA
+backends are written against the documented op schemas and flash-attn 2.7/2.8's interface but
+are not exercised by the CPU test suite; ``tests/test_kernels.py`` is the check to run on a GPU.
 
 The backward of a block takes the *merged* output and lse of the whole row (not the block's
 own): the kernels recompute P = exp(S - lse) and D = rowsum(dout * out), which with the global
@@ -101,11 +103,12 @@ def select_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
     if not (q.dtype == k.dtype == v.dtype) or v.shape[-1] != d:
         return "math"
     if q.device.type == "cuda":
-        if q.dtype in (torch.float16, torch.bfloat16) and d <= 256:
+        # Both CUDA flash kernels take fp16/bf16 with head dims up to 256 in multiples of 8
+        # (flash-attn's padding lives in its autograd wrappers, not in the functions used here).
+        if q.dtype in (torch.float16, torch.bfloat16) and d <= 256 and d % 8 == 0:
             if _flash_attn_module() is not None:
                 return "flash_attn"
-            if d % 8 == 0:
-                return "torch_flash_cuda"
+            return "torch_flash_cuda"
         return "math"
     if q.device.type == "cpu" and q.dtype in (
         torch.float16,
