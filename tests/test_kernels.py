@@ -139,3 +139,38 @@ def test_bad_shapes_are_refused():
     with pytest.raises(ValueError, match="unknown attention backend"):
         with kernels.use_backend("cudnn"):
             pass
+
+
+def _cuda_backends():
+    if not torch.cuda.is_available():
+        return []
+    names = ["torch_flash_cuda"]
+    if kernels._flash_attn_module() is not None:
+        names.append("flash_attn")
+    return names
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU tier: needs CUDA")
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("n_kv", [4, 2])
+def test_cuda_backends_match_fp64(causal, n_kv, report):
+    """The GPU tier: each CUDA flash backend against fp64 attention of the same bf16 inputs.
+
+    Tolerance: Transformer Engine's context-parallel test tolerances for bf16, 2.5e-2 (MHA) and
+    3.5e-2 (GQA) relative to max|ref|: the kernels round P and the output to bf16 (2^-8).
+    """
+    q, k, v, dout = (t.cuda() for t in _inputs(torch.bfloat16, n_kv=n_kv, d=64))
+    tol = 2.5e-2 if n_kv == 4 else 3.5e-2
+    for backend in _cuda_backends():
+        with kernels.use_backend(backend):
+            out, lse = kernels.attention_forward(q, k, v, causal=causal)
+            dq, dk, dv = kernels.attention_backward(dout, q, k, v, out, lse, causal=causal)
+        q64, k64, v64, ref_out, ref_lse = _reference(q.cpu(), k.cpu(), v.cpu(), causal, 0.125)
+        ref_out.backward(dout.cpu().double())
+        for name, got, ref in (("out", out, ref_out), ("lse", lse, ref_lse), ("dq", dq, q64.grad),
+                               ("dk", dk, k64.grad), ("dv", dv, v64.grad)):
+            ref = ref.detach()
+            torch.testing.assert_close(got.cpu().double(), ref, rtol=tol,
+                                       atol=tol * ref.abs().max().item(),
+                                       msg=lambda m: f"{backend} {name}: {m}")
+        report(f"kernels {backend} bf16 causal={causal} n_kv={n_kv}: ok within {tol}")
