@@ -313,6 +313,7 @@ def train_one_mode(args: Namespace, cfg: ModelConfig, mode: str, explicit: set,
                           data_iterator=data, model=[ddp], num_microbatches=num_micro,
                           seq_length=ns.seq_length, micro_batch_size=ns.micro_batch_size,
                           forward_only=False)
+            lr_used = float(optimizer.param_groups[0]["lr"])  # set by the last scheduler step
             _, grad_norm, _ = optimizer.step()
             scheduler.step(increment=1)
             # One world all-reduce brings the data-parallel mean loss to rank 0 (and syncs).
@@ -326,7 +327,7 @@ def train_one_mode(args: Namespace, cfg: ModelConfig, mode: str, explicit: set,
             tflops, mfu = throughput(flops, seconds, world, peak)
             reporter.iteration(dict(
                 mode=mode, iteration=it + 1, loss=float(stat[0] / stat[1]),
-                lr=float(scheduler.get_lr(optimizer.param_groups[0])),
+                lr=lr_used,
                 grad_norm=None if grad_norm is None else float(grad_norm),
                 iter_time_s=seconds, tokens_per_s=ns.global_batch_size * ns.seq_length / seconds,
                 tflops_per_device=tflops, mfu=mfu, peak_mem_bytes=int(mem.item()),
