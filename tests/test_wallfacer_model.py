@@ -1,4 +1,5 @@
-"""A whole GPTModel with the ``wallfacer`` spec (CP = P, TP = 1) against the ``tp`` model.
+"""A whole GPTModel with the ``wallfacer`` spec (CP = P, TP = 1; and TP = 2 x CP = 4) against
+the ``tp`` model.
 
 Inside one 4-rank task: the reference is the ``tp``-spec model at TP = CP = 1, run on the whole
 sequence on every rank; then Megatron is re-initialised with CP = 4, the WallFacer groups are
@@ -26,7 +27,7 @@ def _loss_sum(model, tokens, position_ids, labels):
     return logits_bsv, losses.sum()
 
 
-def _compare_models(style, team_size, placement):
+def _compare_models(style, team_size, placement, tp=1):
     from megatron.core import parallel_state as mpu
 
     from megatron_metp import parallel_state as ps
@@ -46,16 +47,16 @@ def _compare_models(style, team_size, placement):
     mpu.destroy_model_parallel()
     ps.destroy()
 
-    # WallFacer: CP = P over all ranks, TP = 1.
-    _models.setup(tp=1, context_parallel_size=P)
+    # WallFacer: CP = world / tp (TP = 1: CP over all ranks), weights copied (TP-sharded).
+    cp = dist.get_world_size() // tp
+    _models.setup(tp=tp, context_parallel_size=cp)
     plan = initialize_wallfacer(team_size, placement)
     model = _models.build("wallfacer", style, max_sequence_length=SEQ, cp_comm_type="wallfacer")
-    names = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    assert names == {n: tuple(t.shape) for n, t in ref_state.items()}, "parameter names/shapes"
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            p.copy_(ref_state[n])
-    shard = lambda t: zigzag.shard_sequence(t, plan.idx, P, dim=1)  # noqa: E731
+    if tp == 1:
+        names = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        assert names == {n: tuple(t.shape) for n, t in ref_state.items()}, "names/shapes"
+    _models.load_full_state(model, ref_state)
+    shard = lambda t: zigzag.shard_sequence(t, plan.idx, cp, dim=1)  # noqa: E731
     logits, loss_local = _loss_sum(model, shard(b["tokens"]), shard(b["position_ids"]),
                                    shard(b["labels"]))
     (loss_local / n_tokens).backward()
@@ -65,8 +66,15 @@ def _compare_models(style, team_size, placement):
     grads = {}
     for n, p in model.named_parameters():
         g = p.grad.detach().clone()
+        if tp > 1 and getattr(p, "sequence_parallel", False):
+            # SP norms see only this TP rank's tokens (what finalize_model_grads all-reduces).
+            dist.all_reduce(g, group=mpu.get_tensor_model_parallel_group())
         dist.all_reduce(g, group=cp_group)
-        grads[n] = g
+        grads[n] = _models.gather_full(g, p)
+    if tp > 1:
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+        logits = gather_from_tensor_model_parallel_region(logits.detach())
     # fp32 vs fp32 with a different summation order (blockwise softmax merge, rank sums):
     # differences are a few ulps of each tensor's largest entries; rtol 1e-5 and atol
     # 1e-5 x max|ref| keep a margin of ~10x over what we measure while any wrong mask,
@@ -94,7 +102,7 @@ def test_wallfacer_gpt_equals_tp(style, team_size, placement, report):
            f"{max(x['grad_err'] for x in res):.2e}")
 
 
-def _compare_models_cpu_rope(style, team_size, placement):
+def _compare_models_cpu_rope(style, team_size, placement, tp=1):
     # Megatron's CP RoPE slicing calls pin_memory/.cuda(); use the plugin's device-agnostic
     # equivalent for this task unless cpu_compat already installed one.
     import torch
@@ -104,12 +112,22 @@ def _compare_models_cpu_rope(style, team_size, placement):
     if not torch.cuda.is_available():
         rpe.get_pos_emb_on_this_cp_rank = zigzag.get_pos_emb_on_this_cp_rank
     try:
-        return _compare_models(style, team_size, placement)
+        return _compare_models(style, team_size, placement, tp)
     finally:
         rpe.get_pos_emb_on_this_cp_rank = original
 
 
-def _run(style, team_size, placement):
+def _run(style, team_size, placement, tp=1, world=P):
     from tests._harness import run_ranks
 
-    return run_ranks(P, _compare_models_cpu_rope, style, team_size, placement, timeout=600)
+    return run_ranks(world, _compare_models_cpu_rope, style, team_size, placement, tp,
+                     timeout=600)
+
+
+def test_wallfacer_composes_with_tensor_parallelism(report):
+    """8 ranks: TP = 2 (+SP) x CP = 4 with C = 2, LLaMA-style (GQA, RoPE) against tp."""
+    res = _run("llama", 2, "collective_intra", tp=2, world=8)
+    r = res[0]
+    report(f"wallfacer GPT (llama, TP=2+SP x CP=4, C=2) vs tp: loss {r['loss']:.6f} vs "
+           f"{r['loss_ref']:.6f}; max|logit err| {max(x['logits_err'] for x in res):.2e}; "
+           f"max|grad err| {max(x['grad_err'] for x in res):.2e}")

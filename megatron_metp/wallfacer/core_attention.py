@@ -25,8 +25,8 @@ class WallFacerCoreAttention(MegatronModule):
 
     The groups come from ``megatron_metp.parallel_state.get_wallfacer_groups()`` at
     construction (call ``initialize_wallfacer`` after Megatron's ``initialize_model_parallel``)
-    and are passed explicitly to the autograd Function. Tensor parallelism should compose (each
-    TP rank runs WallFacer on its own heads over its own CP group); only TP = 1 is tested.
+    and are passed explicitly to the autograd Function. Tensor parallelism composes: each TP
+    rank runs WallFacer on its own heads over its own CP group (tested: TP = 2 + SP x CP = 4).
     ``causal`` uses the chunk-pair causal mask (an explicit ``attention_mask`` is ignored, as
     Transformer Engine's CP path does); ``no_mask`` is full attention (DiT-style); other mask
     types are refused.
