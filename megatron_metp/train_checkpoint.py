@@ -1,7 +1,8 @@
 """``--save`` / ``--load`` for ``metp train`` with Megatron-Core's dist_checkpointing.
 
 Layout (as Megatron-LM's): ``SAVE/iter_0000020/`` holds one sharded checkpoint (model, optimizer,
-and in the common part the iteration and the LR scheduler) plus one RNG-state file per rank; ``SAVE/latest_checkpointed_iteration.txt``
+and in the common part the iteration and the LR scheduler) plus one RNG-state file per rank;
+``SAVE/latest_checkpointed_iteration.txt``
 names the newest complete one and is written only after every rank has finished saving, so a
 run killed mid-save leaves the previous checkpoint as the latest loadable one. Because every
 mode keeps TP's parameter names and shards, the keys are the same under tp, metp and wallfacer.

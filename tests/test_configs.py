@@ -57,7 +57,8 @@ def test_defaults_follow_megatron():
 
 @pytest.mark.parametrize("data,match", [
     (dict(BASE, hiden_size=64), r"unknown key 'hiden_size' \(did you mean 'hidden_size'\?\)"),
-    ({"num_layers": 2, "num_attention_heads": 4}, r"missing required key 'hidden_size'.*--hidden-size"),
+    ({"num_layers": 2, "num_attention_heads": 4},
+     r"missing required key 'hidden_size'.*--hidden-size"),
     (dict(BASE, num_layers="two"), r"num_layers \(--num-layers\) must be int"),
     (dict(BASE, swiglu=1), r"swiglu \(--swiglu\) must be bool"),
     (dict(BASE, normalization="BatchNorm"), r"normalization .* must be one of LayerNorm, RMSNorm"),

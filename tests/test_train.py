@@ -119,7 +119,8 @@ def test_launcher_detection(monkeypatch):
     monkeypatch.setenv("SLURM_PROCID", "3")
     monkeypatch.setenv("SLURM_LOCALID", "1")
     assert cli.under_launcher()
-    assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == ("3", "4", "1")
+    env = os.environ
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"]) == ("3", "4", "1")
     # torchrun is started with this interpreter and the same subcommand
     monkeypatch.delenv("RANK")
     monkeypatch.delenv("SLURM_PROCID")

@@ -86,10 +86,11 @@ class GPTSamples:
             "tokens": rows_t[:, :-1].contiguous(),
             "labels": rows_t[:, 1:].contiguous(),
             "loss_mask": torch.ones(b, s, dtype=torch.float32),
-            "position_ids": torch.arange(s, dtype=torch.int64).unsqueeze(0).expand(b, s).contiguous(),
+            "position_ids": torch.arange(s, dtype=torch.int64).expand(b, s).contiguous(),
         }
 
-    def iterate(self, iteration: int, num_microbatches: int, **kw) -> Iterator[Dict[str, torch.Tensor]]:
+    def iterate(self, iteration: int, num_microbatches: int,
+                **kw) -> Iterator[Dict[str, torch.Tensor]]:
         for m in range(num_microbatches):
             yield self.micro_batch(iteration, m, **kw)
 

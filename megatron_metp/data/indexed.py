@@ -73,8 +73,9 @@ def write_indexed_dataset(prefix: str, documents: Iterable[Sequence[int]],
                 if arr.ndim != 1:
                     raise IndexedDataError(f"document {i} is not a 1-D sequence of token ids")
                 if arr.size and (arr.min() < 0 or (limit is not None and arr.max() >= limit)):
+                    bad = int(arr.max() if arr.min() >= 0 else arr.min())
                     raise IndexedDataError(
-                        f"document {i} has token id {int(arr.max() if arr.min() >= 0 else arr.min())}"
+                        f"document {i} has token id {bad}"
                         f" outside [0, {limit}) (dtype {dt}"
                         + (f", --vocab-size {vocab_size}" if vocab_size is not None else "") + ")")
                 f.write(arr.astype(dt).tobytes(order="C"))
