@@ -175,12 +175,17 @@ def _initialize(ns: Namespace) -> None:
         from megatron_metp.wallfacer.groups import initialize_wallfacer
 
         c = team_size(ns)
-        if c is None:
-            raise ValueError("--wallfacer-team-size auto: the topology scheduler is not part of "
-                             "this build; give an integer C with C^2 dividing "
-                             "--context-parallel-size")
-        placement = ns.wallfacer_placement or "team-consecutive"
-        initialize_wallfacer(c, PLACEMENT_ALIASES.get(placement, placement))
+        placement = ns.wallfacer_placement
+        placement = PLACEMENT_ALIASES.get(placement, placement) if placement else None
+        if c is None:  # --wallfacer-team-size auto: the topology scheduler profiles this shape
+            tp = ns.tensor_model_parallel_size
+            shape = dict(b=ns.micro_batch_size, s=ns.seq_length, n=ns.num_attention_heads // tp,
+                         n_kv=max(ns.num_query_groups // tp, 1), d=ns.kv_channels)
+            local = os.environ.get("LOCAL_WORLD_SIZE")
+            initialize_wallfacer("auto", placement, shape=shape,
+                                 gpus_per_node=int(local) if local else None)
+        else:
+            initialize_wallfacer(c, placement or "collective_intra")
 
 
 def _loss_func(loss_mask: torch.Tensor, cp_size: int, output_tensor: torch.Tensor):
