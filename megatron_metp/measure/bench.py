@@ -9,11 +9,12 @@ memory               per-rank peak of tracked tensor bytes (``PeakMemory``, MemT
 communication        per op: calls and payload bytes (``CommCounter``), elements sent per rank in
                      the papers' convention; for ``--scope layer`` also the attention and the MLP
                      sublayers counted alone
-time                 median over ``--iters`` of the slowest rank: ``overlapped`` (the normal
-                     code), ``serialised`` (each communication completes before computation goes
-                     on), ``compute`` (communication stubbed out); ``comm`` = serialised -
-                     compute. Shares as in the METP paper's Fig. 7: comp = compute / serialised,
-                     comm = comm / serialised, async = overlapped / serialised
+time                 best of ``--iters`` steps, each timed on the slowest rank:
+                     ``overlapped`` (the normal code), ``serialised`` (each communication
+                     completes before computation goes on), ``compute`` (communication stubbed
+                     out); ``comm`` = serialised - compute. Shares as in the METP paper's
+                     Fig. 7: comp = compute / serialised, comm = comm / serialised,
+                     async = overlapped / serialised
 throughput           tokens/s (overlapped); model FLOPs (``megatron_metp.flops``) per second per
                      rank, and MFU on a GPU with a known peak
 ===================  ============================================================================
@@ -39,12 +40,14 @@ import os
 import platform
 import time
 import warnings
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List
 
 import torch
 import torch.distributed as dist
 
 from megatron_metp.measure.bench_report import markdown, plot
+from megatron_metp.measure.bench_setup import (layer_step, model_flops, model_step, setup,
+                                               team_size, teardown)
 from megatron_metp.measure.comm_counter import CommCounter
 from megatron_metp.measure.comm_modes import (matmul_flops, ring_bandwidth, serialised_comm,
                                               stubbed_comm, sync)
@@ -89,7 +92,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--wallfacer-team-size", type=int, default=None,
       help="C for the wallfacer mode (C^2 divides p); default the largest valid C > 1")
     a("--bf16", action="store_true", help="bf16 parameters and compute")
-    a("--iters", type=int, default=3, help="timed steps per variant (median reported)")
+    a("--iters", type=int, default=3, help="timed steps per variant (the fastest is reported)")
     a("--warmup", type=int, default=1)
     a("--no-microbench", action="store_true", help="skip the FLOP/s and bandwidth probes")
     a("--json", default=None, metavar="PATH", help="write every figure as JSON")
@@ -127,110 +130,6 @@ def eq5_threshold(p: int, flops: float, bandwidth: float, bytes_per_element: int
     m = b s > p e F / (2 W).
     """
     return p * bytes_per_element * flops / (2 * bandwidth * micro_batch)
-
-
-# ------------------------------------------------------------------------------------------
-# building one mode
-
-
-def _team_size(args, p: int) -> Optional[int]:
-    from megatron_metp.wallfacer.config_generator import valid_team_sizes
-
-    if args.wallfacer_team_size is not None:
-        return args.wallfacer_team_size
-    bigger = [c for c in valid_team_sizes(p) if c > 1]
-    return max(bigger) if bigger else None
-
-
-def _setup(mode: str, args, p: int):
-    """Megatron's and the plugin's groups for ``mode``; returns (spec mode, config, label)."""
-    from megatron_metp.model import initialize_parallel, make_config
-
-    dtype = torch.bfloat16 if args.bf16 else torch.float32
-    kw = dict(num_layers=args.num_layers if args.scope == "model" else 1,
-              hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-              params_dtype=dtype, bf16=args.bf16)
-    if args.ffn_hidden_size:
-        kw["ffn_hidden_size"] = args.ffn_hidden_size
-    if args.style == "llama":
-        kw["num_query_groups"] = args.num_query_groups or args.num_attention_heads
-    if mode in ("tp", "metp"):
-        initialize_parallel(tensor_model_parallel_size=p, mode=mode)
-        return mode, make_config(args.style, **kw), mode
-    from megatron_metp.wallfacer.groups import initialize_wallfacer
-
-    c = 1 if mode == "ring" else _team_size(args, p)
-    initialize_parallel(tensor_model_parallel_size=1, context_parallel_size=p, mode="wallfacer")
-    initialize_wallfacer(c, "collective_intra")
-    label = "ring (C=1)" if mode == "ring" else f"wallfacer (C={c})"
-    return "wallfacer", make_config(args.style, cp_comm_type="wallfacer", **kw), label
-
-
-def _teardown() -> None:
-    from megatron.core import parallel_state as mpu
-
-    from megatron_metp import parallel_state as metp_state
-
-    mpu.destroy_model_parallel()
-    metp_state.destroy()
-
-
-def _layer_step(config, spec_mode: str, s: int, b: int, device):
-    """One TransformerLayer on ``x_shard_s [s/p, b, h]``; also its two sublayers alone."""
-    from megatron.core.transformer.spec_utils import build_module
-
-    from megatron_metp.specs import get_gpt_layer_spec
-
-    p = config.tensor_model_parallel_size * config.context_parallel_size
-    torch.manual_seed(0)
-    layer = build_module(get_gpt_layer_spec(spec_mode), config=config, layer_number=1).to(device)
-    x_shard_s = torch.randn(s // p, b, config.hidden_size, dtype=config.params_dtype,
-                            device=device, requires_grad=True)
-    grad_shard_s = torch.randn_like(x_shard_s)
-
-    def run(module, call):
-        def step():
-            for prm in module.parameters():
-                prm.grad = None
-            x_shard_s.grad = None
-            call(module).backward(grad_shard_s)
-        return step
-
-    step = run(layer, lambda m: m(x_shard_s, attention_mask=None)[0])
-    sublayers = {
-        "attention": run(layer.self_attention, lambda m: m(x_shard_s, attention_mask=None)[0]),
-        "mlp": run(layer.mlp, lambda m: m(x_shard_s)[0]),
-    }
-    return step, (layer, x_shard_s, grad_shard_s), sublayers
-
-
-def _model_step(config, spec_mode: str, s: int, b: int, vocab: int, device, style: str):
-    """A GPTModel forward (per-token loss) + backward on this rank's tokens."""
-    from megatron_metp.model import build_gpt_model
-    from megatron_metp.wallfacer import zigzag
-
-    tp, cp = config.tensor_model_parallel_size, config.context_parallel_size
-    vocab = -(-vocab // max(tp, 1)) * max(tp, 1)
-    torch.manual_seed(0)
-    model = build_gpt_model(config, spec_mode, vocab_size=vocab, max_sequence_length=s,
-                            position_embedding_type="rope" if style == "llama"
-                            else "learned_absolute").to(device)
-    g = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, vocab, (b, s + 1), generator=g)
-    inp, labels = tokens[:, :-1], tokens[:, 1:]
-    pos = torch.arange(s).expand(b, s)
-    if cp > 1:
-        from megatron.core import parallel_state as mpu
-
-        idx = mpu.get_context_parallel_rank()
-        inp, labels, pos = (zigzag.shard_sequence(t, idx, cp, dim=1) for t in (inp, labels, pos))
-    inp, labels, pos = (t.contiguous().to(device) for t in (inp, labels, pos))
-
-    def step():
-        model.zero_grad(set_to_none=True)
-        model(inp, pos, None, labels=labels).float().sum().backward()
-
-    return step, (model, inp, labels, pos), {}, vocab
 
 
 # ------------------------------------------------------------------------------------------
@@ -281,7 +180,9 @@ def _measure(step, external, sublayers, args, device) -> Dict:
                 t = _timed(step, device)
             if i >= args.warmup:
                 times[v].append(t)
-    med = {v: sorted(ts)[len(ts) // 2] for v, ts in times.items()}
+    # Best of the timed steps: on a shared machine other jobs only ever add time, so the
+    # minimum is the least disturbed estimate (timeit's rule); every sample is kept in the JSON.
+    med = {v: min(ts) for v, ts in times.items()}
     med["comm"] = max(med["serialised"] - med["compute"], 0.0)
     out["time_s"] = med
     out["time_samples_s"] = times
@@ -290,17 +191,6 @@ def _measure(step, external, sublayers, args, device) -> Dict:
                      "async": med["overlapped"] / ser}
     out["overlap_vs_max"] = med["overlapped"] / max(med["compute"], med["comm"])
     return out
-
-
-def _flops(config, args, s: int, vocab: int) -> float:
-    from megatron_metp.flops import FlopModel, training_flops
-
-    m = FlopModel(num_layers=config.num_layers, hidden_size=config.hidden_size,
-                  num_attention_heads=config.num_attention_heads,
-                  num_query_groups=config.num_query_groups or config.num_attention_heads,
-                  kv_channels=config.kv_channels, ffn_hidden_size=config.ffn_hidden_size,
-                  padded_vocab_size=vocab, swiglu=bool(config.gated_linear_unit))
-    return training_flops(m, args.micro_batch_size, s)
 
 
 def bench_in_rank(args: argparse.Namespace) -> Dict:
@@ -334,18 +224,18 @@ def bench_in_rank(args: argparse.Namespace) -> Dict:
                              "eq5_threshold_seq_length": thr, "ranks": p}
     peak = gpu_peak_tflops() if device.type == "cuda" else None
     for mode in args.modes:
-        if mode == "wallfacer" and _team_size(args, p) is None:
+        if mode == "wallfacer" and team_size(args, p) is None:
             result["skipped"].append(f"wallfacer: p={p} allows only C=1, which is the ring mode")
             continue
-        spec_mode, config, label = _setup(mode, args, p)
+        spec_mode, config, label = setup(mode, args, p)
         try:
             for s in args.seq_lengths:
                 if args.scope == "layer":
-                    step, ext, subs = _layer_step(config, spec_mode, s, args.micro_batch_size,
+                    step, ext, subs = layer_step(config, spec_mode, s, args.micro_batch_size,
                                                   device)
                     vocab = 0
                 else:
-                    step, ext, subs, vocab = _model_step(config, spec_mode, s,
+                    step, ext, subs, vocab = model_step(config, spec_mode, s,
                                                          args.micro_batch_size, args.vocab_size,
                                                          device, args.style)
                 pt = {"mode": mode, "label": label, "seq_length": s}
@@ -359,16 +249,24 @@ def bench_in_rank(args: argparse.Namespace) -> Dict:
                 pt["memory"]["peak_increase_per_rank"] = [m[1] for m in every]
                 pt["comm"]["step"]["sent_bytes_per_rank"] = [m[2] for m in every]
                 t = pt["time_s"]["overlapped"]
-                flops = _flops(config, args, s, vocab)
+                flops = model_flops(config, args, s, vocab)
                 tflops, mfu = throughput(flops, t, p, peak)
                 pt["throughput"] = {"tokens_per_s": args.micro_batch_size * s / t,
                                     "model_flops": flops, "tflops_per_rank": tflops, "mfu": mfu}
                 if "overlap" in result:
-                    pt["above_eq5_threshold"] = s > result["overlap"]["eq5_threshold_seq_length"]
+                    ov = result["overlap"]
+                    pt["above_eq5_threshold"] = s > ov["eq5_threshold_seq_length"]
+                    # Cross-check of the measured comm time (an estimate, alpha-beta): the
+                    # busiest rank's bytes over the ring bandwidth, one latency per launch.
+                    launches = sum(o["calls"] for op, o in pt["comm"]["step"]["ops"].items()
+                                   if op != "recv")
+                    pt["comm_alpha_beta_estimate_s"] = (
+                        max(pt["comm"]["step"]["sent_bytes_per_rank"]) / ov["ring"]["bandwidth"]
+                        + launches * ov["ring"]["latency"])
                 result["points"].append(pt)
                 del step, ext, subs
         finally:
-            _teardown()
+            teardown()
     return result
 
 

@@ -19,7 +19,8 @@ def markdown(result: Dict) -> str:
         f"metp bench: scope {st['scope']}, style {st['style']}, p = {p} ranks "
         f"({result['backend']}, {result['device']}), h = {st['hidden_size']}, "
         f"heads = {st['num_attention_heads']}, b = {st['micro_batch_size']}, "
-        f"{'bf16' if st['bf16'] else 'fp32'}; times: median of {st['iters']} steps, slowest rank",
+        f"{'bf16' if st['bf16'] else 'fp32'}; times: best of {st['iters']} steps, each on the "
+        "slowest rank",
         "",
         "| mode | s | peak MiB (max rank) | step adds MiB | sent MiB/rank | calls | overlapped ms "
         "| serialised ms | compute ms | comm ms | comp | comm | async | ovl/max | tokens/s "
@@ -101,6 +102,7 @@ def plot(result: Dict, path: str) -> str:
         ax.set_xlabel("sequence length")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
+    ax_t.set_yscale("log")  # step times span orders of magnitude across s
     ax_m.legend(fontsize=7)
     ax_t.legend(fontsize=6)
     st = result["settings"]

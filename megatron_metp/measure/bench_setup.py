@@ -1,0 +1,128 @@
+"""What ``metp bench`` runs: each mode's process groups and config, and one training step.
+
+``setup(mode, args, p)`` builds Megatron's and the plugin's groups (tp/metp: TP = p; wallfacer
+and ring: CP = p with WallFacer's teams and sub-rings) and returns the spec mode, the
+``TransformerConfig`` and a label; ``teardown()`` forgets them. ``layer_step`` / ``model_step``
+return a closure running one forward + backward, the tensors and modules that exist before it
+(tracked from the start by ``PeakMemory``), and for a layer its two sublayers as steps of their
+own (communication per sublayer).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def team_size(args, p: int) -> Optional[int]:
+    """C for the wallfacer mode: ``--wallfacer-team-size``, else the largest valid C > 1."""
+    from megatron_metp.wallfacer.config_generator import valid_team_sizes
+
+    if args.wallfacer_team_size is not None:
+        return args.wallfacer_team_size
+    bigger = [c for c in valid_team_sizes(p) if c > 1]
+    return max(bigger) if bigger else None
+
+
+def setup(mode: str, args, p: int):
+    """Megatron's and the plugin's groups for ``mode``; returns (spec mode, config, label)."""
+    from megatron_metp.model import initialize_parallel, make_config
+
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    kw = dict(num_layers=args.num_layers if args.scope == "model" else 1,
+              hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+              params_dtype=dtype, bf16=args.bf16)
+    if args.ffn_hidden_size:
+        kw["ffn_hidden_size"] = args.ffn_hidden_size
+    if args.style == "llama":
+        kw["num_query_groups"] = args.num_query_groups or args.num_attention_heads
+    if mode in ("tp", "metp"):
+        initialize_parallel(tensor_model_parallel_size=p, mode=mode)
+        return mode, make_config(args.style, **kw), mode
+    from megatron_metp.wallfacer.groups import initialize_wallfacer
+
+    c = 1 if mode == "ring" else team_size(args, p)
+    initialize_parallel(tensor_model_parallel_size=1, context_parallel_size=p, mode="wallfacer")
+    initialize_wallfacer(c, "collective_intra")
+    label = "ring (C=1)" if mode == "ring" else f"wallfacer (C={c})"
+    return "wallfacer", make_config(args.style, cp_comm_type="wallfacer", **kw), label
+
+
+def teardown() -> None:
+    from megatron.core import parallel_state as mpu
+
+    from megatron_metp import parallel_state as metp_state
+
+    mpu.destroy_model_parallel()
+    metp_state.destroy()
+
+
+def layer_step(config, spec_mode: str, s: int, b: int, device):
+    """One TransformerLayer on ``x_shard_s [s/p, b, h]``; also its two sublayers alone."""
+    from megatron.core.transformer.spec_utils import build_module
+
+    from megatron_metp.specs import get_gpt_layer_spec
+
+    p = config.tensor_model_parallel_size * config.context_parallel_size
+    torch.manual_seed(0)
+    layer = build_module(get_gpt_layer_spec(spec_mode), config=config, layer_number=1).to(device)
+    x_shard_s = torch.randn(s // p, b, config.hidden_size, dtype=config.params_dtype,
+                            device=device, requires_grad=True)
+    grad_shard_s = torch.randn_like(x_shard_s)
+
+    def run(module, call):
+        def step():
+            for prm in module.parameters():
+                prm.grad = None
+            x_shard_s.grad = None
+            call(module).backward(grad_shard_s)
+        return step
+
+    step = run(layer, lambda m: m(x_shard_s, attention_mask=None)[0])
+    sublayers = {
+        "attention": run(layer.self_attention, lambda m: m(x_shard_s, attention_mask=None)[0]),
+        "mlp": run(layer.mlp, lambda m: m(x_shard_s)[0]),
+    }
+    return step, (layer, x_shard_s, grad_shard_s), sublayers
+
+
+def model_step(config, spec_mode: str, s: int, b: int, vocab: int, device, style: str):
+    """A GPTModel forward (per-token loss) + backward on this rank's tokens."""
+    from megatron_metp.model import build_gpt_model
+    from megatron_metp.wallfacer import zigzag
+
+    tp, cp = config.tensor_model_parallel_size, config.context_parallel_size
+    vocab = -(-vocab // max(tp, 1)) * max(tp, 1)
+    torch.manual_seed(0)
+    model = build_gpt_model(config, spec_mode, vocab_size=vocab, max_sequence_length=s,
+                            position_embedding_type="rope" if style == "llama"
+                            else "learned_absolute").to(device)
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, vocab, (b, s + 1), generator=g)
+    inp, labels = tokens[:, :-1], tokens[:, 1:]
+    pos = torch.arange(s).expand(b, s)
+    if cp > 1:
+        from megatron.core import parallel_state as mpu
+
+        idx = mpu.get_context_parallel_rank()
+        inp, labels, pos = (zigzag.shard_sequence(t, idx, cp, dim=1) for t in (inp, labels, pos))
+    inp, labels, pos = (t.contiguous().to(device) for t in (inp, labels, pos))
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        model(inp, pos, None, labels=labels).float().sum().backward()
+
+    return step, (model, inp, labels, pos), {}, vocab
+
+
+
+def model_flops(config, args, s: int, vocab: int) -> float:
+    from megatron_metp.flops import FlopModel, training_flops
+
+    m = FlopModel(num_layers=config.num_layers, hidden_size=config.hidden_size,
+                  num_attention_heads=config.num_attention_heads,
+                  num_query_groups=config.num_query_groups or config.num_attention_heads,
+                  kv_channels=config.kv_channels, ffn_hidden_size=config.ffn_hidden_size,
+                  padded_vocab_size=vocab, swiglu=bool(config.gated_linear_unit))
+    return training_flops(m, args.micro_batch_size, s)
