@@ -224,3 +224,23 @@ def test_longest_sequence_bisection(report):
     assert res["metp"][0] > res["tp"][0]
     report(f"plan llama-7b p=4 on 32 GiB: longest s tp {res['tp'][0]} metp {res['metp'][0]} "
            f"({res['metp'][0] / res['tp'][0]:.2f}x)")
+
+
+def test_saving_rms_norm_matches_torch_in_fp64():
+    """``--fused-rmsnorm`` plans a norm that keeps less; it must compute the same thing."""
+    import torch
+    import torch.nn.functional as F
+
+    from megatron_metp.measure.layer_probe import saving_rms_norm
+
+    torch.manual_seed(0)
+    x = torch.randn(6, 2, 16, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(16, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(6, 2, 16, dtype=torch.float64)
+    ref = F.rms_norm(x, (16,), w, 1e-5)
+    dx_ref, dw_ref = torch.autograd.grad(ref, (x, w), g)
+    out = saving_rms_norm(x, (16,), w, 1e-5)
+    dx, dw = torch.autograd.grad(out, (x, w), g)
+    # fp64 both ways; the two differ only in summation order: 1e-12 is ~1e4 ulps of margin.
+    for a, b in ((out, ref), (dx, dx_ref), (dw, dw_ref)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

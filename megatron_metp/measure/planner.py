@@ -52,6 +52,7 @@ max(compute, comm) + comm / p.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional
@@ -79,6 +80,7 @@ class PlanSettings:
     distributed_optimizer: bool = False
     efficiency: float = 0.5
     count_send_buffers: bool = False
+    fused_rmsnorm: bool = False
 
 
 @dataclass
@@ -203,7 +205,9 @@ class Planner:
             self.world.setup(mode, p)
             tcfg = transformer_config(cfg, p, mode)
             b = self.settings.micro_batch
-            with FakeTensorMode():
+            norm_ctx = layer_probe.fused_rms_norm() if self.settings.fused_rmsnorm else \
+                contextlib.nullcontext()
+            with FakeTensorMode(), norm_ctx:
                 self._layer[key] = layer_probe.measure_layer(
                     tcfg, mode, s, b, causal=cfg.causal,
                     rope=cfg.position_embedding_type == "rope", rotary_base=cfg.rotary_base)
