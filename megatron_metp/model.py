@@ -151,6 +151,7 @@ def initialize_parallel(
     *,
     mode: str = "tp",
     order: str = "tp-cp-ep-dp-pp",
+    distributed_timeout_minutes: int = 30,
 ) -> None:
     """Megatron's model-parallel groups, its RNG streams, and the plugin's groups.
 
@@ -180,6 +181,9 @@ def initialize_parallel(
         context_parallel_size=context_parallel_size,
         order=order,
         create_gloo_process_groups=False,
+        # Subgroups take their own timeout (new_group does not inherit the world group's), so
+        # without this a dead rank would leave the others waiting 30 minutes in a TP/CP collective.
+        distributed_timeout_minutes=distributed_timeout_minutes,
     )
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 

@@ -299,13 +299,6 @@ def train_one_mode(args: Namespace, cfg: ModelConfig, mode: str, explicit: set,
         is_reporter = (mpu.is_pipeline_last_stage() and mpu.get_tensor_model_parallel_rank() == 0
                        and mpu.get_context_parallel_rank() == 0)
         fwd_bwd = get_forward_backward_func()
-        if device.type == "cpu":
-            # The schedules allocate their token counter with a device="cuda" literal
-            # (schedules.forward_backward_no_pipelining / _pipelining_*); cpu_compat's
-            # literal rewriter puts it on CPU. (To move into cpu_compat.apply.)
-            from megatron_metp.cpu_compat import _cuda_literals_on_cpu
-
-            fwd_bwd = _cuda_literals_on_cpu(fwd_bwd)
         world = dist.get_world_size()
         for it in range(start_iter, ns.train_iters):
             t0 = time.perf_counter()
