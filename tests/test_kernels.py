@@ -94,6 +94,7 @@ def test_merge_of_key_blocks_equals_full_attention(backend):
 
 
 def test_merge_handles_fully_masked_rows_and_huge_lse():
+    torch.manual_seed(3)
     b_out = torch.randn(1, 1, 4, 3)
     # Row 0: nothing visible in either; row 1: only the block; row 2: only the running value;
     # row 3: lse ~ 1e4 in both (exp(lse) alone would overflow fp32).
@@ -108,9 +109,16 @@ def test_merge_handles_fully_masked_rows_and_huge_lse():
     assert new_lse[0, 0, 0] == -math.inf
     torch.testing.assert_close(new_out[0, 0, 1], b_out[0, 0, 1])
     torch.testing.assert_close(new_out[0, 0, 2], out[0, 0, 2])
-    # Weights 1/4 and 3/4, lse = 1e4 + log 4 (fp32 spacing at 1e4 is ~1e-3).
-    torch.testing.assert_close(new_out[0, 0, 3], 0.25 * out[0, 0, 3] + 0.75 * b_out[0, 0, 3])
-    torch.testing.assert_close(new_lse[0, 0, 3], torch.tensor(1e4 + math.log(4.0)), atol=2e-3, rtol=0)
+    # Weights ~1/4 and ~3/4. fp32 stores lse ~1e4 with spacing 2^-10, so the weights follow from
+    # the *stored* values: w_b = sigmoid(b_lse - lse), computed here in fp64 from them. The
+    # merge's own error is then fp32 rounding of exp and the sums (~1e-7 relative).
+    diff = b_lse[0, 0, 3].double() - lse[0, 0, 3].double()
+    w_b = torch.sigmoid(diff)
+    expect = (1 - w_b) * out[0, 0, 3].double() + w_b * b_out[0, 0, 3].double()
+    torch.testing.assert_close(new_out[0, 0, 3].double(), expect, rtol=1e-6, atol=1e-6)
+    expect_lse = lse[0, 0, 3].double() + torch.nn.functional.softplus(diff)
+    # lse itself is an fp32 number near 1e4: one rounding step (2^-10) is its resolution.
+    torch.testing.assert_close(new_lse[0, 0, 3].double(), expect_lse, rtol=0, atol=2**-10)
 
 
 @pytest.mark.parametrize("backend", ["torch_flash_cpu", "math"])
