@@ -108,7 +108,9 @@ def ring_attention_forward(
         src = (rank - j) % p
         if j < p - 1:
             # Post the block we compute on: the receive lands in the *other* buffer, so the
-            # transfer never writes what the kernel reads.
+            # transfer never writes what the kernel reads. That buffer was last read by the
+            # previous step's kernel; on NCCL the batch is ordered after kernels already queued
+            # on the compute stream, so it cannot overwrite them early.
             comm.send_recv(k_buf.current, k_buf.recv_buffer())
             comm.send_recv(v_buf.current, v_buf.recv_buffer())
             comm.commit()
