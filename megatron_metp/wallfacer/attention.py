@@ -38,9 +38,11 @@ rank's own slot is its input (no copy). The travelling K/V block moves shard by 
 shard being sent is also the one being computed on; the next block's shard lands in one spare
 shard), so the forward holds (C - 1) A_q + 2 (C - 1) A_kv + (C - 1) A_q (fp32 partial outputs)
 more than ring attention (C = 1) -- measured at 2.1-4.1 (C - 1) A for C = 2, against the
-paper's 3 (C - 1) A (Eq. 6-7), which counts only the duplicated q, k, v. The backward keeps
-whole team blocks (the query package is double-buffered), so its excess is larger (reported by
-the tests). Nothing here synchronises the device; waits only order communication.
+paper's 3 (C - 1) A (Eq. 6-7), which counts only the duplicated q, k, v. The backward moves
+its query package shard by shard too, but holds the team's [q | dout | out] (3 C A_q), the
+stationary team K/V, fp32 team gradients and two travelling dq blocks, so its excess over
+ring attention is larger (measured 4.0-9.1 (C - 1) A for C = 2; Eq. 6-7 do not cover it).
+Nothing here synchronises the device; waits only order communication.
 """
 
 from __future__ import annotations
@@ -224,9 +226,10 @@ def wallfacer_backward(dout, q, k, v, out, lse, plan: WallFacerGroups, *, causal
     C, G = plan.team_size, plan.ring_length
     acc = _acc_dtype(q.dtype)
     kv_team, kv_work = _gather_shards(torch.stack([k, v]), plan)
-    pkg, pkg_work = _gather(torch.stack([q, dout.to(q.dtype), out.to(q.dtype)]), plan,
-                            async_op=True)                                # [C, 3, 2, b, n, c, d]
-    lse_pkg, lse_work = _gather(lse.to(acc), plan, async_op=True)          # [C, 2, b, n, c]
+    # The query package [q | dout | out] and lse, as member shards (own slot = a fresh copy,
+    # since received shards will be written into it).
+    pkg, pkg_work = _gather_shards(torch.stack([q, dout.to(q.dtype), out.to(q.dtype)]), plan)
+    lse_pkg, lse_work = _gather_shards(lse.to(dtype=acc, copy=True), plan)
     if kv_work is not None:
         kv_work.wait()
         kv_work = None
@@ -243,48 +246,56 @@ def wallfacer_backward(dout, q, k, v, out, lse, plan: WallFacerGroups, *, causal
     dkv = grad_team[:, n_q:].view((C, 2) + tuple(k.shape))
     ring = P2PComm(plan.cp_group, send_to=plan.ring_next, recv_from=plan.ring_prev) if G > 1 \
         else None
-    pkg_spare = lse_spare = None
+    pkg_free = lse_free = None
     acc_prev = acc_in = None
     for step in range(G):
-        posted = False
-        if step + 1 < G:
-            if pkg_spare is None:
-                pkg_spare, lse_spare = torch.empty_like(pkg), torch.empty_like(lse_pkg)
-            ring.send_recv(pkg, pkg_spare)
-            ring.send_recv(lse_pkg, lse_spare)
-            posted = True
-        if step >= 2:
-            # acc_prev (the block of step - 1, complete) goes on; ours arrives from ring_prev.
-            acc_in = ring.send_recv(acc_prev)
-            posted = True
-        if posted:
-            # Safe: pkg, lse_pkg and acc_prev are only read until wait(); receives land in
-            # fresh or spare buffers that nothing reads before wait().
-            ring.commit()
         q_ids = _team_chunks(plan, cg.q_team_at_step(plan.idx, step, plan.cp_size, C,
                                                        plan.placement))
         # Step 0 is this rank's own team: its contribution is written in place and never
         # travels; later steps fill a fresh accumulator that will.
-        dq = dq_own if step == 0 else torch.zeros_like(dq_own)
-        for qi, ki, diag in _pairs(q_ids, k_ids, causal):
-            a, h = divmod(qi, 2)
-            cm, h2 = divmod(ki, 2)
-            dq_b, dk_b, dv_b = kernels.attention_backward(
-                pkg[a, 1, h], pkg[a, 0, h], kv[cm][0, h2], kv[cm][1, h2], pkg[a, 2, h],
-                lse_pkg[a, h], causal=diag, softmax_scale=softmax_scale)
-            dq[a, h] += dq_b
-            dkv[cm, 0, h2] += dk_b
-            dkv[cm, 1, h2] += dv_b
-        if posted:
-            ring.wait()
-        if step + 1 < G:
-            pkg, pkg_spare = pkg_spare, pkg
-            lse_pkg, lse_spare = lse_spare, lse_pkg
-        if step == 1:
+        # From step 2 on, the incoming accumulator (received during sub-step 0) *becomes* this
+        # step's dq; sub-step 0's own contribution goes to a one-shard scratch meanwhile.
+        dq = dq_own if step == 0 else (torch.zeros_like(dq_own) if step == 1 else None)
+        # The package moves member shard by member shard, as the forward's K/V do.
+        for a in range(C):
+            posted = False
+            if step + 1 < G:
+                if pkg_free is None:
+                    pkg_free, lse_free = torch.empty_like(pkg[a]), torch.empty_like(lse_pkg[a])
+                ring.send_recv(pkg[a], pkg_free)
+                ring.send_recv(lse_pkg[a], lse_free)
+                posted = True
+            if a == 0 and step >= 2:
+                # acc_prev (the block of step - 1, complete) goes on; ours arrives from
+                # ring_prev.
+                acc_in = ring.send_recv(acc_prev)
+                posted = True
+            if posted:
+                # Safe: pkg[a], lse_pkg[a] and acc_prev are only read until wait(); receives
+                # land in spare or fresh buffers that nothing reads before wait().
+                ring.commit()
+            dq_a = dq[a] if dq is not None else torch.zeros_like(dq_own[0])
+            for h, ki, diag in _pairs(q_ids[2 * a:2 * a + 2], k_ids, causal):
+                cm, h2 = divmod(ki, 2)
+                dq_b, dk_b, dv_b = kernels.attention_backward(
+                    pkg[a][1, h], pkg[a][0, h], kv[cm][0, h2], kv[cm][1, h2], pkg[a][2, h],
+                    lse_pkg[a][h], causal=diag, softmax_scale=softmax_scale)
+                dq_a[h] += dq_b
+                dkv[cm, 0, h2] += dk_b
+                dkv[cm, 1, h2] += dv_b
+            if posted:
+                ring.wait()
+            if dq is None:
+                dq = acc_in
+                dq[a].add_(dq_a)
+            del dq_a
+            if step + 1 < G:
+                pkg[a], pkg_free = pkg_free, pkg[a]
+                lse_pkg[a], lse_free = lse_free, lse_pkg[a]
+        if step >= 1:
             acc_prev = dq
-        elif step >= 2:
-            acc_prev = dq.add_(acc_in)
-    del pkg, pkg_spare, lse_pkg, lse_spare, kv
+        acc_in = None
+    del pkg, pkg_free, lse_pkg, lse_free, kv
     if G > 1:
         # Last hop: the accumulator of step G-1 belongs to ring_next; ours comes from ring_prev.
         acc_in = ring.send_recv(acc_prev)
