@@ -138,22 +138,27 @@ class DoubleBuffer:
 
     Step 0 computes on a borrowed tensor (a rank's own parameter or activation, never written),
     while the next block lands in buffer 0; step 1 computes on buffer 0 while buffer 1 receives;
-    and so on. A ring therefore holds exactly two extra blocks, whatever its length, which is
-    what the papers' memory formulas assume for double buffering.
+    and so on. A ring therefore holds at most two extra blocks, whatever its length, which is
+    what the papers' memory formulas assume for double buffering. Buffers are allocated on first
+    use, so a ring that receives a single block (p = 2) holds only one.
     """
 
     def __init__(self, first: torch.Tensor):
         self.current = first
-        self._bufs = [torch.empty_like(first, memory_format=torch.contiguous_format)
-                      for _ in range(2)]
+        self._bufs: List[Optional[torch.Tensor]] = [None, None]
         self._next = 0
 
     def recv_buffer(self) -> torch.Tensor:
         """The buffer the next block should be received into (not the one computed on)."""
-        return self._bufs[self._next]
+        buf = self._bufs[self._next]
+        if buf is None:
+            buf = self._bufs[self._next] = torch.empty_like(
+                self.current, memory_format=torch.contiguous_format
+            )
+        return buf
 
     def advance(self) -> torch.Tensor:
         """After ``wait``: make the received block current and return it."""
-        self.current = self._bufs[self._next]
+        self.current = self.recv_buffer()
         self._next ^= 1
         return self.current

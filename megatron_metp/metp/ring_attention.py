@@ -62,24 +62,6 @@ def _travel_layout(t: torch.Tensor):
     return t.contiguous(), (0, 1, 2, 3)
 
 
-class _RecvSlots:
-    """Receive buffers of a ring: a ``DoubleBuffer`` when more than one block arrives (p > 2);
-    for p = 2 a single block arrives, so one buffer is enough (the DoubleBuffer would hold an
-    extra, never-used block of K and of V)."""
-
-    def __init__(self, first: torch.Tensor, p: int):
-        self._double = DoubleBuffer(first) if p > 2 else None
-        self.current = first
-        self._single = torch.empty_like(first) if p == 2 else None
-
-    def recv_buffer(self) -> torch.Tensor:
-        return self._double.recv_buffer() if self._double is not None else self._single
-
-    def advance(self) -> torch.Tensor:
-        self.current = self._double.advance() if self._double is not None else self._single
-        return self.current
-
-
 def _block_mode(causal: bool, rank: int, src: int) -> Optional[bool]:
     """None: skip the block; otherwise the ``causal`` flag of the kernel call."""
     if not causal:
@@ -102,7 +84,7 @@ def ring_attention_forward(
     rank = dist.get_rank(group) if p > 1 else 0
     comm = RingComm(group) if p > 1 else None
     (k_base, k_back), (v_base, v_back) = _travel_layout(k), _travel_layout(v)
-    k_buf, v_buf = _RecvSlots(k_base, p), _RecvSlots(v_base, p)
+    k_buf, v_buf = DoubleBuffer(k_base), DoubleBuffer(v_base)
     out = lse = None
     for j in range(p):
         src = (rank - j) % p
@@ -158,7 +140,7 @@ def ring_attention_backward(
     # pairwise message order (gloo) / communicator order (NCCL) matches on both ends.
     dkv_comm = RingComm(group) if p > 1 else None
     (k_base, k_back), (v_base, v_back) = _travel_layout(k), _travel_layout(v)
-    k_buf, v_buf = _RecvSlots(k_base, p), _RecvSlots(v_base, p)
+    k_buf, v_buf = DoubleBuffer(k_base), DoubleBuffer(v_base)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk_own = dv_own = None
     # The travelling (dK, dV) accumulator pairs, fp32 [b, n_kv, s/p, d] each: the one sent at
