@@ -10,7 +10,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_metp.wallfacer import config_generator as cg
 from megatron_metp.wallfacer import scheduler, zigzag
 from megatron_metp.wallfacer.attention import wallfacer_attention
 from megatron_metp.wallfacer.groups import build_wallfacer_groups

@@ -14,8 +14,7 @@ from megatron_metp.measure.comm_counter import CommCounter
 from megatron_metp.measure.memory import PeakMemory
 from megatron_metp.wallfacer import config_generator as cg
 from megatron_metp.wallfacer import formulas, scheduler
-from megatron_metp.wallfacer.attention import (WallFacerAttnFunc, from_chunk_major,
-                                               to_chunk_major, wallfacer_forward)
+from megatron_metp.wallfacer.attention import WallFacerAttnFunc, wallfacer_forward
 from megatron_metp.wallfacer.groups import build_wallfacer_groups
 from tests._harness import run_ranks
 
@@ -119,7 +118,8 @@ def test_paper_worked_example(report):
     assert formulas.peak_memory_wallfacer(0, 64, A, 4) == 77 * A
     assert formulas.extra_memory_wallfacer(A, 4) == 9 * A
     report("wallfacer paper example (N=65536, H=6656, P=64, C=4, bf16): ring p2p "
-           f"{ex['ring_p2p_gib']:.4f} GiB; WallFacer collective {ex['wallfacer_collective_gib']:.4f}"
+           f"{ex['ring_p2p_gib']:.4f} GiB; WallFacer collective "
+           f"{ex['wallfacer_collective_gib']:.4f}"
            f" GiB + p2p {ex['wallfacer_p2p_gib']:.4f} GiB")
 
 

@@ -1,4 +1,5 @@
-"""WallFacer: multi-ring sequence-parallel attention, configuration generator, topology scheduler, zigzag.
+"""WallFacer: multi-ring sequence-parallel attention, its configuration generator, topology
+scheduler and zigzag layout.
 
 =====================  =================================================================
 module                 paper

@@ -94,7 +94,8 @@ def build_wallfacer_groups(all_cp_groups: Sequence[Sequence[int]], my_cp_ranks: 
 
     all_cp_groups   every context-parallel group's global ranks (identical on every rank)
     my_cp_ranks     this rank's context-parallel group
-    cp_group        the process group over ``my_cp_ranks`` (None: the world, when it is the CP group)
+    cp_group        the process group over ``my_cp_ranks`` (None: the world, if that is the CP
+                    group)
     """
     groups = sorted(sorted(g) for g in all_cp_groups)
     mine = sorted(my_cp_ranks)

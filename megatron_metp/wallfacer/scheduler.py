@@ -78,8 +78,9 @@ def format_table(cp_size: int, times: Dict[Candidate, float], best: Candidate,
         row = dict(team_size=c, placement=pl, ring_length=cp_size // (c * c),
                    step_ms=t * 1e3, **loc, best=(c, pl) == best)
         rows.append(row)
+        mark = "<- best" if row["best"] else ""
         lines.append(f"| {c} | {pl} | {row['ring_length']} | {loc['team_intra_node']} | "
-                     f"{loc['ring_intra_node']} | {t * 1e3:.2f} | {'<- best' if row['best'] else ''} |")
+                     f"{loc['ring_intra_node']} | {t * 1e3:.2f} | {mark} |")
     return "\n".join(lines), rows
 
 
