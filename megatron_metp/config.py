@@ -43,7 +43,6 @@ from typing import Any, Dict, Optional, Union
 
 import yaml
 
-REPO_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 PACKAGE_CONFIGS = Path(__file__).resolve().parent / "configs"
 DEFAULT_CONFIG = "tiny-gpt"
 
@@ -212,17 +211,17 @@ def parse_config(data: Any, where: str = "<config>") -> ModelConfig:
 
 
 def resolve_config_path(name_or_path: Union[str, Path]) -> Path:
-    """A path as given, else ``configs/NAME.yaml`` in the working directory, the source tree, or
-    the installed package."""
+    """A path as given, else ``configs/NAME.yaml`` in the working directory, else the package's
+    own ``megatron_metp/configs`` (the repository's top-level ``configs/`` links there)."""
     p = Path(name_or_path)
     if p.is_file():
         return p
     stem = p.name[:-5] if p.name.endswith(".yaml") else p.name
-    for base in (Path.cwd() / "configs", REPO_CONFIGS, PACKAGE_CONFIGS):
+    for base in (Path.cwd() / "configs", PACKAGE_CONFIGS):
         cand = base / f"{stem}.yaml"
         if cand.is_file():
             return cand
-    known = sorted({c.stem for base in (REPO_CONFIGS, PACKAGE_CONFIGS) if base.is_dir()
+    known = sorted({c.stem for base in (PACKAGE_CONFIGS,) if base.is_dir()
                     for c in base.glob("*.yaml")})
     raise ConfigError(f"--config {name_or_path}: no such file, and no configs/{stem}.yaml; "
                       f"known configs: {', '.join(known) or '(none found)'}")
