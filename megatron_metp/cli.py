@@ -1,4 +1,4 @@
-"""The ``metp`` command: ``metp train`` (and, as they land, ``bench`` / ``plan``).
+"""The ``metp`` command: ``metp train``, ``metp bench`` and ``metp plan``.
 
 Adding a subcommand is one function decorated with :func:`subcommand`: it receives its
 ``argparse`` sub-parser, adds its flags, and returns the function that runs it::
