@@ -170,11 +170,15 @@ def _check_fault(tmp_path, sig: int, report, what: str) -> None:
             _kill_tree(proc)
     assert proc.returncode != 0, text[-3000:]
     assert "Traceback" in text or "ChildFailedError" in text or "FAILED" in text, text[-3000:]
-    logged = max(r["iteration"] for r in _json_lines(tmp_path / "train.jsonl"))
-    # The last complete checkpoint loads and training goes on from it.
+    recs = {r["iteration"]: r["loss"] for r in _json_lines(tmp_path / "train.jsonl")}
+    logged = max(recs)
+    # The last complete checkpoint loads and training goes on from it: the first resumed
+    # iteration's loss (a forward pass on the checkpoint's weights, before any update) is the
+    # one the killed run logged for that iteration, bit for bit.
     start, losses = run_ranks(4, _resume_task, str(tmp_path / "ckpt"), 10_000, timeout=200)[0]
-    assert start % 5 == 0 and 5 <= start <= logged, (start, logged)
+    assert start % 5 == 0 and 5 <= start < logged, (start, logged)
     assert len(losses) == 1 and np.isfinite(losses[0])
+    assert losses[0] == recs[start + 1], (losses, recs)
     report(f"fault test ({what} rank 1 of 4, metp train, --distributed-timeout-minutes 1): all "
            f"ranks gone {waited:.1f} s after the signal, exit status {proc.returncode}; last "
            f"logged iteration {logged}, resumed from checkpoint {start}, loss {losses[0]:.4f}")
