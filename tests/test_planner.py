@@ -25,6 +25,7 @@ TINY = {
                   normalization="RMSNorm", add_bias_linear=False, position_embedding_type="rope"),
 }
 SEQ, P = 512, 2
+MODES = ("tp", "metp", "wallfacer")  # wallfacer: team size 1 (ring attention) over CP = 2
 
 
 def _measure_here(style: str, mode: str, fake: bool):
@@ -47,18 +48,27 @@ def _measure_here(style: str, mode: str, fake: bool):
         if mpu.model_parallel_is_initialized():  # the previous mode's groups
             mpu.destroy_model_parallel()
             metp_state.destroy()
-        initialize_parallel(tensor_model_parallel_size=P, mode=mode)
+        if mode == "wallfacer":
+            from megatron_metp.wallfacer.groups import initialize_wallfacer
+
+            initialize_parallel(context_parallel_size=P, mode=mode)
+            initialize_wallfacer(1, "collective_intra")
+        else:
+            initialize_parallel(tensor_model_parallel_size=P, mode=mode)
     tcfg = transformer_config(cfg, P, mode)
+    tp = 1 if mode == "wallfacer" else P
+    # The planner runs wallfacer without RoPE (Megatron's CP slicing of the table needs CUDA).
+    rope = cfg.position_embedding_type == "rope" and mode != "wallfacer"
     torch.manual_seed(0)
     with FakeTensorMode() if fake else contextlib.nullcontext():
-        lm = layer_probe.measure_layer(tcfg, mode, SEQ, rope=cfg.position_embedding_type == "rope")
-        hd = layer_probe.measure_head(tcfg, padded_vocab(cfg, P), SEQ)
+        lm = layer_probe.measure_layer(tcfg, mode, SEQ, rope=rope)
+        hd = layer_probe.measure_head(tcfg, padded_vocab(cfg, tp), SEQ)
     return lm.peak, lm.retained, lm.handle_allowance, hd.peak
 
 
 def _real_all():
     return {f"{style}/{mode}": _measure_here(style, mode, fake=False)
-            for style in TINY for mode in ("tp", "metp")}
+            for style in TINY for mode in MODES}
 
 
 _FAKE_SCRIPT = textwrap.dedent(
@@ -66,11 +76,11 @@ _FAKE_SCRIPT = textwrap.dedent(
     import json, warnings
     warnings.filterwarnings("ignore")
     from megatron_metp.measure.planner import FakeWorld
-    from tests.test_planner import TINY, _measure_here
+    from tests.test_planner import MODES, TINY, _measure_here
     world = FakeWorld()
     out = {}
     for style in TINY:
-        for mode in ("tp", "metp"):
+        for mode in MODES:
             world.setup(mode, 2)
             out[f"{style}/{mode}"] = _measure_here(style, mode, fake=True)
     world.teardown()

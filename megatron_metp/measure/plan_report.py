@@ -26,6 +26,7 @@ from megatron_metp.measure.planner import (
 DEFAULT_MODELS = ("bert-large", "llama-7b", "llama-70b", "gpt-175b")
 DEFAULT_SEQS = tuple(2**k * 1024 for k in range(2, 10))  # 4k .. 512k
 PLAN_MODES = ("tp", "metp")
+ALL_MODES = ("tp", "metp", "wallfacer")  # wallfacer: team size C = 1 (ring attention), CP = p
 
 
 def _ints(value: str) -> List[int]:
@@ -41,7 +42,9 @@ def add_arguments(parser) -> None:
     a = parser.add_argument
     a("--models", default=",".join(DEFAULT_MODELS),
       help="comma-separated configs (configs/<name>.yaml); default: METP Table 3's four")
-    a("--modes", default=",".join(PLAN_MODES), help="comma-separated: tp, metp")
+    a("--modes", default=",".join(PLAN_MODES),
+      help="comma-separated: tp, metp, wallfacer (C = 1: ring attention, CP = p, TP = 1, "
+           "distributed optimizer over CP)")
     a("--tensor-model-parallel-size", "--p", dest="p", default="2,4,8",
       help="parallel degrees p (default 2,4,8)")
     a("--seq-lengths", default=",".join(seq_label(s) for s in DEFAULT_SEQS),
@@ -69,10 +72,10 @@ def _check(args) -> None:
     from megatron_metp.config import load_config
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in PLAN_MODES]
+    bad = [m for m in modes if m not in ALL_MODES]
     if bad or not modes:
-        raise ValueError(f"--modes {args.modes!r}: metp plan supports {', '.join(PLAN_MODES)} "
-                         "(wallfacer is not planned yet)")
+        raise ValueError(f"--modes {args.modes!r}: metp plan supports {', '.join(ALL_MODES)} "
+                         "(wallfacer: team size 1, i.e. ring attention over CP = p)")
     for p in _ints(args.p) + _ints(args.longest_p):
         if p < 1:
             raise ValueError(f"--tensor-model-parallel-size {p}: must be >= 1")
@@ -107,7 +110,7 @@ def run(args) -> int:
               for cfg in cfgs for p in ps for mode in modes for s in seqs]
     out: List[str] = []
     out.append(f"## Per-rank memory of a training step, GiB (state + activation peak; "
-               f"METP/TP in brackets; * = exceeds {settings.memory_gib:g} GiB with "
+               f"mode/TP in brackets; * = exceeds {settings.memory_gib:g} GiB with "
                f"{settings.reserve_gib:g} GiB reserve and {settings.fragmentation:.0%} "
                f"fragmentation)\n")
     out.append(memory_table(points))

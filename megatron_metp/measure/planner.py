@@ -45,7 +45,8 @@ Method (per rank; b = micro batch 1, s = sequence, p = parallel degree, L = laye
 Estimated step time (ESTIMATES, not measurements): compute = the step's FLOPs on this rank
 (Megatron-LM's formula, ``megatron_metp.flops``, / p, METP's recomputed Q/K/V added) / (peak x
 ``efficiency``); communication = sent bytes / (link bandwidth x 0.8 bus efficiency) + calls x
-alpha; overlap rule: tp is serialised (compute + comm: the SP all-gathers / reduce-scatters sit on
+alpha (wallfacer adds its data-parallel-over-CP gradient reduce-scatter and parameter
+all-gather, analytic); overlap rule: tp is serialised (compute + comm: the SP all-gathers / reduce-scatters sit on
 the critical path); metp and wallfacer overlap ring steps, exposing one step:
 max(compute, comm) + comm / p.
 """
@@ -140,8 +141,18 @@ class FakeWorld:
             dist.destroy_process_group()
         dist.init_process_group("fake", rank=0, world_size=p, store=FakeStore())
         if mode == "wallfacer":
-            raise NotImplementedError("wallfacer is not planned yet")
-        initialize_parallel(tensor_model_parallel_size=p, mode=mode)
+            # WallFacer with team size C = 1 (its ring-attention case) over Megatron's CP group
+            # (TP = 1). The groups are built directly: initialize_wallfacer's all_gather_object
+            # has nothing to gather on the fake backend, and with one CP group of all p ranks
+            # every rank's answer is known.
+            from megatron_metp.wallfacer.groups import build_wallfacer_groups
+
+            initialize_parallel(context_parallel_size=p, mode=mode)
+            metp_state.set_wallfacer_groups(build_wallfacer_groups(
+                [list(range(p))], list(mpu.get_context_parallel_global_ranks()),
+                mpu.get_context_parallel_group(), 1, "collective_intra"))
+        else:
+            initialize_parallel(tensor_model_parallel_size=p, mode=mode)
         self.key = (mode, p)
 
     def teardown(self) -> None:
@@ -208,11 +219,14 @@ class Planner:
             norm_ctx = layer_probe.fused_rms_norm() if self.settings.fused_rmsnorm else \
                 contextlib.nullcontext()
             with FakeTensorMode(), norm_ctx:
+                # RoPE under context parallelism slices the table with a pinned CUDA tensor
+                # (Megatron's get_pos_emb_on_this_cp_rank): wallfacer is planned without it.
+                rope = cfg.position_embedding_type == "rope" and mode != "wallfacer"
                 self._layer[key] = layer_probe.measure_layer(
-                    tcfg, mode, s, b, causal=cfg.causal,
-                    rope=cfg.position_embedding_type == "rope", rotary_base=cfg.rotary_base)
+                    tcfg, mode, s, b, causal=cfg.causal, rope=rope, rotary_base=cfg.rotary_base)
                 if holds_all_layers(cfg):
-                    self._head[key] = layer_probe.measure_head(tcfg, padded_vocab(cfg, p), s, b)
+                    self._head[key] = layer_probe.measure_head(
+                        tcfg, padded_vocab(cfg, _tp(mode, p)), s, b)
         return self._layer[key], self._head.get(key)
 
     def plan(self, cfg, mode: str, p: int, s: int) -> PlanPoint:
@@ -233,7 +247,7 @@ class Planner:
         if holds_all_layers(cfg):
             params += head.params                                     # final norm, output
             if cfg.untie_embeddings_and_output_weights:               # else shared with output
-                params += padded_vocab(cfg, p) // _tp(mode, p) * h    # word embedding
+                params += padded_vocab(cfg, _tp(mode, p)) // _tp(mode, p) * h  # word table
             if cfg.position_embedding_type == "learned_absolute":
                 params += max(s, cfg.max_position_embeddings or 0) * h  # replicated table
         state = int(params * optimizer_bytes_per_param(mode, p, st.distributed_optimizer))
@@ -241,6 +255,12 @@ class Planner:
         needed = total * (1 + st.fragmentation) + st.reserve_gib * GIB
         sent = 2.0 * (L * lm.sent_elements + (head.sent_elements if head else 0.0))
         calls = L * lm.calls + (head.calls if head else 0)
+        if mode == "wallfacer":
+            # Weights are replicated over CP: Megatron reduce-scatters the fp32 gradients over
+            # the CP (x DP) group and all-gathers the updated bf16 parameters (distributed
+            # optimizer), (p-1)/p of each per rank. Analytic: the probe runs no optimizer.
+            sent += (p - 1) / p * params * (4 + 2)
+            calls += 2
         point = PlanPoint(
             model=cfg.name, mode=mode, p=p, seq_length=s, layers=L, state_bytes=state,
             activation_bytes=act, handle_bytes=lm.handle_allowance, total_bytes=total,
@@ -288,7 +308,8 @@ def estimate_step_time(cfg, mode: str, p: int, s: int, sent_bytes: float, calls:
                    num_attention_heads=cfg.num_attention_heads,
                    num_query_groups=cfg.num_query_groups, kv_channels=cfg.kv_channels,
                    ffn_hidden_size=cfg.ffn_hidden_size,
-                   padded_vocab_size=padded_vocab(cfg, p) if holds_all_layers(cfg) else 0,
+                   padded_vocab_size=padded_vocab(cfg, _tp(mode, p)) if holds_all_layers(cfg)
+                   else 0,
                    swiglu=cfg.swiglu, causal=cfg.causal)
     flops = training_flops(fm, st.micro_batch, s) / p
     if mode == "metp":
