@@ -129,6 +129,21 @@ def run(args) -> int:
                 if best.get("tp") and best.get("metp"):
                     ratio = f"{best['metp'].seq_length / best['tp'].seq_length:.2f}x"
                 out.append(f"| {cfg.name} | {p} | " + " | ".join(cells) + f" | {ratio} |")
+    if longest:
+        out.append("\n### Where the memory goes at the longest sequence (GiB per rank; R in "
+                   "bsh/p, one bf16 [s/p, b, h] tensor)\n")
+        out.append("| model | mode | s | state | layers' saved L R | R per layer | head H | "
+                   "last layer P1 |")
+        out.append("|---|---|---:|---:|---:|---:|---:|---:|")
+        hidden = {c.name: c.hidden_size for c in cfgs}
+        for pt in longest:
+            bsh_p = pt["seq_length"] // pt["p"] * hidden[pt["model"]] * 2
+            out.append(
+                f"| {pt['model']} | {pt['mode']} | {seq_label(pt['seq_length'])} | "
+                f"{pt['state_bytes'] / GIB:.1f} | "
+                f"{pt['layers'] * pt['layer_retained'] / GIB:.1f} | "
+                f"{pt['layer_retained'] / bsh_p:.1f} | {pt['head_peak'] / GIB:.1f} | "
+                f"{pt['layer_peak'] / GIB:.1f} |")
     ts = _ints(args.time_seq_length)[0]
     out.append(f"\n## Communication per step per rank and ESTIMATED step time at s = "
                f"{seq_label(ts)} (estimates: FLOPs at {settings.efficiency:.0%} of bf16 peak, "
