@@ -256,4 +256,13 @@ def apply() -> None:
     ):
         _wrap_function(schedules, fn_name)
 
+    # rope_utils.get_pos_emb_on_this_cp_rank (called by RotaryEmbedding.forward with CP > 1)
+    # builds its chunk index with pin_memory=True and .cuda(); the plugin's zigzag module takes
+    # the same chunks (r and 2P-1-r of 2P) on the embedding's own device.
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from megatron_metp.wallfacer import zigzag
+
+    _rebind_everywhere(rope_utils.get_pos_emb_on_this_cp_rank, zigzag.get_pos_emb_on_this_cp_rank)
+
     _APPLIED = True

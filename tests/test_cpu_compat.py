@@ -316,3 +316,27 @@ def _idempotent():
 
 def test_apply_is_idempotent():
     assert all(run_ranks(1, _idempotent))
+
+
+def _cp_rope_slicing():
+    """Stand-in 6 (rope_utils.get_pos_emb_on_this_cp_rank): RotaryEmbedding with CP = 2."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    M.setup(tp=1, context_parallel_size=2)
+    cp_rank = mpu.get_context_parallel_rank()
+    d, s = 8, 8
+    rope = RotaryEmbedding(kv_channels=d, rotary_percent=1.0, use_cpu_initialization=True,
+                           cp_group=mpu.get_context_parallel_group())
+    emb = rope(s)
+    # Megatron's CP layout: rank r keeps chunks r and 2P-1-r of 2P (here chunk size 2).
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    pos = torch.arange(s, dtype=torch.float64).view(4, 2)[[cp_rank, 3 - cp_rank]].reshape(-1)
+    freqs = torch.outer(pos, inv_freq)
+    expect = torch.cat([freqs, freqs], dim=-1)[:, None, None, :]
+    torch.testing.assert_close(emb.double(), expect, rtol=1e-6, atol=1e-6)  # fp32 angles < 8 rad
+    return True
+
+
+def test_cp_rope_slicing():
+    assert all(run_ranks(2, _cp_rope_slicing))

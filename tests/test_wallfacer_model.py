@@ -102,25 +102,10 @@ def test_wallfacer_gpt_equals_tp(style, team_size, placement, report):
            f"{max(x['grad_err'] for x in res):.2e}")
 
 
-def _compare_models_cpu_rope(style, team_size, placement, tp=1):
-    # Megatron's CP RoPE slicing calls pin_memory/.cuda(); use the plugin's device-agnostic
-    # equivalent for this task unless cpu_compat already installed one.
-    import torch
-    from megatron.core.models.common.embeddings import rotary_pos_embedding as rpe
-
-    original = rpe.get_pos_emb_on_this_cp_rank
-    if not torch.cuda.is_available():
-        rpe.get_pos_emb_on_this_cp_rank = zigzag.get_pos_emb_on_this_cp_rank
-    try:
-        return _compare_models(style, team_size, placement, tp)
-    finally:
-        rpe.get_pos_emb_on_this_cp_rank = original
-
-
 def _run(style, team_size, placement, tp=1, world=P):
     from tests._harness import run_ranks
 
-    return run_ranks(world, _compare_models_cpu_rope, style, team_size, placement, tp,
+    return run_ranks(world, _compare_models, style, team_size, placement, tp,
                      timeout=600)
 
 
