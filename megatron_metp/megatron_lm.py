@@ -225,7 +225,9 @@ def initialize_plugin_groups(args: argparse.Namespace) -> None:
         placement = getattr(args, "wallfacer_placement", None) or PLACEMENTS[0]
         if c is None:  # 'auto': the topology scheduler profiles the live CP group
             c, placement = _auto_team_size(args)
-        wf_groups.initialize_wallfacer(team_size=c, placement=groups_placement(placement))
+        wf_groups.initialize_wallfacer(
+            team_size=c, placement=groups_placement(placement),
+            timeout_minutes=getattr(args, "distributed_timeout_minutes", None))
 
 
 def _auto_team_size(args: argparse.Namespace):

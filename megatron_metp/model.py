@@ -152,6 +152,10 @@ def initialize_parallel(
     mode: str = "tp",
     order: str = "tp-cp-ep-dp-pp",
     distributed_timeout_minutes: int = 30,
+    wallfacer_team_size: Union[int, str] = 1,
+    wallfacer_placement: Optional[str] = None,
+    wallfacer_shape: Optional[dict] = None,
+    gpus_per_node: Optional[int] = None,
 ) -> None:
     """Megatron's model-parallel groups, its RNG streams, and the plugin's groups.
 
@@ -160,10 +164,10 @@ def initialize_parallel(
     streams (``model_parallel_cuda_manual_seed``; on CPU the tracker keeps CPU generator states,
     see ``cpu_compat``), then registers the METP ring (= the TP group) for every mode.
 
-    ``mode`` is validated here and is the hook for mode-specific groups: WallFacer's teams and
-    sub-rings (issue 4) are carved from Megatron's context-parallel group, so they belong right
-    after ``initialize_model_parallel`` below, under ``if mode == "wallfacer"``. Until that set-up
-    lands here, callers build them after this call (see ``megatron_metp.train``).
+    ``mode`` is validated here. For ``wallfacer``, the teams and sub-rings are then carved from
+    Megatron's context-parallel group (``megatron_metp.wallfacer.groups.initialize_wallfacer``)
+    with ``wallfacer_team_size`` (C, or ``"auto"`` to profile ``wallfacer_shape`` =
+    dict(b, s, n, n_kv, d) with the topology scheduler) and ``wallfacer_placement``.
     """
     if mode not in MODES:
         raise ValueError(f"unknown --tensor-parallel-mode {mode!r}: choose one of {', '.join(MODES)}")
@@ -192,3 +196,9 @@ def initialize_parallel(
     torch.manual_seed(stage_seed)
     model_parallel_cuda_manual_seed(stage_seed)
     metp_state.initialize_metp()
+    if mode == "wallfacer":
+        from megatron_metp.wallfacer.groups import initialize_wallfacer
+
+        initialize_wallfacer(wallfacer_team_size, wallfacer_placement,
+                             shape=wallfacer_shape, gpus_per_node=gpus_per_node,
+                             timeout_minutes=distributed_timeout_minutes)

@@ -154,38 +154,31 @@ def _transformer_config(ns: Namespace, cfg: ModelConfig):
 
 
 def _initialize(ns: Namespace) -> None:
-    import inspect
-
     from megatron_metp.model import initialize_parallel
+    from megatron_metp.validation import PLACEMENT_ALIASES, team_size
 
-    kw = dict(tensor_model_parallel_size=ns.tensor_model_parallel_size,
-              pipeline_model_parallel_size=ns.pipeline_model_parallel_size,
-              context_parallel_size=ns.context_parallel_size, seed=ns.seed,
-              mode=ns.tensor_parallel_mode, wallfacer_team_size=ns.wallfacer_team_size,
-              wallfacer_placement=ns.wallfacer_placement,
-              # Megatron's groups take their own timeout (torch's new_group default is 30 min,
-              # not the world group's); forwarded when initialize_parallel accepts it.
-              distributed_timeout_minutes=ns.distributed_timeout_minutes)
-    accepted = inspect.signature(initialize_parallel).parameters
-    initialize_parallel(**{k: v for k, v in kw.items() if k in accepted})
-    from megatron_metp import parallel_state as metp_state
-
-    if ns.tensor_parallel_mode == "wallfacer" and not metp_state.wallfacer_is_initialized():
-        from megatron_metp.validation import PLACEMENT_ALIASES, team_size
-        from megatron_metp.wallfacer.groups import initialize_wallfacer
-
+    wallfacer = {}
+    if ns.tensor_parallel_mode == "wallfacer":
         c = team_size(ns)
         placement = ns.wallfacer_placement
         placement = PLACEMENT_ALIASES.get(placement, placement) if placement else None
+        wallfacer = dict(wallfacer_team_size="auto" if c is None else c,
+                         wallfacer_placement=placement)
         if c is None:  # --wallfacer-team-size auto: the topology scheduler profiles this shape
             tp = ns.tensor_model_parallel_size
-            shape = dict(b=ns.micro_batch_size, s=ns.seq_length, n=ns.num_attention_heads // tp,
-                         n_kv=max(ns.num_query_groups // tp, 1), d=ns.kv_channels)
             local = os.environ.get("LOCAL_WORLD_SIZE")
-            initialize_wallfacer("auto", placement, shape=shape,
-                                 gpus_per_node=int(local) if local else None)
-        else:
-            initialize_wallfacer(c, placement or "collective_intra")
+            wallfacer.update(
+                wallfacer_shape=dict(b=ns.micro_batch_size, s=ns.seq_length,
+                                     n=ns.num_attention_heads // tp,
+                                     n_kv=max(ns.num_query_groups // tp, 1), d=ns.kv_channels),
+                gpus_per_node=int(local) if local else None)
+    initialize_parallel(
+        tensor_model_parallel_size=ns.tensor_model_parallel_size,
+        pipeline_model_parallel_size=ns.pipeline_model_parallel_size,
+        context_parallel_size=ns.context_parallel_size, seed=ns.seed,
+        mode=ns.tensor_parallel_mode,
+        # Megatron's subgroups take their own timeout (new_group does not inherit the world's).
+        distributed_timeout_minutes=ns.distributed_timeout_minutes, **wallfacer)
 
 
 def _loss_func(loss_mask: torch.Tensor, cp_size: int, output_tensor: torch.Tensor):
@@ -280,9 +273,14 @@ def train_one_mode(args: Namespace, cfg: ModelConfig, mode: str, explicit: set,
         tconf.no_sync_func = ddp.no_sync
 
         start_iter = 0
-        if args.load:
+        if args.load and checkpoint_io.has_checkpoint(args.load):
             start_iter = checkpoint_io.load(args.load, [ddp], optimizer, scheduler)
             _print0(f"[metp] resumed from {args.load} at iteration {start_iter}")
+        elif args.load:
+            # As Megatron-LM does (--load and --save often name the same directory): no
+            # complete checkpoint there yet means a fresh start, said once.
+            _print0(f"[metp] warning: --load {args.load} holds no complete checkpoint "
+                    f"(no {checkpoint_io.TRACKER}); starting from --seed")
         dp = mpu.get_data_parallel_world_size()
         dp_rank = mpu.get_data_parallel_rank()
         num_micro = ns.global_batch_size // (ns.micro_batch_size * dp)

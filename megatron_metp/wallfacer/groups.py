@@ -15,6 +15,8 @@ Context-parallel rank = index in ``sorted(global ranks)`` = Megatron's
 
 from __future__ import annotations
 
+import datetime
+
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
@@ -89,7 +91,8 @@ def plan_for(idx: int, cp_size: int, team_size: int, placement: str,
 def build_wallfacer_groups(all_cp_groups: Sequence[Sequence[int]], my_cp_ranks: Sequence[int],
                            cp_group: Optional[dist.ProcessGroup], team_size: int,
                            placement: str = "collective_intra",
-                           layout: str = "zigzag") -> WallFacerGroups:
+                           layout: str = "zigzag",
+                           timeout: Optional[datetime.timedelta] = None) -> WallFacerGroups:
     """Create every team's group (collective over the world, same order everywhere).
 
     all_cp_groups   every context-parallel group's global ranks (identical on every rank)
@@ -110,7 +113,9 @@ def build_wallfacer_groups(all_cp_groups: Sequence[Sequence[int]], my_cp_ranks: 
         for team in range(cp_size // team_size):
             members = [ranks[i] for i in cg.team_members(team, cp_size, team_size, placement)]
             # Every rank calls new_group for every team, in this fixed order (it is collective).
-            pg = dist.new_group(members) if team_size > 1 else None
+            # The timeout is Megatron's --distributed-timeout-minutes: new_group does not inherit
+            # the world group's, so a dead peer would otherwise block a team collective 30 min.
+            pg = dist.new_group(members, timeout=timeout) if team_size > 1 else None
             if me in members:
                 my_team_pg = pg
     idx = mine.index(me)
@@ -122,7 +127,8 @@ def build_wallfacer_groups(all_cp_groups: Sequence[Sequence[int]], my_cp_ranks: 
 
 def initialize_wallfacer(team_size=1, placement: Optional[str] = "collective_intra",
                          layout: str = "zigzag", *, shape: Optional[dict] = None,
-                         gpus_per_node: Optional[int] = None) -> WallFacerGroups:
+                         gpus_per_node: Optional[int] = None,
+                         timeout_minutes: Optional[float] = None) -> WallFacerGroups:
     """Build the WallFacer groups from Megatron's context-parallel group and register them.
 
     Call on every rank after ``megatron.core.parallel_state.initialize_model_parallel(
@@ -152,7 +158,9 @@ def initialize_wallfacer(team_size=1, placement: Optional[str] = "collective_int
     dist.all_gather_object(gathered, sorted(my_cp))
     unique = sorted({tuple(g) for g in gathered})
     plan = build_wallfacer_groups([list(g) for g in unique], my_cp,
-                                  mpu.get_context_parallel_group(), team_size, placement, layout)
+                                  mpu.get_context_parallel_group(), team_size, placement, layout,
+                                  timeout=datetime.timedelta(minutes=timeout_minutes)
+                                  if timeout_minutes else None)
     if plan.idx != mpu.get_context_parallel_rank():
         raise RuntimeError("WallFacer CP index differs from Megatron's context-parallel rank")
     ps.set_wallfacer_groups(plan)
