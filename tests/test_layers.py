@@ -61,6 +61,16 @@ def _norm_checks():
     assert all(p.sequence_parallel for p in sp.parameters())
     with pytest.raises(ValueError, match="--normalization"):
         Norm(config=_cfg(), hidden_size=8, normalization="L2Norm")
+
+    # RMSNorm keeps for backward only what a fused kernel keeps: its input, gamma and one fp32
+    # rstd per token (bf16 input [64, 2, 32]: 8 KiB + 64 B + 512 B).
+    saved = []
+    rms = Norm(config=_cfg(style="llama", params_dtype=torch.bfloat16), hidden_size=32)
+    xb = torch.randn(64, 2, 32, dtype=torch.bfloat16, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(
+            lambda t: saved.append(t.numel() * t.element_size()) or t, lambda t: t):
+        rms(xb)
+    assert sum(saved) == 64 * 2 * 32 * 2 + 32 * 2 + 64 * 2 * 4, saved
     return True
 
 
