@@ -22,6 +22,18 @@ def _rng_path(path: str) -> str:
     return os.path.join(path, f"rng_rank{dist.get_rank():05d}_of_{dist.get_world_size()}.pt")
 
 
+def _layout() -> dict:
+    """This rank's place in the parallel layout: a stream saved at one place is only the right
+    stream at the same place (two TP ranks sharing one would draw identical dropout masks)."""
+    from megatron.core import parallel_state as mpu
+
+    return {"tp": (mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_world_size()),
+            "cp": (mpu.get_context_parallel_rank(), mpu.get_context_parallel_world_size()),
+            "pp": (mpu.get_pipeline_model_parallel_rank(),
+                   mpu.get_pipeline_model_parallel_world_size()),
+            "dp": (mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size())}
+
+
 def _rng_state() -> dict:
     """Every generator a training step draws from (dropout masks come from Megatron's tracked
     streams), so that a resumed run repeats the uninterrupted run's masks bit for bit."""
@@ -32,7 +44,8 @@ def _rng_state() -> dict:
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
     state = {"random": random.getstate(), "numpy": np.random.get_state(),
-             "torch": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
+             "torch": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states(),
+             "layout": _layout()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -100,6 +113,11 @@ def save(root: str, iteration: int, model_chunks: List, optimizer, scheduler) ->
     return path
 
 
+def has_checkpoint(root: str) -> bool:
+    """Whether ``root`` holds a complete checkpoint (its tracker is written last)."""
+    return os.path.isfile(os.path.join(root, TRACKER))
+
+
 def latest_iteration(root: str) -> int:
     tracker = os.path.join(root, TRACKER)
     if not os.path.isfile(tracker):
@@ -120,11 +138,17 @@ def load(root: str, model_chunks: List, optimizer, scheduler) -> int:
     if "optimizer" in loaded:
         optimizer.load_state_dict(loaded["optimizer"])
     scheduler.load_state_dict(loaded["opt_param_scheduler"])
-    rng = _rng_path(_ckpt_dir(root, iteration))
-    if os.path.isfile(rng):
-        import torch
+    import torch
 
-        _set_rng_state(torch.load(rng, weights_only=False))
+    rng = _rng_path(_ckpt_dir(root, iteration))
+    state = torch.load(rng, weights_only=False) if os.path.isfile(rng) else None
+    # Restore only if every rank sits where it sat at save time (same TP/CP/PP/DP ranks and
+    # sizes); otherwise all ranks keep the streams seeded from --seed, consistently.
+    same = torch.tensor([int(state is not None and state.get("layout") == _layout())],
+                        device="cuda" if torch.cuda.is_available() else "cpu")
+    dist.all_reduce(same, op=dist.ReduceOp.MIN)
+    if same.item():
+        _set_rng_state(state)
     elif dist.get_rank() == 0:
         # Another world size or layout (e.g. a checkpoint from another mode): weights and
         # optimizer state load; the random streams restart from --seed.

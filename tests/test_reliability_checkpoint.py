@@ -96,7 +96,15 @@ def capture_checkpoints(saved: Dict[int, dict], loaded: List[dict]):
 
     def load(root, model_chunks, optimizer, scheduler):
         it = orig_load(root, model_chunks, optimizer, scheduler)
-        loaded.append(dict(iteration=it, state=full_training_state(model_chunks, optimizer)))
+        from megatron.core import parallel_state as mpu
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        # The model-parallel dropout stream after load, to check TP ranks do not share one.
+        stream = get_cuda_rng_tracker().get_states()["model-parallel-rng"]
+        loaded.append(dict(iteration=it, state=full_training_state(model_chunks, optimizer),
+                           tp_rank=mpu.get_tensor_model_parallel_rank(),
+                           dp_rank=mpu.get_data_parallel_rank(),
+                           mp_stream=hash(stream.numpy().tobytes())))
         return it
 
     ckpt.save, ckpt.load = save, load
@@ -156,6 +164,7 @@ def _source_then_targets(tmp: str, sources: List[tuple]) -> List[dict]:
                 pair=f"{mode} p={p} -> {target} p={tp}",
                 bad=mismatches(rec["state"], saved[RESUME_AT]),
                 n_tensors=len(rec["state"]),
+                tp_rank=rec["tp_rank"], dp_rank=rec["dp_rank"], mp_stream=rec["mp_stream"],
                 src_losses=src[RESUME_AT:],
                 dst_losses=out[target]["losses"],
             ))
@@ -177,6 +186,15 @@ def test_checkpoints_load_across_modes_and_sizes(tmp_path, report):
             diff = max(abs(a - b) for a, b in zip(r["dst_losses"], r["src_losses"]))
             assert diff <= LOSS_TOL, (r["pair"], r["dst_losses"], r["src_losses"])
             worst = max(worst, diff)
+    # A checkpoint from another layout must not hand one TP rank's dropout stream to another:
+    # within each pair and data-parallel replica, every TP rank draws from its own stream.
+    for i, r0 in enumerate(out[0]):
+        by_dp = {}
+        for rank_results in out:
+            r = rank_results[i]
+            by_dp.setdefault(r["dp_rank"], []).append(r["mp_stream"])
+        for dp, streams in by_dp.items():
+            assert len(set(streams)) == len(streams), f"{r0['pair']}: TP ranks share a stream"
     pairs = [r["pair"] for r in out[0]]
     report(f"checkpoints across modes ({len(pairs)} pairs: {'; '.join(pairs)}): params + Adam "
            f"moments bit-identical after load; max |loss - source's| over iterations 3-4 "
