@@ -92,13 +92,17 @@ def launch_or_run(argv: List[str], nproc: Optional[int], run: Callable[[], int],
 MODES = ("tp", "metp", "wallfacer")
 
 
-def _modes(value: str) -> List[str]:
-    modes = [m.strip() for m in value.split(",") if m.strip()]
-    bad = [m for m in modes if m not in MODES]
-    if bad or not modes:
-        raise argparse.ArgumentTypeError(
-            f"--compare {value!r}: give a comma-separated list of {', '.join(MODES)}")
-    return modes
+def mode_list(flag: str, allowed: Tuple[str, ...]) -> Callable[[str], List[str]]:
+    """An argparse ``type`` for a comma-separated list of modes, naming ``flag`` on error."""
+
+    def parse(value: str) -> List[str]:
+        modes = [m.strip() for m in value.split(",") if m.strip()]
+        if not modes or any(m not in allowed for m in modes):
+            raise argparse.ArgumentTypeError(
+                f"{flag} {value!r}: give a comma-separated list of {', '.join(allowed)}")
+        return modes
+
+    return parse
 
 
 @subcommand("train", "train a GPT model with Megatron-Core under tp, metp or wallfacer")
@@ -110,7 +114,7 @@ def _train_parser(p: argparse.ArgumentParser) -> Callable:
       help="configs/<name>.yaml or a path (default tiny-gpt)")
     a("--tensor-parallel-mode", choices=MODES, default=None,
       help="tp (Megatron TP+SP), metp (METP weight rings), wallfacer (multi-ring attention)")
-    a("--compare", type=_modes, default=None, metavar="MODES",
+    a("--compare", type=mode_list("--compare", MODES), default=None, metavar="MODES",
       help="e.g. tp,metp,wallfacer: same seed and data under each mode, dropout 0; prints the "
            "loss curves side by side and the largest difference")
     a("--tensor-model-parallel-size", type=int, default=None)

@@ -45,6 +45,7 @@ from typing import Callable, Dict, List
 import torch
 import torch.distributed as dist
 
+from megatron_metp.cli import mode_list
 from megatron_metp.measure.bench_report import markdown, plot
 from megatron_metp.measure.bench_setup import (layer_step, model_flops, model_step, setup,
                                                team_size, teardown)
@@ -66,18 +67,10 @@ def _ints(value: str) -> List[int]:
         raise argparse.ArgumentTypeError(f"{value!r}: give comma-separated integers") from None
 
 
-def _modes(value: str) -> List[str]:
-    modes = [m.strip() for m in value.split(",") if m.strip()]
-    bad = [m for m in modes if m not in BENCH_MODES]
-    if bad or not modes:
-        raise argparse.ArgumentTypeError(
-            f"--modes {value!r}: give a comma-separated list of {', '.join(BENCH_MODES)}")
-    return modes
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     a = p.add_argument
-    a("--modes", type=_modes, default=list(BENCH_MODES), help="default tp,metp,wallfacer,ring")
+    a("--modes", type=mode_list("--modes", BENCH_MODES), default=list(BENCH_MODES),
+      help="default tp,metp,wallfacer,ring")
     a("--scope", choices=("layer", "model"), default="layer",
       help="layer: one TransformerLayer (attention + MLP); model: a GPTModel with its loss")
     a("--style", choices=("gpt", "llama"), default="gpt")
