@@ -222,23 +222,25 @@ def initialize_plugin_groups(args: argparse.Namespace) -> None:
         from megatron_metp.wallfacer import groups as wf_groups
 
         c = team_size(args)
-        placement = getattr(args, "wallfacer_placement", None) or PLACEMENTS[0]
-        if c is None:  # 'auto': the topology scheduler profiles the live CP group
-            c, placement = _auto_team_size(args)
+        placement = getattr(args, "wallfacer_placement", None)
+        if c is None:  # 'auto': the topology scheduler profiles this run's attention shape
+            tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+            heads = args.num_attention_heads
+            groups = getattr(args, "num_query_groups", None) or heads
+            local = os.environ.get("LOCAL_WORLD_SIZE")
+            wf_groups.initialize_wallfacer(
+                "auto", groups_placement(placement) if placement else None,
+                shape=dict(b=args.micro_batch_size, s=args.seq_length, n=heads // tp,
+                           n_kv=max(groups // tp, 1),
+                           d=getattr(args, "kv_channels", None) or args.hidden_size // heads),
+                gpus_per_node=int(local) if local else None,
+                timeout_minutes=getattr(args, "distributed_timeout_minutes", None))
+            _log(f"--wallfacer-team-size auto picked C = "
+                 f"{ps.get_wallfacer_groups().team_size}")
+            return
         wf_groups.initialize_wallfacer(
-            team_size=c, placement=groups_placement(placement),
+            team_size=c, placement=groups_placement(placement or PLACEMENTS[0]),
             timeout_minutes=getattr(args, "distributed_timeout_minutes", None))
-
-
-def _auto_team_size(args: argparse.Namespace):
-    """Resolve ``--wallfacer-team-size auto`` with the topology scheduler, when installed."""
-    # validate_args has refused 'auto' where the scheduler is not installed.
-    from megatron_metp.wallfacer import scheduler
-
-    c, placement = scheduler.pick_team_size_and_placement()
-    _log(f"--wallfacer-team-size auto picked C = {c}, placement {placement}")
-    args.wallfacer_team_size, args.wallfacer_placement = c, placement
-    return c, placement
 
 
 def layer_spec_for(args: argparse.Namespace, config, vp_stage: Optional[int] = None):

@@ -55,7 +55,6 @@ PLACEMENTS = ("team-consecutive", "ring-consecutive")
 PLACEMENT_ALIASES = {"team-consecutive": "collective_intra", "ring-consecutive": "p2p_intra"}
 PLACEMENT_NAMES = PLACEMENTS + tuple(PLACEMENT_ALIASES.values())
 WALLFACER_CP_COMM_TYPE = "wallfacer"
-SCHEDULER_MODULE = "megatron_metp.wallfacer.scheduler"  # resolves --wallfacer-team-size auto
 
 # (namespace attribute, Megatron-LM flag, why a METP/WallFacer layer cannot honour it)
 _UNSUPPORTED = {
@@ -392,13 +391,9 @@ def _check_wallfacer(ns: Namespace, tp: int, cp: int) -> None:
     ffn = ffn_hidden_size(ns)
     if ffn % tp:
         _fail(f"--ffn-hidden-size {ffn} is not divisible by --tensor-model-parallel-size {tp}")
-    from megatron_metp.wallfacer.config_generator import valid_team_sizes, validate_wallfacer
+    from megatron_metp.wallfacer.config_generator import validate_wallfacer
 
     c = team_size(ns)
-    if c is None and importlib.util.find_spec(SCHEDULER_MODULE) is None:
-        _fail(f"--wallfacer-team-size auto needs the topology scheduler ({SCHEDULER_MODULE}), "
-              f"which this installation lacks: give an integer C; valid for "
-              f"--context-parallel-size {cp}: {valid_team_sizes(cp)}")
     seq = getattr(ns, "seq_length", None)
     _as_config_error(
         validate_wallfacer, cp, "auto" if c is None else c,
