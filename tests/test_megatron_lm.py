@@ -14,7 +14,6 @@ Megatron-LM's training package is not installable here and its ``pretrain()`` ne
 from __future__ import annotations
 
 import argparse
-import importlib
 import importlib.util
 import os
 import subprocess
