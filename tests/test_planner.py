@@ -206,8 +206,8 @@ _BISECT_SCRIPT = textwrap.dedent(
     from megatron_metp.config import load_config
     from megatron_metp.measure.planner import Planner, PlanSettings
     cfg = load_config("llama-7b")
-    # 48 GiB at p = 4: LLaMA-7B's 28 GiB of model state leave room for 4k..8k tokens under tp
-    # and 16k..32k under metp, so both bisections run (the table in docs/results.md).
+    # 48 GiB at p = 4: LLaMA-7B's 28 GiB of model state leave room for about 8k tokens under
+    # tp and 36k under metp (measured), so both bisections take several steps.
     pl = Planner(PlanSettings(memory_gib=48.0))
     out = {}
     for mode in ("tp", "metp"):
@@ -237,23 +237,3 @@ def test_longest_sequence_bisection(report):
     assert res["metp"][0] > res["tp"][0]
     report(f"plan llama-7b p=4 on 48 GiB: longest s tp {res['tp'][0]} metp {res['metp'][0]} "
            f"({res['metp'][0] / res['tp'][0]:.2f}x)")
-
-
-def test_saving_rms_norm_matches_torch_in_fp64():
-    """``--fused-rmsnorm`` plans a norm that keeps less; it must compute the same thing."""
-    import torch
-    import torch.nn.functional as F
-
-    from megatron_metp.measure.layer_probe import saving_rms_norm
-
-    torch.manual_seed(0)
-    x = torch.randn(6, 2, 16, dtype=torch.float64, requires_grad=True)
-    w = torch.randn(16, dtype=torch.float64, requires_grad=True)
-    g = torch.randn(6, 2, 16, dtype=torch.float64)
-    ref = F.rms_norm(x, (16,), w, 1e-5)
-    dx_ref, dw_ref = torch.autograd.grad(ref, (x, w), g)
-    out = saving_rms_norm(x, (16,), w, 1e-5)
-    dx, dw = torch.autograd.grad(out, (x, w), g)
-    # fp64 both ways; the two differ only in summation order: 1e-12 is ~1e4 ulps of margin.
-    for a, b in ((out, ref), (dx, dx_ref), (dw, dw_ref)):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

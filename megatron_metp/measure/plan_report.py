@@ -62,9 +62,6 @@ def add_arguments(parser) -> None:
     a("--time-seq-length", default="128k", help="sequence of the comm/time table")
     a("--count-send-buffers", action="store_true",
       help="add the largest P2P send per layer, as if a live request held it (upper bound)")
-    a("--fused-rmsnorm", action="store_true",
-      help="plan RMSNorm as a fused kernel that keeps only its input and rstd (TE/Apex on GPU) "
-           "instead of the CPU decomposition of torch's rms_norm")
     a("--json", default=None, metavar="PATH", help="write every planned point as JSON")
 
 
@@ -99,8 +96,7 @@ def run(args) -> int:
                             fragmentation=args.fragmentation,
                             distributed_optimizer=args.use_distributed_optimizer,
                             efficiency=args.efficiency,
-                            count_send_buffers=args.count_send_buffers,
-                            fused_rmsnorm=args.fused_rmsnorm)
+                            count_send_buffers=args.count_send_buffers)
     planner = Planner(settings)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     cfgs = [load_config(n.strip()) for n in args.models.split(",") if n.strip()]

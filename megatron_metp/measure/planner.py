@@ -53,7 +53,6 @@ max(compute, comm) + comm / p.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional
@@ -81,7 +80,6 @@ class PlanSettings:
     distributed_optimizer: bool = False
     efficiency: float = 0.5
     count_send_buffers: bool = False
-    fused_rmsnorm: bool = False
 
 
 @dataclass
@@ -216,9 +214,7 @@ class Planner:
             self.world.setup(mode, p)
             tcfg = transformer_config(cfg, p, mode)
             b = self.settings.micro_batch
-            norm_ctx = layer_probe.fused_rms_norm() if self.settings.fused_rmsnorm else \
-                contextlib.nullcontext()
-            with FakeTensorMode(), norm_ctx:
+            with FakeTensorMode():
                 # RoPE under context parallelism slices the table with a pinned CUDA tensor
                 # (Megatron's get_pos_emb_on_this_cp_rank): wallfacer is planned without it.
                 rope = cfg.position_embedding_type == "rope" and mode != "wallfacer"
