@@ -20,6 +20,7 @@ import datetime
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
+import torch
 import torch.distributed as dist
 
 from megatron_metp.wallfacer import config_generator as cg
@@ -88,6 +89,23 @@ def plan_for(idx: int, cp_size: int, team_size: int, placement: str,
     )
 
 
+def _warm_up(cp_group: Optional[dist.ProcessGroup], team_pg: Optional[dist.ProcessGroup]) -> None:
+    """Create the NCCL communicators now, with every member present.
+
+    NCCL builds a group's communicator lazily, collectively over all its ranks, on first use.
+    With ring length P/C^2 = 1 the only P2P on the CP group is the initial K/V send, which the
+    ranks that keep their own K/V skip; a sender would then wait for a communicator its skipping
+    peers never help create. One all-reduce per group here cannot deadlock: every rank of the
+    CP group (and of its team) calls it in the same order.
+    """
+    if dist.get_backend() != "nccl":
+        return
+    probe = torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()))
+    for pg in (cp_group, team_pg):
+        if pg is not None:
+            dist.all_reduce(probe, group=pg)
+
+
 def build_wallfacer_groups(all_cp_groups: Sequence[Sequence[int]], my_cp_ranks: Sequence[int],
                            cp_group: Optional[dist.ProcessGroup], team_size: int,
                            placement: str = "collective_intra",
@@ -120,6 +138,7 @@ def build_wallfacer_groups(all_cp_groups: Sequence[Sequence[int]], my_cp_ranks: 
                 my_team_pg = pg
     idx = mine.index(me)
     plan = plan_for(idx, cp_size, team_size, placement, mine, layout, cp_group, my_team_pg)
+    _warm_up(cp_group, my_team_pg)
     if my_team_pg is not None and dist.get_rank(my_team_pg) != plan.member:
         raise RuntimeError("team process group rank differs from the member index")
     return plan

@@ -84,12 +84,30 @@ def format_table(cp_size: int, times: Dict[Candidate, float], best: Candidate,
     return "\n".join(lines), rows
 
 
-def attention_step_factory(shape: dict, causal: bool = True, dtype=torch.float32,
+def _comm_device() -> torch.device:
+    """Where this run's collectives operate: the current GPU under NCCL, else the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _sync(device: torch.device) -> None:
+    """Wait for queued GPU work so wall-clock times measure kernels, not their launches."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def attention_step_factory(shape: dict, causal: bool = True, dtype=None,
                            device=None) -> Callable:
     """A profiling step: WallFacer attention forward + backward on random data of ``shape``.
 
     ``shape``: b, s (whole sequence), n, n_kv, d. Returns ``factory(plan) -> step()``.
+    The data lives where the collectives run (the GPU under NCCL); the dtype defaults to bf16 on
+    a GPU (the flash kernels a run uses; fp32 there would profile the math path) and fp32 on CPU.
     """
+    device = _comm_device() if device is None else device
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     from megatron_metp.wallfacer.attention import WallFacerAttnFunc
 
     def factory(plan):
@@ -133,18 +151,22 @@ def auto_select(step_factory: Optional[Callable] = None, *, shape: Optional[dict
         dist.all_gather_object(gathered, sorted(my_cp_ranks))
         all_cp_groups = sorted({tuple(x) for x in gathered})
     cp_size = len(my_cp_ranks)
+    device = _comm_device()
     times: Dict[Candidate, float] = {}
     for c, pl in candidates(cp_size):
         plan = build_wallfacer_groups(all_cp_groups, my_cp_ranks, cp_group, c, pl)
         step = step_factory(plan)
         for _ in range(warmup):
             step()
+        _sync(device)
         dist.barrier()
         t0 = time.perf_counter()
         for _ in range(iters):
             step()
+        _sync(device)
         # The step's time is its slowest rank's; every rank compares the same numbers.
-        elapsed = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64)
+        elapsed = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64,
+                               device=device)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         times[(c, pl)] = elapsed.item()
     best = pick_fastest(times)
