@@ -105,7 +105,9 @@ def select_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
     if q.device.type == "cuda":
         # Both CUDA flash kernels take fp16/bf16 with head dims up to 256 in multiples of 8
         # (flash-attn's padding lives in its autograd wrappers, not in the functions used here).
-        if q.dtype in (torch.float16, torch.bfloat16) and d <= 256 and d % 8 == 0:
+        # Both also need an Ampere or newer GPU (sm80+); older ones take the math path.
+        if (q.dtype in (torch.float16, torch.bfloat16) and d <= 256 and d % 8 == 0
+                and torch.cuda.get_device_capability(q.device) >= (8, 0)):
             if _flash_attn_module() is not None:
                 return "flash_attn"
             return "torch_flash_cuda"

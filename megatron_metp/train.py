@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import gc
 import os
 import resource
 import sys
@@ -228,6 +229,11 @@ def train_one_mode(args: Namespace, cfg: ModelConfig, mode: str, explicit: set,
 
     from megatron_metp import train_checkpoint as checkpoint_io
     from megatron_metp.model import build_gpt_model
+
+    if device.type == "cuda":  # each mode's peak is its own (--compare runs modes in turn)
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
 
     ns = _parallel_setup(resolve_namespace(args, cfg, mode), explicit)
     _initialize(ns)

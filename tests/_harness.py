@@ -51,6 +51,9 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
     os.environ["RANK"] = str(rank)
     os.environ["WORLD_SIZE"] = str(world_size)
     os.environ["LOCAL_RANK"] = str(rank)
+    # The CPU tier stays on the CPU on a GPU machine too: cpu_compat (and so Megatron's device
+    # choices) follow torch.cuda.is_available(), and gloo ranks must not all open GPU 0.
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
     import torch
     import torch.distributed as dist
 
