@@ -262,7 +262,10 @@ class _MetpMHAFunction(torch.autograd.Function):
             a_j, lse_j = attn[j], lses[j]
             heads = a_j.shape[1]
             # dW_proj_j = A_ij^T dO_i (this rank's tokens; summed over ranks by the reduce).
-            dw_proj_j = dout2d.t().mm(_flat(a_j))
+            # Weight gradients are reduced over p ranks: keep them (and the reduce) in fp32 for
+            # bf16/fp16 weights, so the sum adds no rounding TP's single matmul does not have.
+            gacc = torch.promote_types(w_proj_j.dtype, torch.float32)
+            dw_proj_j = dout2d.t().mm(_flat(a_j)).to(gacc)
             # dA_ij = dO_i W_proj_j, viewed in the kernels' layout.
             da_j = dout2d.mm(w_proj_j).view(s, b, heads, plan.d).permute(1, 2, 0, 3)
             # Recompute Q/K/V (Alg. 6 line 6); only the q/k norm and RoPE go through autograd,
@@ -291,9 +294,9 @@ class _MetpMHAFunction(torch.autograd.Function):
             del q, k, q_lin, k_lin, v
             # Alg. 6 lines 9-10 (with W_qkv_j): dX += [dQ dK dV] W_qkv_j, dW_qkv_j = X^T [dQ dK dV],
             # block by block into Megatron's interleaved row layout.
-            dw4 = torch.empty(w_qkv_j.shape, dtype=w_qkv_j.dtype, device=x.device).view(
+            dw4 = torch.empty(w_qkv_j.shape, dtype=gacc, device=x.device).view(
                 plan.groups_p, -1, plan.d, h)
-            db3 = (torch.empty(b_qkv_j.shape, dtype=b_qkv_j.dtype, device=x.device).view(
+            db3 = (torch.empty(b_qkv_j.shape, dtype=gacc, device=x.device).view(
                 plan.groups_p, -1, plan.d) if b_qkv_j is not None else None)
             for (rows, heads, w_part, _), g in zip(blocks, (dq, dk, dv)):
                 g2d = g.reshape(s * b, heads * plan.d)
