@@ -48,11 +48,8 @@ def _measure_here(style: str, mode: str, fake: bool):
         if mpu.model_parallel_is_initialized():  # the previous mode's groups
             mpu.destroy_model_parallel()
             metp_state.destroy()
-        if mode == "wallfacer":
-            from megatron_metp.wallfacer.groups import initialize_wallfacer
-
-            initialize_parallel(context_parallel_size=P, mode=mode)
-            initialize_wallfacer(1, "collective_intra")
+        if mode == "wallfacer":  # team size 1 (ring attention)
+            initialize_parallel(context_parallel_size=P, mode=mode, wallfacer_team_size=1)
         else:
             initialize_parallel(tensor_model_parallel_size=P, mode=mode)
     tcfg = transformer_config(cfg, P, mode)
@@ -111,7 +108,13 @@ def test_fake_planner_agrees_with_real_gloo_run(report):
             planned = f_peak
             assert abs(planned - r_peak) <= 0.05 * r_peak, (key, rank, planned, r_peak)
             assert r_peak <= f_peak + f_handle
-            assert abs(f_ret - r_ret) <= 0.05 * r_ret, (key, rank, f_ret, r_ret)
+            # What a layer keeps: the real gloo run can read up to one [s, b, h] bf16 buffer more
+            # (seen only for tp, on either rank, in about 1 run of 3): the size of Megatron's SP
+            # all-gather output, most likely still referenced by gloo's Work object when the
+            # snapshot is taken (FACTS.md: a gloo Work holds its buffers until dropped).
+            gloo_late_free = SEQ * TINY[key.split("/")[0]]["hidden_size"] * 2
+            assert f_ret - 0.05 * r_ret <= r_ret <= f_ret + 0.05 * r_ret + gloo_late_free, (
+                key, rank, f_ret, r_ret)
             assert abs(f_head - r_head) <= 0.05 * r_head, (key, rank, f_head, r_head)
             if rank == 0:
                 lines.append(f"{key} planned {planned / 2**10:.1f} KiB real {r_peak / 2**10:.1f} "
