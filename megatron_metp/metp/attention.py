@@ -388,18 +388,21 @@ class MetpSelfAttention(SelfAttention):
         inference_params=None,
     ):
         if any(a is not None for a in (key_value_states, inference_context, inference_params)):
-            raise NotImplementedError(
-                "MetpSelfAttention: no cross attention or inference (KV cache)"
+            raise ValueError(
+                "MetpSelfAttention: no cross attention or inference (KV cache); run inference "
+                "with --tensor-parallel-mode tp (checkpoints load across modes)"
             )
         if packed_seq_params is not None or attention_bias is not None:
-            raise NotImplementedError("MetpSelfAttention: no packed sequences or attention bias")
+            raise ValueError("MetpSelfAttention: no packed sequences or attention bias; drop "
+                             "sequence packing, or use --tensor-parallel-mode tp")
         if rotary_pos_cos is not None or rotary_pos_sin is not None:
-            raise NotImplementedError("MetpSelfAttention: pass rotary_pos_emb, not cos/sin")
+            raise ValueError("MetpSelfAttention: rotary cos/sin tables (Megatron's inference "
+                             "paths) are not supported; training passes rotary_pos_emb")
         causal = self.attn_mask_type == AttnMaskType.causal
         if not causal and attention_mask is not None:
-            raise NotImplementedError(
+            raise ValueError(
                 "MetpSelfAttention: explicit (padding) attention masks are not supported; use a "
-                "causal mask type or no mask"
+                "causal mask type or no mask (--no-create-attention-mask-in-dataloader)"
             )
         if self.config.no_rope_freq and self.config.no_rope_freq[self.layer_number - 1]:
             rotary_pos_emb = None
