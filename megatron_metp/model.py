@@ -21,7 +21,7 @@ default generator and sliced, so they do not depend on the TP size), every CUDA-
 from __future__ import annotations
 
 import random
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +31,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_metp import parallel_state as metp_state
 from megatron_metp.specs import MODES, check_spec_importable, get_gpt_block_spec
+
+# The process groups that existed when initialize_parallel began (None: no live set-up).
+_GROUPS_BEFORE: Optional[frozenset] = None
 
 _PRESETS = {
     "gpt": dict(
@@ -171,6 +174,7 @@ def initialize_parallel(
     """
     if mode not in MODES:
         raise ValueError(f"unknown --tensor-parallel-mode {mode!r}: choose one of {', '.join(MODES)}")
+    global _GROUPS_BEFORE
     world = torch.distributed.get_world_size()
     model_parallel = tensor_model_parallel_size * pipeline_model_parallel_size * context_parallel_size
     if world % model_parallel:
@@ -179,6 +183,42 @@ def initialize_parallel(
             f"{tensor_model_parallel_size} x --pipeline-model-parallel-size "
             f"{pipeline_model_parallel_size} x --context-parallel-size {context_parallel_size}"
         )
+    if _GROUPS_BEFORE is None:  # a set-up over a live one: destroy_parallel ends both
+        _GROUPS_BEFORE = metp_state.live_groups()
+    try:
+        _initialize(tensor_model_parallel_size, pipeline_model_parallel_size,
+                    context_parallel_size, seed, mode, order, distributed_timeout_minutes,
+                    wallfacer_team_size, wallfacer_placement, wallfacer_shape, gpus_per_node)
+    except BaseException:
+        destroy_parallel()  # a half-built set-up leaves no group behind
+        raise
+
+
+def destroy_parallel() -> int:
+    """Undo :func:`initialize_parallel`: end every process group created since it began, then
+    reset Megatron-Core's parallel state and the plugin's. Returns how many groups were ended.
+
+    Megatron-Core's ``destroy_model_parallel`` only drops its references and the plugin's
+    ``parallel_state.destroy`` only forgets its groups; neither ends a group, so each set-up
+    would leave its gloo threads and sockets (or NCCL communicators and their GPU memory)
+    behind. Here every group that Megatron, the plugin or WallFacer's scheduler created after
+    ``initialize_parallel`` started is passed to ``torch.distributed.destroy_process_group``;
+    groups that existed before (the world group, a caller's own) are left alone. The call is
+    local to each rank and safe to repeat; without a live set-up it only resets the state.
+    """
+    global _GROUPS_BEFORE
+    ended = 0
+    if _GROUPS_BEFORE is not None:
+        ended = metp_state.destroy_groups(metp_state.live_groups() - _GROUPS_BEFORE)
+        _GROUPS_BEFORE = None
+    mpu.destroy_model_parallel()
+    metp_state.destroy()
+    return ended
+
+
+def _initialize(tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size,
+                seed, mode, order, distributed_timeout_minutes, wallfacer_team_size,
+                wallfacer_placement, wallfacer_shape, gpus_per_node) -> None:
     mpu.initialize_model_parallel(
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size,

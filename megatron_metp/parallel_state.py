@@ -15,7 +15,7 @@ Modules receive their groups explicitly at construction; no autograd Function re
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, FrozenSet, Iterable, Optional
 
 import torch.distributed as dist
 
@@ -85,7 +85,49 @@ def get_wallfacer_groups() -> Any:
 
 
 def destroy() -> None:
-    """Forget the plugin's groups (Megatron's own are destroyed by destroy_model_parallel)."""
+    """Forget the plugin's groups. This only drops references; the groups themselves are ended
+    by :func:`destroy_groups` (``megatron_metp.model.destroy_parallel`` does both)."""
     global _METP_GROUP, _WALLFACER_GROUPS
     _METP_GROUP = None
     _WALLFACER_GROUPS = None
+
+
+# ------------------------------------------------------------------------------------------
+# Ending process groups.
+#
+# A gloo group keeps two worker threads, a TCP loop thread and a socket per peer until
+# ``torch.distributed.destroy_process_group(group)`` is called on it; an NCCL group keeps its
+# communicator and its GPU buffers. Dropping the Python references (all Megatron-Core's
+# ``destroy_model_parallel`` does) is not enough: torch's own registry still holds every group.
+# So the groups that a set-up creates are found by difference with the registry before it.
+
+
+def live_groups() -> FrozenSet[dist.ProcessGroup]:
+    """Every process group this rank belongs to, the default (world) group excluded."""
+    if not dist.is_initialized():
+        return frozenset()
+    from torch.distributed import distributed_c10d as c10d
+
+    world = c10d._get_default_group()
+    return frozenset(pg for pg in c10d._world.pg_map if pg is not world)
+
+
+def destroy_groups(groups: Iterable[Optional[dist.ProcessGroup]]) -> int:
+    """``destroy_process_group`` on each group still registered; returns how many were ended.
+
+    Local to the calling rank (no collective), so ranks may call it at different times. Newest
+    first, the reverse of creation order, as torch ends the world's groups.
+    """
+    if not dist.is_initialized():
+        return 0
+    from torch.distributed import distributed_c10d as c10d
+
+    wanted = {g for g in groups if g is not None}
+    # pg_map keeps creation order; end the newest first.
+    todo = [g for g in reversed(list(c10d._world.pg_map)) if g in wanted]
+    world = c10d._get_default_group()
+    for g in todo:
+        if g is world:
+            continue
+        dist.destroy_process_group(g)
+    return sum(g is not world for g in todo)

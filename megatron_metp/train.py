@@ -6,7 +6,7 @@ Per mode (one mode, or each of ``--compare``'s in turn inside the same processes
     initialize_parallel(TP, PP, CP, seed, mode)                            Megatron + plugin groups
     GPTModel (this pipeline stage, the mode's spec) -> DDP -> get_megatron_optimizer
     for it in iterations: get_forward_backward_func()(...) -> optimizer.step -> lr step -> log
-    destroy_model_parallel
+    destroy_parallel (every group of this mode ended before the next mode builds its own)
 
 Data x tensor/context x pipeline parallel come from Megatron's own groups; every rank computes
 its micro-batches from the iteration number (``GPTSamples``), so no data broadcast is needed.
@@ -340,10 +340,9 @@ def train_one_mode(args: Namespace, cfg: ModelConfig, mode: str, explicit: set,
             checkpoint_io.save(args.save, ns.train_iters, [ddp], optimizer, scheduler)
         return reporter.end_mode()
     finally:
-        from megatron_metp import parallel_state as metp_state
+        from megatron_metp.model import destroy_parallel
 
-        mpu.destroy_model_parallel()
-        metp_state.destroy()
+        destroy_parallel()
 
 
 def run(args: Namespace, explicit: set) -> Dict[str, Dict]:

@@ -30,19 +30,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _reset_state() -> None:
-    try:
-        from megatron.core import parallel_state as mpu
+def _reset_state(baseline) -> None:
+    """Undo what a task set up: ``destroy_parallel`` (Megatron's and the plugin's groups and
+    state), then end any other group the task created itself (``new_group`` in a test body), so
+    that no task leaves gloo threads or sockets to the next. ``baseline``: the groups that
+    existed before the first task (none but the world group)."""
+    import gc
 
-        mpu.destroy_model_parallel()
-    except Exception:  # pragma: no cover - megatron absent or never initialised
-        pass
-    try:
-        from megatron_metp import parallel_state as ps
+    from megatron_metp import parallel_state as ps
+    from megatron_metp.model import destroy_parallel
 
-        ps.destroy()
-    except Exception:  # pragma: no cover
-        pass
+    destroy_parallel()
+    ps.destroy_groups(ps.live_groups() - baseline)
+    gc.collect()  # modules of the finished task may still hold group handles
 
 
 def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
@@ -65,6 +65,9 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
     from megatron_metp import cpu_compat
 
     cpu_compat.apply()
+    from megatron_metp import parallel_state as ps
+
+    baseline = ps.live_groups()
     while True:
         task = tasks.get()
         if task is None:
@@ -76,7 +79,7 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
         except BaseException:  # noqa: BLE001 - report everything to the parent
             results.put((rank, False, traceback.format_exc()))
         finally:
-            _reset_state()
+            _reset_state(baseline)
     dist.destroy_process_group()
 
 

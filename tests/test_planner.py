@@ -37,17 +37,11 @@ def _measure_here(style: str, mode: str, fake: bool):
 
     from megatron_metp.measure import layer_probe
     from megatron_metp.measure.planner import padded_vocab, transformer_config
-    from megatron_metp.model import initialize_parallel
+    from megatron_metp.model import destroy_parallel, initialize_parallel
 
     cfg = parse_config(TINY[style])
     if not fake:
-        from megatron.core import parallel_state as mpu
-
-        from megatron_metp import parallel_state as metp_state
-
-        if mpu.model_parallel_is_initialized():  # the previous mode's groups
-            mpu.destroy_model_parallel()
-            metp_state.destroy()
+        destroy_parallel()  # the previous mode's groups
         if mode == "wallfacer":  # team size 1 (ring attention)
             initialize_parallel(context_parallel_size=P, mode=mode, wallfacer_team_size=1)
         else:

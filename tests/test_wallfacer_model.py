@@ -30,7 +30,7 @@ def _loss_sum(model, tokens, position_ids, labels):
 def _compare_models(style, team_size, placement, tp=1):
     from megatron.core import parallel_state as mpu
 
-    from megatron_metp import parallel_state as ps
+    from megatron_metp.model import destroy_parallel
     from megatron_metp.wallfacer.groups import initialize_wallfacer
 
     b = _models.batch(seed=3, s=SEQ)
@@ -44,8 +44,7 @@ def _compare_models(style, team_size, placement, tp=1):
     ref_grads = {n: p.grad.detach().clone() for n, p in ref_model.named_parameters()}
     logits_ref = logits_ref.detach()
     del ref_model
-    mpu.destroy_model_parallel()
-    ps.destroy()
+    destroy_parallel()
 
     # WallFacer: CP = world / tp (TP = 1: CP over all ranks), weights copied (TP-sharded).
     cp = dist.get_world_size() // tp

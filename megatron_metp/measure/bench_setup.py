@@ -50,12 +50,9 @@ def setup(mode: str, args, p: int):
 
 
 def teardown() -> None:
-    from megatron.core import parallel_state as mpu
+    from megatron_metp.model import destroy_parallel
 
-    from megatron_metp import parallel_state as metp_state
-
-    mpu.destroy_model_parallel()
-    metp_state.destroy()
+    destroy_parallel()
 
 
 def layer_step(config, spec_mode: str, s: int, b: int, device):

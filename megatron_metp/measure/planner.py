@@ -132,11 +132,7 @@ class FakeWorld:
         if self.key == (mode, p):
             return
         cpu_compat.apply()
-        if mpu.model_parallel_is_initialized():
-            mpu.destroy_model_parallel()
-        metp_state.destroy()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        self.teardown()
         dist.init_process_group("fake", rank=0, world_size=p, store=FakeStore())
         if mode == "wallfacer":
             # WallFacer with team size C = 1 (its ring-attention case) over Megatron's CP group
@@ -155,13 +151,10 @@ class FakeWorld:
 
     def teardown(self) -> None:
         import torch.distributed as dist
-        from megatron.core import parallel_state as mpu
 
-        from megatron_metp import parallel_state as metp_state
+        from megatron_metp.model import destroy_parallel
 
-        if mpu.model_parallel_is_initialized():
-            mpu.destroy_model_parallel()
-        metp_state.destroy()
+        destroy_parallel()
         if dist.is_initialized():
             dist.destroy_process_group()
         self.key = None

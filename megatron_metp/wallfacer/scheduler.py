@@ -21,6 +21,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron_metp import parallel_state as ps
 from megatron_metp.wallfacer import config_generator as cg
 
 Candidate = Tuple[int, str]
@@ -154,21 +155,28 @@ def auto_select(step_factory: Optional[Callable] = None, *, shape: Optional[dict
     device = _comm_device()
     times: Dict[Candidate, float] = {}
     for c, pl in candidates(cp_size):
-        plan = build_wallfacer_groups(all_cp_groups, my_cp_ranks, cp_group, c, pl)
-        step = step_factory(plan)
-        for _ in range(warmup):
-            step()
-        _sync(device)
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            step()
-        _sync(device)
-        # The step's time is its slowest rank's; every rank compares the same numbers.
-        elapsed = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64,
-                               device=device)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        times[(c, pl)] = elapsed.item()
+        before = ps.live_groups()
+        try:
+            plan = build_wallfacer_groups(all_cp_groups, my_cp_ranks, cp_group, c, pl)
+            step = step_factory(plan)
+            for _ in range(warmup):
+                step()
+            _sync(device)
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                step()
+            _sync(device)
+            # The step's time is its slowest rank's; every rank compares the same numbers.
+            elapsed = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64,
+                                   device=device)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            times[(c, pl)] = elapsed.item()
+        finally:
+            # The candidate's team groups end before the next candidate builds its own: every
+            # rank has passed the all-reduce above, so no team collective is still in flight.
+            step = plan = None
+            ps.destroy_groups(ps.live_groups() - before)
     best = pick_fastest(times)
     table, rows = format_table(cp_size, times, best, gpus_per_node)
     if verbose and dist.get_rank() == 0:
