@@ -83,7 +83,53 @@ def launch_or_run(argv: List[str], nproc: Optional[int], run: Callable[[], int],
     # Several CPU ranks share the cores: one intra-op thread each avoids oversubscription.
     env.setdefault("OMP_NUM_THREADS", "1")
     print(f"[metp] launching {n} ranks: {' '.join(cmd[1:])}", flush=True)
-    return subprocess.call(cmd, env=env)
+    return run_process_group(cmd, env)
+
+
+def run_process_group(cmd: List[str], env: dict, grace_s: float = 30.0) -> int:
+    """Run ``cmd`` in a process group of its own and return its exit status; when it ends, for
+    whatever reason, end every process left in that group.
+
+    torchrun stops its ranks when one fails, but not what the ranks started: helper processes
+    of a SIGKILLed or SIGTERMed rank (Megatron's checkpoint-writer Manager, multiprocessing's
+    resource tracker) would live on with PPID 1. They stay in torchrun's process group, so a
+    SIGKILL to the group takes them. SIGINT / SIGTERM / SIGHUP / SIGUSR1 sent to this launcher
+    (Ctrl-C, ``scancel``, SLURM's ``--signal``) are passed to the whole group first, and the
+    group has ``grace_s`` seconds to exit on its own.
+    """
+    import signal
+    import time
+
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    forwarded = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
+
+    def forward(signum, _frame):
+        try:
+            os.killpg(proc.pid, signum)
+        except ProcessLookupError:
+            pass
+
+    old = {sig: signal.signal(sig, forward) for sig in forwarded}
+    try:
+        while True:
+            try:
+                return proc.wait()
+            except KeyboardInterrupt:  # pragma: no cover - SIGINT is forwarded above
+                forward(signal.SIGINT, None)
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+        if proc.poll() is None:  # this launcher is leaving first (an exception): stop torchrun
+            forward(signal.SIGTERM, None)
+            deadline = time.monotonic() + grace_s
+            while proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.1)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever the run left behind
+        except ProcessLookupError:
+            pass
+        if proc.poll() is None:
+            proc.wait()
 
 
 # ------------------------------------------------------------------------------------------

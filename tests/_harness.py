@@ -75,11 +75,17 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
         fn, args, kwargs = task
         try:
             out = fn(*args, **kwargs)
-            results.put((rank, True, out))
+            ok = True
         except BaseException:  # noqa: BLE001 - report everything to the parent
-            results.put((rank, False, traceback.format_exc()))
-        finally:
+            out, ok = traceback.format_exc(), False
+        # Threads at the task's end (before its groups are ended: the worker's peak).
+        threads = len(os.listdir("/proc/self/task"))
+        try:
             _reset_state(baseline)
+        except BaseException:  # noqa: BLE001 - a failed tear-down fails the task
+            if ok:
+                out, ok = traceback.format_exc(), False
+        results.put((rank, ok, out, threads))
     dist.destroy_process_group()
 
 
@@ -114,7 +120,7 @@ class RankPool:
         while len(outs) + len(errors) < self.world_size:
             left = (deadline - datetime.datetime.now()).total_seconds()
             try:
-                rank, ok, val = self._results.get(timeout=max(left, 0.1))
+                rank, ok, val, threads = self._results.get(timeout=max(left, 0.1))
             except queue.Empty:
                 self.close(kill=True)
                 if errors:
@@ -124,6 +130,7 @@ class RankPool:
                     f"{fn.__name__}: ranks {missing} did not finish within {timeout:.0f} s"
                     + "".join(f"\n--- rank {r} ---\n{e}" for r, e in errors.items())
                 )
+            PEAK_THREADS[0] = max(PEAK_THREADS[0], threads)
             if ok:
                 outs[rank] = val
             else:
@@ -155,6 +162,7 @@ class RankPool:
 
 
 _POOLS: Dict[int, RankPool] = {}
+PEAK_THREADS = [0]  # most threads any rank worker held at the end of a task
 
 
 def run_ranks(world_size: int, fn: Callable, *args, timeout: float = 300.0, **kwargs) -> List[Any]:

@@ -1,12 +1,21 @@
-"""Shared fixtures: the rank pools and a report of measured numbers printed after the run."""
+"""Shared fixtures: the rank pools, a report of measured numbers printed after the run, and a
+check at the end that the suite left no process running."""
 
 from __future__ import annotations
 
+import os
+import time
+import uuid
+
 import pytest
 
-from tests import _harness
+from tests import _harness, _procs
 
 _REPORT: list[str] = []
+# Every process the suite starts inherits this marker (see tests/_procs.py).
+_SESSION = f"suite-{uuid.uuid4().hex[:12]}"
+os.environ[_procs.MARKER] = _SESSION
+_LEFT: list[str] = []
 
 
 @pytest.fixture
@@ -15,12 +24,39 @@ def report():
     return _REPORT.append
 
 
+def _leftovers() -> dict:
+    """Marked processes still running, less this process's own resource tracker (started by
+    the rank pools' spawn context; it ends when pytest does)."""
+    return {pid: cmd for pid, cmd in _procs.marked(_SESSION).items()
+            if not (_procs.parent(pid) == os.getpid() and "resource_tracker" in cmd)}
+
+
 def pytest_sessionfinish(session, exitstatus):
     _harness.close_pools()
+    # Workers, launched runs and their helpers exit on their own once their work is done: give
+    # them a moment, then anything still running is a leak. It is ended and fails the run.
+    deadline = time.monotonic() + 20
+    while _leftovers() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = _leftovers()
+    if left:
+        _procs.kill_pids(left)
+        _LEFT.extend(f"{pid} {cmd}" for pid, cmd in left.items())
+    if _LEFT and session.exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    if _REPORT:
+    lines = list(_REPORT)
+    if _harness.PEAK_THREADS[0]:
+        lines.append(f"peak threads in any rank worker at a task's end: "
+                     f"{_harness.PEAK_THREADS[0]}; pytest process at exit: "
+                     f"{len(os.listdir('/proc/self/task'))}")
+    if lines:
         terminalreporter.section("measured figures")
-        for line in _REPORT:
+        for line in lines:
+            terminalreporter.write_line(line)
+    if _LEFT:
+        terminalreporter.section("processes left running (killed; the run fails)", red=True)
+        for line in _LEFT:
             terminalreporter.write_line(line)

@@ -5,8 +5,10 @@ train`` starts ``torchrun`` with 4 gloo ranks, METP TP 2 x DP 2, ``--distributed
 1``) saves every 5 iterations; once iteration 7 is logged, rank 1 is killed (SIGKILL: no
 exception handler, no atexit, as an OOM kill or a lost node). Asserted:
 
-- every process of the run (the launcher, torchrun and the 4 ranks) has exited within 120 s of
-  the kill, the command's exit status is non-zero, and torchrun names the failed rank;
+- every process of the run has exited within 120 s of the kill: the launcher, torchrun, the 4
+  ranks and what the ranks started (Megatron's checkpoint-writer Manager, multiprocessing's
+  resource tracker), found by a marker in their environment, so orphans re-parented to PID 1
+  count too; the command's exit status is non-zero, and torchrun names the failed rank;
 - the newest checkpoint the tracker names is complete: ``metp train --load`` resumes from it.
 
 Who ends the survivors: torchrun's agent watches its workers; when one exits abnormally it
@@ -30,6 +32,7 @@ from typing import Dict, List
 import numpy as np
 import pytest
 
+from tests import _procs
 from tests._harness import run_ranks
 from tests.test_reliability_checkpoint import train_args
 
@@ -80,14 +83,6 @@ def _rank_pids(pid: int) -> Dict[int, int]:
     return ranks
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"  # a zombie has exited (its parent has not reaped it yet)
-
-
 def _json_lines(path: Path) -> List[dict]:
     if not path.exists():
         return []
@@ -105,6 +100,7 @@ def _start(tmp: Path, sig: int, iters: int):
     ``sig`` to rank 1. Returns (proc, rank pids, kill time, output file)."""
     log, out = tmp / "train.jsonl", tmp / "out.txt"
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    env[_procs.MARKER] = _run_marker(tmp)
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"):
         env.pop(k, None)
     argv = [sys.executable, "-m", "megatron_metp.cli", "train", "--nproc-per-node", "4", *TINY,
@@ -121,28 +117,29 @@ def _start(tmp: Path, sig: int, iters: int):
             time.sleep(0.05)
         ranks = _rank_pids(proc.pid)
         assert sorted(ranks) == [0, 1, 2, 3], ranks
+        running = _procs.marked(_run_marker(tmp))
         os.kill(ranks[1], sig)
-        return proc, ranks, time.monotonic(), out
+        return proc, ranks, running, out
     except BaseException:
-        _kill_tree(proc)
+        _kill_tree(proc, tmp)
         raise
 
 
-def _kill_tree(proc) -> None:
-    """SIGKILL the processes this test started (the launcher and its descendants, by pid)."""
-    for p in [*_descendants(proc.pid), proc.pid]:
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+def _run_marker(tmp: Path) -> str:
+    return f"fault-{os.getpid()}-{tmp.name}"
+
+
+def _kill_tree(proc, tmp: Path) -> None:
+    """SIGKILL every process this run started, orphans and new sessions included."""
+    _procs.kill_marked(_run_marker(tmp))
     proc.wait(timeout=30)
 
 
-def _wait_all_gone(proc, pids: List[int], deadline_s: float) -> float:
-    """Seconds after the signal until the launcher and every rank have exited (or the limit)."""
+def _wait_all_gone(proc, tmp: Path, deadline_s: float) -> float:
+    """Seconds after the signal until every process of the run has exited (or inf)."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < deadline_s:
-        if proc.poll() is not None and not any(_alive(p) for p in pids):
+        if proc.poll() is not None and not _procs.marked(_run_marker(tmp)):
             return time.monotonic() - t0
         time.sleep(0.05)
     return float("inf")
@@ -159,15 +156,17 @@ def _resume_task(ckpt: str, iters: int):
 
 
 def _check_fault(tmp_path, sig: int, report, what: str) -> None:
-    proc, ranks, t_kill, out = _start(tmp_path, sig, iters=10_000)
+    proc, ranks, running, out = _start(tmp_path, sig, iters=10_000)
+    # The launcher, torchrun and 4 ranks, plus the helpers the ranks' first save started.
+    helpers = len(running) - 2 - len(ranks)
+    assert helpers >= 4, running
     try:
-        waited = _wait_all_gone(proc, list(ranks.values()), DEADLINE_S)
+        waited = _wait_all_gone(proc, tmp_path, DEADLINE_S)
         text = out.read_text()
-        assert waited <= DEADLINE_S, f"{what}: ranks still alive {DEADLINE_S:.0f} s after the " \
-                                     f"signal: {[r for r, p in ranks.items() if _alive(p)]}"
+        assert waited <= DEADLINE_S, (f"{what}: still alive {DEADLINE_S:.0f} s after the signal: "
+                                      f"{_procs.marked(_run_marker(tmp_path))}")
     finally:
-        if proc.poll() is None or any(_alive(p) for p in ranks.values()):
-            _kill_tree(proc)
+        _kill_tree(proc, tmp_path)
     assert proc.returncode != 0, text[-3000:]
     assert "Traceback" in text or "ChildFailedError" in text or "FAILED" in text, text[-3000:]
     recs = {r["iteration"]: r["loss"] for r in _json_lines(tmp_path / "train.jsonl")}
@@ -180,7 +179,8 @@ def _check_fault(tmp_path, sig: int, report, what: str) -> None:
     assert len(losses) == 1 and np.isfinite(losses[0])
     assert losses[0] == recs[start + 1], (losses, recs)
     report(f"fault test ({what} rank 1 of 4, metp train, --distributed-timeout-minutes 1): all "
-           f"ranks gone {waited:.1f} s after the signal, exit status {proc.returncode}; last "
+           f"{len(running)} processes of the run ({helpers} of them the ranks' helpers) gone "
+           f"{waited:.1f} s after the signal, exit status {proc.returncode}; last "
            f"logged iteration {logged}, resumed from checkpoint {start}, loss {losses[0]:.4f}")
 
 
