@@ -74,7 +74,9 @@ def launch_or_run(argv: List[str], nproc: Optional[int], run: Callable[[], int],
     """
     if under_launcher():
         return run()
-    n = nproc or default_nproc()
+    n = default_nproc() if nproc is None else nproc
+    if n < 1:
+        raise ValueError(f"--nproc-per-node {n}: must be >= 1 (ranks to launch on this node)")
     if preflight is not None:
         preflight(n)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -169,8 +171,13 @@ def _train_parser(p: argparse.ArgumentParser) -> Callable:
     a("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
       help="default: on when --tensor-model-parallel-size > 1 (metp needs it)")
     a("--wallfacer-team-size", default=None, help="C (C^2 divides P) or 'auto'")
-    a("--wallfacer-placement", default=None, help="team-consecutive or ring-consecutive")
-    a("--cp-comm-type", default=None)
+    a("--wallfacer-placement", default=None,
+      choices=("team-consecutive", "ring-consecutive", "collective_intra", "p2p_intra"),
+      help="team-consecutive (team collectives inside a node) or ring-consecutive (sub-ring "
+           "P2P inside a node)")
+    a("--cp-comm-type", default=None, choices=("p2p", "a2a", "allgather", "a2a+p2p", "wallfacer"),
+      help="Megatron's context-parallel communication (tp mode with CP > 1); wallfacer mode "
+           "sets 'wallfacer'")
     a("--seq-length", type=int, default=None)
     a("--micro-batch-size", type=int, default=None)
     a("--global-batch-size", type=int, default=None)
@@ -202,6 +209,12 @@ def _train_parser(p: argparse.ArgumentParser) -> Callable:
       help="ranks to launch when not already under torchrun/srun (default: 4 on CPU, #GPUs)")
 
     def run(args: argparse.Namespace, explicit: set, argv: List[str]) -> int:
+        # Flag values first: standard library only, so a bad value fails in well under a second.
+        from megatron_metp.validation import check_paths, check_values
+
+        check_values(args, trainer=True)
+        check_paths(args)
+
         def in_rank() -> int:
             from megatron_metp import train
 
@@ -245,13 +258,40 @@ def _bench_parser(p: argparse.ArgumentParser) -> Callable:
 # ------------------------------------------------------------------------------------------
 
 
-def build_parser() -> Tuple[argparse.ArgumentParser, Dict[str, Callable]]:
-    parser = argparse.ArgumentParser(prog="metp", description=__doc__.split("\n")[0])
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse with its errors on one line (the flag and the fix), exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def build_parser(command: Optional[str] = None
+                 ) -> Tuple[argparse.ArgumentParser, Dict[str, Callable]]:
+    """The ``metp`` parser. With ``command``, only that subcommand's flags are built (the others
+    import measurement code that a training run, or its error message, does not need)."""
+    parser = _OneLineParser(prog="metp", description=__doc__.split("\n")[0])
     subs = parser.add_subparsers(dest="command", required=True)
     runners = {}
     for name, (help_text, fn) in _SUBCOMMANDS.items():
-        runners[name] = fn(subs.add_parser(name, help=help_text))
+        sub = subs.add_parser(name, help=help_text)
+        if command is None or command == name:
+            runners[name] = fn(sub)
     return parser, runners
+
+
+def _config_hint(command: str, unknown: List[str]) -> str:
+    """Model-shape flags of Megatron-LM are config keys in ``metp train``: say so."""
+    if command != "train":
+        return ""
+    from megatron_metp.config import ALL_KEYS
+
+    keys = [k for k in (u.split("=", 1)[0].lstrip("-").replace("-", "_") for u in unknown
+                        if u.startswith("--")) if k in ALL_KEYS]
+    if not keys:
+        return ""
+    one = len(keys) == 1
+    return (f"; {', '.join(keys)} {'is a model setting' if one else 'are model settings'}: set "
+            f"{'it' if one else 'them'} in a --config YAML (configs/*.yaml)")
 
 
 def explicit_flags(argv: List[str]) -> set:
@@ -261,8 +301,14 @@ def explicit_flags(argv: List[str]) -> set:
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser, runners = build_parser()
-    args = parser.parse_args(argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser, runners = build_parser(command if command in _SUBCOMMANDS else None)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        print(f"metp {args.command}: error: unrecognized arguments: {' '.join(unknown)}"
+              f"{_config_hint(args.command, unknown)} (see metp {args.command} --help)",
+              file=sys.stderr)
+        return 2
     try:
         return runners[args.command](args, explicit_flags(argv), argv) or 0
     except ValueError as e:  # configuration errors: one clear line, no traceback

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from megatron_metp.config import ModelConfig, load_config
 from megatron_metp.data import GPTSamples, load_tokens, padded_vocab_size
+from megatron_metp.data.tokenizer import ByteTokenizer
 from megatron_metp.flops import FlopModel, gpu_peak_tflops, throughput, training_flops
 from megatron_metp.train_report import Reporter
 
@@ -68,7 +69,7 @@ def resolve_namespace(args: Namespace, cfg: ModelConfig, mode: str,
                             else ns.tensor_model_parallel_size > 1)
     ns.cp_comm_type = args.cp_comm_type
     ns.bf16 = bool(args.bf16)
-    ns.vocab_size = args.vocab_size or cfg.vocab_size or 258
+    ns.vocab_size = next(v for v in (args.vocab_size, cfg.vocab_size, 258) if v is not None)
     ns.data_path = args.data_path
     return ns
 
@@ -123,6 +124,10 @@ def preflight(args: Namespace, explicit: set, world_size: int) -> None:
                              quiet=True)
     if ns.data_path is not None:  # missing, truncated or out-of-vocabulary data fails here
         GPTSamples(load_tokens(ns.data_path, ns.vocab_size), ns.seq_length, ns.seed)
+    elif ns.vocab_size < ByteTokenizer().vocab_size:
+        raise ValueError(f"--vocab-size {ns.vocab_size} is below the shipped corpus's "
+                         f"{ByteTokenizer().vocab_size} byte-tokenizer ids: drop --vocab-size, "
+                         f"or pass --data-path with a dataset of that vocabulary")
 
 
 def _print0(msg: str) -> None:

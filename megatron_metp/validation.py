@@ -144,6 +144,130 @@ def _cp_comm_types(ns: Namespace) -> list:
     return [t] if isinstance(t, str) else list(t)
 
 
+# ------------------------------------------------------------------------------------------
+# Flag values: ranges, types and paths, checked before anything else (no import beyond the
+# standard library, so a bad value fails in a fraction of a second, before any rank starts).
+# A rule applies only where the namespace has the attribute and it is set (not None), so the
+# same table serves metp train's flags and Megatron-LM's.
+
+def _at_least(lo):
+    return (lambda v: v >= lo), f">= {lo}"
+
+
+_INT_1 = _at_least(1)
+_INT_0 = _at_least(0)
+_NONNEG = _at_least(0)
+_DROPOUT = (lambda v: 0 <= v < 1), "in [0, 1)"
+
+# (attribute, flag, (test, what it must be), what the value means / how to fix)
+_VALUE_RULES = [
+    ("tensor_model_parallel_size", "--tensor-model-parallel-size", _INT_1, "ranks per TP group"),
+    ("context_parallel_size", "--context-parallel-size", _INT_1, "ranks per CP group"),
+    ("pipeline_model_parallel_size", "--pipeline-model-parallel-size", _INT_1,
+     "pipeline stages"),
+    ("nproc_per_node", "--nproc-per-node", _INT_1, "ranks to launch on this node"),
+    ("seq_length", "--seq-length", _INT_1, "tokens per sequence"),
+    ("micro_batch_size", "--micro-batch-size", _INT_1, "sequences per micro-batch"),
+    ("global_batch_size", "--global-batch-size", _INT_1, "sequences per iteration"),
+    ("train_iters", "--train-iters", _INT_0, "iterations to train"),
+    ("lr", "--lr", _NONNEG, "the peak learning rate"),
+    ("min_lr", "--min-lr", _NONNEG, "the learning rate at the end of the decay"),
+    ("lr_warmup_iters", "--lr-warmup-iters", _INT_0, "warm-up iterations"),
+    ("lr_decay_iters", "--lr-decay-iters", _INT_1, "decay iterations"),
+    ("weight_decay", "--weight-decay", _NONNEG, "the L2 coefficient"),
+    ("clip_grad", "--clip-grad", _NONNEG, "the gradient-norm limit (0 = off)"),
+    ("hidden_dropout", "--hidden-dropout", _DROPOUT, "a dropout probability"),
+    ("attention_dropout", "--attention-dropout", _DROPOUT, "a dropout probability"),
+    ("seed", "--seed", _INT_0, "the random seed"),
+    ("vocab_size", "--vocab-size", _INT_1, "the tokenizer's vocabulary"),
+    ("make_vocab_size_divisible_by", "--make-vocab-size-divisible-by", _INT_1,
+     "the vocabulary padding multiple"),
+    ("save_interval", "--save-interval", _INT_1, "iterations between checkpoints"),
+    ("distributed_timeout_minutes", "--distributed-timeout-minutes", _INT_1,
+     "minutes a collective may wait for a peer"),
+    ("num_layers", "--num-layers", _INT_1, "transformer layers"),
+    ("hidden_size", "--hidden-size", _INT_1, "the model width"),
+    ("num_attention_heads", "--num-attention-heads", _INT_1, "attention heads"),
+    ("max_position_embeddings", "--max-position-embeddings", _INT_1,
+     "positions of the embedding table"),
+]
+
+
+def check_values(ns: Namespace, *, trainer: bool = False) -> None:
+    """Each set flag within its range (table above), and the ranges that combine two flags.
+    ``trainer``: ``metp train``'s own rules too (Megatron-LM's ``--train-iters 0`` serves
+    evaluation-only runs, so only metp train refuses it)."""
+    for attr, flag, (ok, must), meaning in _VALUE_RULES:
+        v = getattr(ns, attr, None)
+        if v is None or isinstance(v, bool):
+            continue
+        if not isinstance(v, (int, float)) or not ok(v):
+            _fail(f"{flag} {v}: must be {must} ({meaning}); pass a value {must}")
+    if trainer and getattr(ns, "train_iters", None) == 0 and not getattr(ns, "save", None):
+        _fail("--train-iters 0: nothing to train; pass --train-iters >= 1 (or --save DIR to "
+              "write the initial weights only)")
+    lr, min_lr = getattr(ns, "lr", None), getattr(ns, "min_lr", None)
+    if lr is not None and min_lr is not None and min_lr > lr:
+        _fail(f"--min-lr {min_lr} is above --lr {lr}: the schedule decays from --lr to "
+              f"--min-lr; pass --min-lr <= {lr}")
+    s, pos = getattr(ns, "seq_length", None), getattr(ns, "max_position_embeddings", None)
+    if (s is not None and pos is not None and s > pos and getattr(
+            ns, "position_embedding_type", "learned_absolute") == "learned_absolute"):
+        _fail(f"--seq-length {s} is longer than --max-position-embeddings {pos} of the learned "
+              f"position table: raise --max-position-embeddings to >= {s} or shorten "
+              f"--seq-length")
+
+
+def _writable_dir(flag: str, path: str, what: str) -> None:
+    """``path`` is a directory this process can write in, or can be created as one: the nearest
+    existing ancestor takes a probe file (which is removed). Nothing else is created."""
+    import tempfile
+
+    p = os.path.abspath(path)
+    if os.path.exists(p) and not os.path.isdir(p):
+        _fail(f"{flag} {path}: is a file, not a directory; pass a directory for {what}")
+    probe = p
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        _fail(f"{flag} {path}: {probe} is a file, so no directory can be made there; pass a "
+              f"directory for {what}")
+    try:
+        fd, name = tempfile.mkstemp(prefix=".metp-write-probe-", dir=probe)
+        os.close(fd)
+        os.unlink(name)
+    except OSError as e:
+        _fail(f"{flag} {path}: cannot write in {probe} ({e.strerror}); pass a writable "
+              f"directory for {what}")
+
+
+def check_output_file(flag: str, path: str) -> None:
+    """``path`` names a file (not a directory) in a directory that can be written or made."""
+    if os.path.isdir(path):
+        _fail(f"{flag} {path}: is a directory; pass a file path inside it")
+    _writable_dir(flag, os.path.dirname(os.path.abspath(path)), f"the {flag} file")
+
+
+def check_paths(ns: Namespace) -> None:
+    """``--save`` (and ``--log-json``'s directory) writable; ``--load``, if it exists, a
+    directory; ``--data-path`` names an existing PREFIX.bin / PREFIX.idx pair."""
+    save = getattr(ns, "save", None)
+    if save:
+        _writable_dir("--save", save, "checkpoints")
+    load = getattr(ns, "load", None)
+    if load and os.path.exists(load) and not os.path.isdir(load):
+        _fail(f"--load {load}: is a file; pass the checkpoint directory given to --save")
+    log = getattr(ns, "log_json", None)
+    if log:
+        check_output_file("--log-json", log)
+    data = getattr(ns, "data_path", None)
+    if isinstance(data, str):
+        missing = [f"{data}{ext}" for ext in (".bin", ".idx") if not os.path.isfile(data + ext)]
+        if missing:
+            _fail(f"--data-path {data}: no {' or '.join(missing)}; pass the PREFIX of a Megatron "
+                  f"indexed dataset (PREFIX.bin + PREFIX.idx)")
+
+
 def validate_args(
     ns: Namespace,
     *,
@@ -153,6 +277,8 @@ def validate_args(
 
     ``flash_attn_available`` overrides the import probe for ``--use-flash-attn`` (tests).
     """
+    check_values(ns)
+    check_paths(ns)
     mode = getattr(ns, "tensor_parallel_mode", None) or "tp"
     if mode not in MODES:
         _fail(f"--tensor-parallel-mode {mode!r} is unknown: choose one of {', '.join(CLI_MODES)}")

@@ -97,13 +97,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def preflight(args: argparse.Namespace, world: int) -> None:
     """Configuration errors before any rank starts (flag names as Megatron-LM spells them)."""
+    from megatron_metp.validation import check_output_file, check_values
+
     if args.iters < 1 or args.warmup < 0:
         raise ValueError("--iters must be >= 1 and --warmup >= 0")
+    check_values(args)  # micro batch, hidden size, heads, layers, vocabulary: each >= 1
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path:
+            check_output_file(flag, path)
+    for flag, v in (("--ffn-hidden-size", args.ffn_hidden_size),
+                    ("--num-query-groups", args.num_query_groups)):
+        if v is not None and v < 1:
+            raise ValueError(f"{flag} {v}: must be >= 1")
     if world < 2:
         raise ValueError("metp bench compares parallel modes: --nproc-per-node must be >= 2")
     for s in args.seq_lengths:
         # wallfacer/ring shard the sequence in 2p zigzag chunks.
-        if s % (2 * world):
+        if s < 1 or s % (2 * world):
             raise ValueError(f"--seq-lengths: {s} is not divisible by 2 x {world} ranks "
                              "(the zigzag layout of wallfacer/ring needs 2p chunks)")
     if args.num_attention_heads % world:

@@ -67,6 +67,7 @@ def add_arguments(parser) -> None:
 
 def _check(args) -> None:
     from megatron_metp.config import load_config
+    from megatron_metp.validation import check_output_file
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in ALL_MODES]
@@ -76,13 +77,22 @@ def _check(args) -> None:
     for p in _ints(args.p) + _ints(args.longest_p):
         if p < 1:
             raise ValueError(f"--tensor-model-parallel-size {p}: must be >= 1")
-    for s in _ints(args.seq_lengths):
-        if s % 1024:
-            raise ValueError(f"--seq-lengths {s}: use multiples of 1024 (e.g. 4k, 32k)")
+    for s in _ints(args.seq_lengths) + _ints(args.time_seq_length):
+        if s < 1024 or s % 1024:
+            raise ValueError(f"--seq-lengths {s}: use positive multiples of 1024 (e.g. 4k, 32k)")
     for name in args.models.split(","):
         load_config(name.strip())
-    if args.memory_gb <= args.reserve_gb:
-        raise ValueError("--memory-gb must exceed --reserve-gb")
+    if args.reserve_gb < 0 or args.memory_gb <= args.reserve_gb:
+        raise ValueError(f"--memory-gb {args.memory_gb} / --reserve-gb {args.reserve_gb}: the "
+                         f"reserve must be >= 0 and below the memory per GPU")
+    if not 0 <= args.fragmentation < 1:
+        raise ValueError(f"--fragmentation {args.fragmentation}: must be in [0, 1) (a fraction "
+                         f"of the tensor bytes, e.g. 0.05)")
+    if not 0 < args.efficiency <= 1:
+        raise ValueError(f"--efficiency {args.efficiency}: must be in (0, 1] (a fraction of the "
+                         f"peak FLOP/s, e.g. 0.5)")
+    if args.json:
+        check_output_file("--json", args.json)
 
 
 def run(args) -> int:
