@@ -85,7 +85,8 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
         except BaseException:  # noqa: BLE001 - a failed tear-down fails the task
             if ok:
                 out, ok = traceback.format_exc(), False
-        results.put((rank, ok, out, threads))
+        after = len(os.listdir("/proc/self/task"))
+        results.put((rank, ok, out, (threads, after)))
     dist.destroy_process_group()
 
 
@@ -130,7 +131,8 @@ class RankPool:
                     f"{fn.__name__}: ranks {missing} did not finish within {timeout:.0f} s"
                     + "".join(f"\n--- rank {r} ---\n{e}" for r, e in errors.items())
                 )
-            PEAK_THREADS[0] = max(PEAK_THREADS[0], threads)
+            PEAK_THREADS[:] = max(PEAK_THREADS, [threads[0], fn.__name__, threads[1]])
+            AFTER_RESET[0] = max(AFTER_RESET[0], threads[1])
             if ok:
                 outs[rank] = val
             else:
@@ -162,7 +164,10 @@ class RankPool:
 
 
 _POOLS: Dict[int, RankPool] = {}
-PEAK_THREADS = [0]  # most threads any rank worker held at the end of a task
+# Most threads any rank worker held at the end of a task: [count, task, count after reset];
+# and the most any worker kept after its reset (what a later task inherits).
+PEAK_THREADS: list = [0, "", 0]
+AFTER_RESET = [0]
 
 
 def run_ranks(world_size: int, fn: Callable, *args, timeout: float = 300.0, **kwargs) -> List[Any]:

@@ -49,8 +49,10 @@ def pytest_sessionfinish(session, exitstatus):
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     lines = list(_REPORT)
     if _harness.PEAK_THREADS[0]:
-        lines.append(f"peak threads in any rank worker at a task's end: "
-                     f"{_harness.PEAK_THREADS[0]}; pytest process at exit: "
+        n, task, after = _harness.PEAK_THREADS
+        lines.append(f"threads: peak in any rank worker at a task's end {n} ({task}; {after} "
+                     f"after its groups were ended); most kept by a worker between tasks "
+                     f"{_harness.AFTER_RESET[0]}; pytest process at exit "
                      f"{len(os.listdir('/proc/self/task'))}")
     if lines:
         terminalreporter.section("measured figures")

@@ -125,7 +125,7 @@ def test_launcher_detection(monkeypatch):
     monkeypatch.delenv("RANK")
     monkeypatch.delenv("SLURM_PROCID")
     calls = []
-    monkeypatch.setattr(cli.subprocess, "call", lambda cmd, env: calls.append(cmd) or 0)
+    monkeypatch.setattr(cli, "run_process_group", lambda cmd, env: calls.append(cmd) or 0)
     assert cli.launch_or_run(["train", "--lr", "1"], 2, lambda: 1) == 0
     assert calls[0][:4] == [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     assert calls[0][-5:] == ["-m", "megatron_metp.cli", "train", "--lr", "1"]
