@@ -39,6 +39,14 @@ Stand-ins (each names the Megatron-Core code it covers; tests/test_cpu_compat.py
 5. ``optimizer.clip_grads.clip_grad_by_total_norm_fp32`` asserts CUDA gradient types: replaced
    by a device-agnostic version with the same coefficient.
 
+6. Megatron-LM's default fusions whose kernels are CUDA extensions, so that the stock ``tp``
+   baseline (``megatron_metp.model.STOCK_FUSIONS``) keeps what the GPU kernels keep:
+   ``--apply-rope-fusion`` (``rope_utils.fused_apply_rotary_pos_emb``, Transformer Engine's
+   ``FusedRoPEFunc``: saves only the [s, 1, 1, d] fp32 angle table and recomputes cos/sin in
+   backward, where the unfused path keeps cos/sin copies) and ``--gradient-accumulation-fusion``
+   (apex's ``fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32/_fp16``: the weight gradient
+   GEMM accumulates straight into ``main_grad``, no transient ``.grad``). Same math, on CPU.
+
 Not covered (documented, not patched): the distributed optimizer (``use_distributed_optimizer``)
 checks for CUDA tensor types throughout its buffers and refuses CPU parameters; on CPU use the
 non-distributed optimizer (DDP all-reduces the gradients; optimizer state is replicated).
@@ -220,6 +228,74 @@ def _cpu_clip_grad_by_total_norm_fp32(
 # --------------------------------------------------------------------------------------------
 
 
+class _FusedRoPE(torch.autograd.Function):
+    """CPU twin of Transformer Engine's fused RoPE (sbhd layout, rotary_interleaved off)::
+
+        t      [s, b, heads, d]   query or key
+        freqs  [s', 1, 1, d_rot]  angles in fp32, s' >= s (the first s rows are used)
+
+    out[..., :d_rot] = t * cos + rotate_half(t) * sin; the rest of ``d`` passes through.
+    Only ``freqs`` is kept for backward; d t = g * cos - rotate_half(g * sin).
+    """
+
+    @staticmethod
+    def _rotate_half(x):
+        x1, x2 = torch.chunk(x, 2, dim=-1)
+        return torch.cat((-x2, x1), dim=-1)
+
+    @staticmethod
+    def forward(ctx, t, freqs):
+        f = freqs[: t.shape[0]]
+        rot = f.shape[-1]
+        cos, sin = torch.cos(f).to(t.dtype), torch.sin(f).to(t.dtype)
+        head, rest = t[..., :rot], t[..., rot:]
+        out = head * cos + _FusedRoPE._rotate_half(head) * sin
+        ctx.save_for_backward(f)
+        return torch.cat((out, rest), dim=-1) if rest.numel() else out
+
+    @staticmethod
+    def backward(ctx, g):
+        (f,) = ctx.saved_tensors
+        rot = f.shape[-1]
+        cos, sin = torch.cos(f).to(g.dtype), torch.sin(f).to(g.dtype)
+        head, rest = g[..., :rot], g[..., rot:]
+        dt = head * cos - _FusedRoPE._rotate_half(head * sin)
+        return (torch.cat((dt, rest), dim=-1) if rest.numel() else dt), None
+
+
+def fused_apply_rotary_pos_emb_cpu(t: torch.Tensor, freqs: torch.Tensor,
+                                   interleaved: bool = False) -> torch.Tensor:
+    if interleaved:
+        raise ValueError("--rotary-interleaved with --apply-rope-fusion needs Transformer "
+                         "Engine's kernel; on CPU pass --no-rope-fusion")
+    return _FusedRoPE.apply(t, freqs)
+
+
+class _WgradAccum:
+    """CPU twin of apex's ``fused_weight_gradient_mlp_cuda``: ``main_grad += g^T x`` in one
+    GEMM (fp32 accumulation), no weight-gradient tensor of its own."""
+
+    @staticmethod
+    def _accum(total_input, grad_output, main_grad):
+        x = total_input.reshape(-1, total_input.shape[-1])
+        g = grad_output.reshape(-1, grad_output.shape[-1])
+        main_grad.addmm_(g.t().to(main_grad.dtype), x.to(main_grad.dtype))
+
+    wgrad_gemm_accum_fp32 = _accum
+    wgrad_gemm_accum_fp16 = _accum
+
+
+def _install_fusion_kernels() -> None:
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.tensor_parallel import layers
+
+    if rope_utils.fused_apply_rotary_pos_emb is None:
+        rope_utils.fused_apply_rotary_pos_emb = fused_apply_rotary_pos_emb_cpu
+    if not layers._grad_accum_fusion_available:
+        layers.fused_weight_gradient_mlp_cuda = _WgradAccum
+        layers._grad_accum_fusion_available = True
+
+
 def apply() -> None:
     """Install the CPU stand-ins if CUDA is absent; a no-op on GPU machines and when repeated."""
     global _APPLIED
@@ -264,5 +340,6 @@ def apply() -> None:
     from megatron_metp.wallfacer import zigzag
 
     _rebind_everywhere(rope_utils.get_pos_emb_on_this_cp_rank, zigzag.get_pos_emb_on_this_cp_rank)
+    _install_fusion_kernels()
 
     _APPLIED = True

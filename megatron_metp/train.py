@@ -381,6 +381,9 @@ def run(args: Namespace, explicit: set) -> Dict[str, Dict]:
         results = {}
         for mode in modes_of(args, cfg):
             results[mode] = train_one_mode(args, cfg, mode, explicit, device, reporter)
+            # The mode's model, DDP and optimizer hold its (now destroyed) process groups in
+            # reference cycles; a group's threads and sockets end only when it is freed.
+            gc.collect()
         reporter.final(results, compare=bool(args.compare))
         return results
     finally:
