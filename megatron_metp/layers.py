@@ -200,11 +200,10 @@ class SDPACoreAttention(MegatronModule):
             raise ValueError("SDPACoreAttention supports neither packed sequences nor attention bias")
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         sq, b, np_, hn = query.shape
-        rep = np_ // key.shape[2]
-        if rep > 1:
-            # Megatron's GQA layout: the np/ng query heads of a group are consecutive.
-            key = key.repeat_interleave(rep, dim=2)
-            value = value.repeat_interleave(rep, dim=2)
+        # GQA: SDPA pairs query head i with key/value head i // (np / ng), Megatron's layout
+        # (the np/ng query heads of a group are consecutive), without materialising K/V at the
+        # full head count as a repeat_interleave would (flash and TE kernels do not either).
+        gqa = np_ != key.shape[2]
         # [s, b, heads, hn] -> [b, heads, s, hn]
         q_bhsd, k_bhsd, v_bhsd = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         sdpa_mask = None
@@ -231,6 +230,7 @@ class SDPACoreAttention(MegatronModule):
                 dropout_p=dropout_p,
                 is_causal=is_causal,
                 scale=self.softmax_scale,
+                enable_gqa=gqa,
             )
 
         if dropout_p > 0 and not self.config.sequence_parallel:

@@ -67,19 +67,49 @@ _CPU_SAFE = dict(
 )
 
 
+def stock_fusions(*, gated_linear_unit: bool, add_bias_linear: bool) -> dict:
+    """The fusions Megatron-LM turns on by default, for the stock ``tp`` baseline.
+
+    ``--bias-gelu-fusion`` / ``--bias-swiglu-fusion`` (Megatron-LM turns the GeLU one off when
+    the linears have no bias), ``--apply-rope-fusion``, ``--gradient-accumulation-fusion`` and the
+    fused bias-dropout-add. Call after ``cpu_compat.apply()``: on CPU the RoPE and gradient-accumulation kernels are
+    ``cpu_compat``'s twins of Transformer Engine's and apex's (same math, same saved tensors).
+    Note that Megatron's fused bias-GeLU is the tanh approximation of GeLU; METP's MLP follows
+    the config, so tp and metp compute the same function.
+    """
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.tensor_parallel import layers
+
+    # Where a kernel is missing (a GPU without Transformer Engine or apex), the fusion is off,
+    # as Megatron-Core itself would refuse it.
+    return dict(
+        bias_activation_fusion=bool(gated_linear_unit or add_bias_linear),
+        apply_rope_fusion=rope_utils.fused_apply_rotary_pos_emb is not None,
+        gradient_accumulation_fusion=bool(layers._grad_accum_fusion_available),
+        bias_dropout_fusion=True,
+    )
+
+
 def make_config(style: str = "gpt", **overrides: Any) -> TransformerConfig:
     """A ``TransformerConfig`` with CPU-safe defaults and a GPT or LLaMA-style preset.
 
-    Defaults (overridable): 2 layers, hidden 64, 4 heads, fp32. ``tensor_model_parallel_size``,
+    Defaults (overridable): 2 layers, hidden 64, 4 heads, fp32, every fusion off (the tests'
+    fp64 references are unfused). ``stock=True`` turns on Megatron-LM's default fusions
+    (:func:`stock_fusions`): the baseline of ``metp train``, ``metp bench`` and ``metp plan``. ``tensor_model_parallel_size``,
     ``pipeline_model_parallel_size`` and ``context_parallel_size`` default to Megatron's
     initialised parallel state (1 when it is not initialised); ``sequence_parallel`` defaults to
     ``tensor_model_parallel_size > 1``.
     """
     if style not in _PRESETS:
         raise ValueError(f"make_config: style must be 'gpt' or 'llama', got {style!r}")
+    stock = overrides.pop("stock", False)
     kw: dict = dict(num_layers=2, hidden_size=64, num_attention_heads=4)
     kw.update(_CPU_SAFE)
     kw.update(_PRESETS[style])
+    if stock:
+        gated = overrides.get("gated_linear_unit", kw.get("gated_linear_unit", False))
+        bias = overrides.get("add_bias_linear", kw.get("add_bias_linear", True))
+        kw.update(stock_fusions(gated_linear_unit=gated, add_bias_linear=bias))
     if mpu.model_parallel_is_initialized():
         kw.update(
             tensor_model_parallel_size=mpu.get_tensor_model_parallel_world_size(),

@@ -151,6 +151,7 @@ def _transformer_config(ns: Namespace, cfg: ModelConfig):
         pipeline_model_parallel_size=ns.pipeline_model_parallel_size,
         context_parallel_size=ns.context_parallel_size, sequence_parallel=ns.sequence_parallel,
         bf16=ns.bf16, params_dtype=dtype,
+        stock=True,  # Megatron-LM's default fusions, in every mode
     )
     if ns.pipeline_model_parallel_size > 1:
         kw["pipeline_dtype"] = dtype

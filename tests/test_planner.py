@@ -234,3 +234,74 @@ def test_longest_sequence_bisection(report):
     assert res["metp"][0] > res["tp"][0]
     report(f"plan llama-7b p=4 on 48 GiB: longest s tp {res['tp'][0]} metp {res['metp'][0]} "
            f"({res['metp'][0] / res['tp'][0]:.2f}x)")
+
+
+# ------------------------------------------------------------------------------------------
+# Stock tp (issue 12 item 1): the planner's tp layer is Megatron-Core's own modules with
+# Megatron-LM's default fusions, and what it keeps per layer equals a count by hand.
+
+_STOCK_SCRIPT = textwrap.dedent(
+    """
+    import json, warnings
+    warnings.filterwarnings("ignore")
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from megatron_metp.config import load_config
+    from megatron_metp.measure import layer_probe
+    from megatron_metp.measure.planner import FakeWorld, transformer_config
+    world = FakeWorld()
+    out = {}
+    for name in ("bert-large", "llama-7b", "llama-70b", "gpt-175b"):
+        cfg = load_config(name)
+        world.setup("tp", 8)
+        tcfg = transformer_config(cfg, 8, "tp")
+        rope = cfg.position_embedding_type == "rope"
+        with FakeTensorMode():
+            lm = layer_probe.measure_layer(tcfg, "tp", 16384, 1, causal=cfg.causal, rope=rope)
+        out[name] = dict(retained=lm.retained, fusions=[
+            tcfg.bias_activation_fusion, tcfg.apply_rope_fusion,
+            tcfg.gradient_accumulation_fusion])
+    world.teardown()
+    print("RESULT", json.dumps(out))
+    """
+)
+
+
+def _stock_tp_hand_count(cfg, p: int, s: int) -> int:
+    """Bytes one stock TP+SP layer keeps for backward (bf16, e = 2), its output included,
+    counted from Megatron-Core's modules with Megatron-LM's defaults:
+
+    norms        LayerNorm: mean and rstd in bf16; RMSNorm (the plugin's, as TE's): fp32 rstd
+    linear_qkv   its input (norm1 output), the sequence-parallel shard [s/p, h]
+    attention    the fused QKV output [s, (n + 2 n_kv) d / p] (V is a view of it, so the
+                 whole storage stays); with RoPE the rotated Q and K (fused RoPE keeps only the
+                 angle table, which is the model's); the flash output and its fp32 lse
+    pre-MLP      the residual sum (norm2 input) and norm2's statistics; fc1's input shard
+    MLP          fc1's output (fused bias-GeLU / SwiGLU keep only their input) [s, F'/p] and
+                 fc2's input [s, F/p]; the layer output [s/p, h]
+    """
+    e, h, n, kv, d = 2, cfg.hidden_size, cfg.num_attention_heads, cfg.num_query_groups, \
+        cfg.kv_channels
+    f = cfg.ffn_hidden_size
+    f_in = 2 * f if cfg.swiglu else f
+    stats = 4 if cfg.normalization == "RMSNorm" else 2 * e  # per token, per norm
+    per_token_local = 2 * stats + e * h * 4      # norms; qkv in, norm2 in, fc1 in, output
+    per_token = e * (n + 2 * kv) * d + 4 * n + e * n * d + e * f_in + e * f
+    if cfg.position_embedding_type == "rope":
+        per_token += e * (n + kv) * d
+    return s // p * per_token_local + s * per_token // p
+
+
+def test_stock_tp_layer_equals_hand_count(report):
+    from megatron_metp.config import load_config
+
+    got = _run_fake(_STOCK_SCRIPT)
+    s, p = 16384, 8
+    for name, r in got.items():
+        cfg = load_config(name)
+        # Megatron-LM's default fusions are on (on CPU through cpu_compat's kernel twins).
+        assert r["fusions"] == [True, True, True], r
+        hand = _stock_tp_hand_count(cfg, p, s)
+        assert r["retained"] == hand, (name, r["retained"], hand)  # exact: bytes are counted
+        report(f"stock tp layer {name} p={p}: {r['retained'] / s:,.0f} B per token = hand "
+               f"count ({r['retained'] / (s // p * cfg.hidden_size * 2):.2f} bsh/p in bf16)")

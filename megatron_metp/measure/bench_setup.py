@@ -32,7 +32,8 @@ def setup(mode: str, args, p: int):
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     kw = dict(num_layers=args.num_layers if args.scope == "model" else 1,
               hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-              params_dtype=dtype, bf16=args.bf16)
+              params_dtype=dtype, bf16=args.bf16,
+              stock=True)  # Megatron-LM's default fusions: tp is the stock baseline
     if args.ffn_hidden_size:
         kw["ffn_hidden_size"] = args.ffn_hidden_size
     if args.style == "llama":
@@ -59,11 +60,13 @@ def layer_step(config, spec_mode: str, s: int, b: int, device):
     """One TransformerLayer on ``x_shard_s [s/p, b, h]``; also its two sublayers alone."""
     from megatron.core.transformer.spec_utils import build_module
 
+    from megatron_metp.measure.layer_probe import give_main_grads
     from megatron_metp.specs import get_gpt_layer_spec
 
     p = config.tensor_model_parallel_size * config.context_parallel_size
     torch.manual_seed(0)
     layer = build_module(get_gpt_layer_spec(spec_mode), config=config, layer_number=1).to(device)
+    give_main_grads(layer)  # what DDP provides; the fused weight-gradient GEMM writes there
     x_shard_s = torch.randn(s // p, b, config.hidden_size, dtype=config.params_dtype,
                             device=device, requires_grad=True)
     grad_shard_s = torch.randn_like(x_shard_s)
@@ -86,6 +89,7 @@ def layer_step(config, spec_mode: str, s: int, b: int, device):
 
 def model_step(config, spec_mode: str, s: int, b: int, vocab: int, device, style: str):
     """A GPTModel forward (per-token loss) + backward on this rank's tokens."""
+    from megatron_metp.measure.layer_probe import give_main_grads
     from megatron_metp.model import build_gpt_model
     from megatron_metp.wallfacer import zigzag
 
@@ -95,6 +99,7 @@ def model_step(config, spec_mode: str, s: int, b: int, vocab: int, device, style
     model = build_gpt_model(config, spec_mode, vocab_size=vocab, max_sequence_length=s,
                             position_embedding_type="rope" if style == "llama"
                             else "learned_absolute").to(device)
+    give_main_grads(model)
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, vocab, (b, s + 1), generator=g)
     inp, labels = tokens[:, :-1], tokens[:, 1:]

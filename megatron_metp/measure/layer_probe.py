@@ -42,7 +42,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 from megatron_metp.measure.comm_counter import CommCounter
 
-__all__ = ["LayerMeasure", "measure_layer", "measure_head", "build_layer"]
+__all__ = ["LayerMeasure", "measure_layer", "measure_head", "build_layer", "give_main_grads"]
 
 
 @dataclass
@@ -72,6 +72,19 @@ def _drop_param_grads(module: torch.nn.Module) -> list:
     return handles
 
 
+def give_main_grads(module: torch.nn.Module) -> list:
+    """What Megatron's DDP gives every parameter: an fp32 ``main_grad`` buffer. With
+    ``--gradient-accumulation-fusion`` (Megatron-LM's default) the weight-gradient GEMM of its
+    linears accumulates straight into it and no ``.grad`` exists. Model state, not activation:
+    the planner counts it in ``optimizer_bytes_per_param``."""
+    bufs = []
+    for prm in module.parameters():
+        if prm.requires_grad and not hasattr(prm, "main_grad"):
+            prm.main_grad = torch.zeros(prm.shape, dtype=torch.float32, device=prm.device)
+            bufs.append(prm.main_grad)
+    return bufs
+
+
 def _global_buffer():
     """Megatron's ``GlobalMemoryBuffer`` (the SP all-gather scratch), or None."""
     from megatron.core import parallel_state as mpu
@@ -91,6 +104,7 @@ def _buffer_bytes(gbuf) -> int:
 def _measure(module: torch.nn.Module, x: torch.Tensor, run_forward, extra=()) -> LayerMeasure:
     """fwd (``run_forward(x) -> output``), then bwd with a gradient of the output's shape."""
     hooks = _drop_param_grads(module)
+    main_grads = give_main_grads(module)
     # Megatron's SP linears all-gather into one process-wide scratch buffer that outlives every
     # layer: start empty so it is allocated (and counted) inside the region, and report it apart
     # (``shared_buffer``) so the planner counts it once per rank, not once per layer. Emptying it
@@ -99,7 +113,7 @@ def _measure(module: torch.nn.Module, x: torch.Tensor, run_forward, extra=()) ->
     if gbuf is not None:
         gbuf.buffer.clear()
     tracker = MemTracker()
-    tracker.track_external(module, x, *extra)
+    tracker.track_external(module, x, *extra, *main_grads)
     try:
         with tracker, CommCounter() as cc:
             base = _total(tracker.get_tracker_snapshot("current"))
@@ -126,6 +140,52 @@ def _measure(module: torch.nn.Module, x: torch.Tensor, run_forward, extra=()) ->
         payload_bytes={op: st.bytes for op, st in cc.stats.items() if st.calls},
         calls=cc.calls(),
     )
+
+
+@dataclass
+class SavedTensor:
+    module: str        # innermost module running when autograd saved it ('' = the layer itself)
+    shape: tuple
+    dtype: str
+    bytes: int         # of its storage (a view keeps its whole storage alive)
+
+
+def saved_for_backward(module: torch.nn.Module, x: torch.Tensor, run_forward,
+                       extra=()) -> list:
+    """Every distinct storage that autograd saves for backward during ``run_forward(x)``, with
+    the module that saved it first: the itemised form of ``retained`` (parameters, ``x`` and
+    ``extra`` left out, as they exist before the layer runs). Works under FakeTensorMode."""
+    names = {m: n for n, m in module.named_modules()}
+    stack: list = []
+    def enter(m, args) -> None:
+        stack.append(names[m])
+
+    def leave(m, args, out) -> None:  # returning a value would replace the module's output
+        stack.pop()
+
+    pre = [m.register_forward_pre_hook(enter) for m in names]
+    post = [m.register_forward_hook(leave) for m in names]
+    give_main_grads(module)
+    skip = {t.untyped_storage()._cdata for t in (*module.parameters(), x, *extra)
+            if isinstance(t, torch.Tensor)}
+    found: Dict[int, SavedTensor] = {}
+
+    def pack(t):
+        key = t.untyped_storage()._cdata
+        if key not in skip and key not in found:
+            found[key] = SavedTensor(stack[-1] if stack else "", tuple(t.shape),
+                                     str(t.dtype).replace("torch.", ""),
+                                     t.untyped_storage().nbytes())
+        return t
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = run_forward(x)
+    finally:
+        for h in pre + post:
+            h.remove()
+    del out
+    return list(found.values())
 
 
 def build_layer(config, mode: str, causal: bool = True):

@@ -150,6 +150,9 @@ def run(args) -> int:
                 f"{pt['layers'] * pt['layer_retained'] / GIB:.1f} | "
                 f"{pt['layer_retained'] / bsh_p:.1f} | {pt['head_peak'] / GIB:.1f} | "
                 f"{pt['layer_peak'] / GIB:.1f} |")
+    if lp:
+        out.append(saved_tensor_tables(planner, cfgs, [m for m in modes if m in ("tp", "metp")],
+                                       lp[0], _ints(args.time_seq_length)[0]))
     ts = _ints(args.time_seq_length)[0]
     out.append(f"\n## Communication per step per rank and ESTIMATED step time at s = "
                f"{seq_label(ts)} (estimates: FLOPs at {settings.efficiency:.0%} of bf16 peak, "
@@ -175,6 +178,28 @@ def run(args) -> int:
                            longest=longest, timed=timed), f, indent=1)
     planner.world.teardown()
     return 0
+
+
+def saved_tensor_tables(planner, cfgs, modes, p: int, s: int) -> str:
+    """Markdown: what one layer keeps for backward, tensor by tensor, per model and mode."""
+    out = [f"\n## What one layer keeps for backward, itemised (p = {p}, s = {seq_label(s)}; "
+           f"bytes per token of the whole sequence, and in bsh/p = one bf16 [s/p, b, h])\n"]
+    for cfg in cfgs:
+        for mode in modes:
+            items = planner.saved_tensors(cfg, mode, p, s)
+            unit = s // p * cfg.hidden_size * 2
+            total = sum(it.bytes for it in items)
+            label = ("tp (stock Megatron-Core modules, Megatron-LM's default fusions)"
+                     if mode == "tp" else mode)
+            out.append(f"**{cfg.name}, {label}**: {total / s:,.0f} B/token = "
+                       f"{total / unit:.2f} bsh/p\n")
+            out.append("| saved by | shape (this rank) | dtype | B/token | bsh/p |")
+            out.append("|---|---|---|---:|---:|")
+            for it in items:
+                out.append(f"| {it.module or '(layer)'} | {list(it.shape)} | {it.dtype} | "
+                           f"{it.bytes / s:,.1f} | {it.bytes / unit:.3f} |")
+            out.append("")
+    return "\n".join(out)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

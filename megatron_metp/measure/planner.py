@@ -177,7 +177,8 @@ def transformer_config(cfg, p: int, mode: str):
         context_parallel_size=cp, sequence_parallel=tp > 1, bf16=True,
         params_dtype=torch.bfloat16,
         # Initialisation of fake weights costs time and means nothing.
-        perform_initialization=False)
+        perform_initialization=False,
+        stock=True)  # Megatron-LM's default fusions: tp is the stock baseline
 
 
 def padded_vocab(cfg, p: int) -> int:
@@ -217,6 +218,36 @@ class Planner:
                     self._head[key] = layer_probe.measure_head(
                         tcfg, padded_vocab(cfg, _tp(mode, p)), s, b)
         return self._layer[key], self._head.get(key)
+
+    def saved_tensors(self, cfg, mode: str, p: int, s: int) -> list:
+        """One layer's tensors kept for backward, itemised (``layer_probe.saved_for_backward``),
+        the layer output last: the breakdown of ``R`` (``layer_retained``)."""
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        self.world.setup(mode, p)
+        tcfg = transformer_config(cfg, p, mode)
+        b = self.settings.micro_batch
+        rope = cfg.position_embedding_type == "rope" and mode != "wallfacer"
+        with FakeTensorMode():
+            layer = layer_probe.build_layer(tcfg, mode, cfg.causal)
+            layer.train()
+            shard = s // (tcfg.tensor_model_parallel_size * tcfg.context_parallel_size)
+            x = torch.empty(shard, b, cfg.hidden_size, dtype=tcfg.params_dtype).requires_grad_()
+            rot = None
+            if rope:
+                from megatron.core.models.common.embeddings.rotary_pos_embedding import (
+                    RotaryEmbedding,
+                )
+
+                rot = RotaryEmbedding(kv_channels=tcfg.kv_channels, rotary_percent=1.0,
+                                      rotary_base=cfg.rotary_base)(s)
+            items = layer_probe.saved_for_backward(
+                layer, x, lambda i: layer(i, attention_mask=None, rotary_pos_emb=rot)[0],
+                extra=(rot,) if rot is not None else ())
+        items.append(layer_probe.SavedTensor("(layer output)", tuple(x.shape),
+                                             str(x.dtype).replace("torch.", ""),
+                                             x.numel() * x.element_size()))
+        return items
 
     def plan(self, cfg, mode: str, p: int, s: int) -> PlanPoint:
         st = self.settings

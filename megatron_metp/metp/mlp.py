@@ -21,7 +21,8 @@ Activation memory per rank: the forward keeps only ``x_shard_s`` and peaks at on
 
 ``f`` is ``config.activation_func`` (GeLU, SiLU, ...), gated as Megatron gates it
 (``act(gate) * (up + glu_linear_offset)``, with ``activation_func_clamp_value``). Megatron's fused
-bias-activation kernels are not used: the unfused math is the same function.
+bias-activation kernels are not called (the ring applies ``f`` per shard and recomputes it in
+backward); with ``bias_activation_fusion`` GeLU is their tanh approximation, the same function.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_tensor_model_parallel_group_if_none
@@ -76,9 +78,20 @@ def validate_metp_mlp(
         )
 
 
+def _tanh_gelu(t: torch.Tensor) -> torch.Tensor:
+    return F.gelu(t, approximate="tanh")
+
+
 def make_activation(config: TransformerConfig) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``f`` of Eq. (1) for this config: ``[n, F'/p] -> [n, F/p]`` (gated) or elementwise."""
+    """``f`` of Eq. (1) for this config: ``[n, F'/p] -> [n, F/p]`` (gated) or elementwise.
+
+    With ``bias_activation_fusion`` (Megatron-LM's default) Megatron's MLP computes GeLU with its
+    fused kernels, which use the tanh approximation; so does this (``F.gelu(approximate='tanh')``,
+    whose constant sqrt(2/pi) differs from the kernel's 0.79788456 by 1e-9 relative).
+    """
     act = config.activation_func
+    if config.bias_activation_fusion and act is F.gelu:
+        act = _tanh_gelu
     if not config.gated_linear_unit:
         return act
     clamp = getattr(config, "activation_func_clamp_value", None)
