@@ -1,35 +1,29 @@
 """Megatron-LM integration: the plugin's flags, the WallFacer mode remap, and a GPT model builder.
 
-Tested against Megatron-LM tag ``core_v0.16.1`` (commit 55ac7082517c3878ae653c07c09c534b8aed49f6),
-whose ``pretrain_gpt.py`` calls::
-
-    pretrain(train_valid_test_datasets_provider, partial(model_provider, gpt_builder),
-             ModelType.encoder_or_decoder, forward_step, args_defaults=...,
-             extra_args_provider=..., store=..., get_embedding_ranks=...)
-
-and whose ``model_provider(model_builder, pre_process, post_process, vp_stage, config,
-pg_collection)`` calls ``model_builder(args, pre_process, post_process, vp_stage, config=,
-pg_collection=)``. Three pieces plug into that, used by ``scripts/pretrain_gpt_metp.py`` (no
-patch) and by ``patches/pretrain_gpt_metp.patch``:
+The pieces that :mod:`megatron_metp.megatron_lm_hooks` plugs into Megatron-LM's
+``pretrain_gpt.py`` (core_v0.16.1 to core_v0.19.x; that module lists the entry points per
+release), used by ``scripts/pretrain_gpt_metp.py`` (no patch) and by
+``patches/pretrain_gpt_metp.patch``:
 
 ``extra_args_provider(parser)``
     Adds ``--tensor-parallel-mode {tp,metp,wallfacer}``, ``--wallfacer-team-size {C,auto}`` and
     ``--wallfacer-placement {team-consecutive,ring-consecutive}``. :func:`chain_providers`
     composes it with another provider (e.g. ModelOpt's ``add_modelopt_args``).
 
-``prepare_argv()``
-    Megatron's ``extra_args_provider`` can only *add* arguments, and ``pretrain()`` parses
-    ``sys.argv`` itself, so the remap must happen before ``pretrain()``: parse the command line
-    once with Megatron-LM's parser, apply :func:`apply_mode_remap`, run
-    :func:`megatron_metp.validation.validate_args` (before any group or weight exists), and
-    append the remapped sizes to ``sys.argv`` (argparse keeps the last value of a flag), so
-    Megatron's own initialisation builds a context-parallel group of size P for WallFacer.
+``remap_and_validate(ns)``
+    Megatron's ``extra_args_provider`` can only *add* arguments, so the remap runs on what
+    Megatron-LM's ``parse_args`` returns and before Megatron's own ``validate_args`` (or
+    ``validate_yaml`` for ``--yaml-cfg``): :func:`apply_mode_remap`, then
+    :func:`megatron_metp.validation.validate_args`, before any group or weight exists, so
+    Megatron's initialisation builds a context-parallel group of size P for WallFacer.
 
-``make_gpt_builder(fallback)``
-    A builder with ``gpt_builder``'s signature: validates ``get_args()``, registers the
-    plugin's groups after Megatron's, and builds a ``GPTModel`` with the mode's layer spec
-    from :mod:`megatron_metp.specs`; ``tp`` falls through to ``fallback`` (Megatron-LM's own
-    ``gpt_builders.gpt_builder``, Transformer Engine spec by default).
+``make_gpt_builder(fallback)`` / ``layer_spec_provider(args)``
+    A builder with ``gpt_builder``'s signature (releases whose ``pretrain_gpt.py`` passes
+    ``partial(model_provider, gpt_builder)``), and a layer-spec callable for a
+    ``GPTModelConfig.transformer_layer_spec`` (releases that build from ``gpt_config_from_args``).
+    Both validate the final arguments, register the plugin's groups after Megatron's and take
+    the mode's layer spec from :mod:`megatron_metp.specs`; ``tp`` keeps Megatron-LM's own
+    choice (Transformer Engine spec by default).
 
 Placements (``--wallfacer-placement``)
     ``team-consecutive`` puts each team of C ranks on consecutive CP ranks (the paper's Alg. 2:
@@ -42,6 +36,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from types import SimpleNamespace
 from typing import Callable, Iterable, List, Optional, Sequence
 
 from megatron_metp.validation import (
@@ -72,7 +67,10 @@ def _team_size_arg(value: str):
 
 
 def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the plugin's flags to Megatron-LM's parser (``pretrain(extra_args_provider=...)``)."""
+    """Add the plugin's flags to Megatron-LM's parser (``pretrain(extra_args_provider=...)``);
+    a parser that has them already (the provider chained twice) is returned unchanged."""
+    if "--tensor-parallel-mode" in parser._option_string_actions:
+        return parser
     group = parser.add_argument_group(title="megatron-metp")
     group.add_argument(
         "--tensor-parallel-mode", choices=CLI_MODES, default="tp",
@@ -163,51 +161,58 @@ def apply_mode_remap(
     return ns
 
 
-def remapped_argv(argv: Sequence[str], ns: argparse.Namespace) -> List[str]:
-    """``argv`` rewritten so that a fresh parse yields ``ns``'s remapped sizes.
-
-    ``--sequence-parallel`` is dropped when the remap turned it off; the sizes and the CP
-    communication type are appended, and argparse keeps the last occurrence of a flag.
-    """
-    if (getattr(ns, "tensor_parallel_mode", None) or "tp") != "wallfacer":
-        return list(argv)
-    out = [a for a in argv if not (a == "--sequence-parallel" and not ns.sequence_parallel)]
-    return out + [
-        "--tensor-model-parallel-size", str(ns.tensor_model_parallel_size),
-        "--context-parallel-size", str(ns.context_parallel_size),
-        "--cp-comm-type", WALLFACER_CP_COMM_TYPE,
-    ]
+# Sections of a --yaml-cfg namespace (Megatron-LM's load_yaml) holding Megatron's flat names.
+_YAML_SECTIONS = ("model_parallel", "language_model")
+_REMAPPED = ("tensor_model_parallel_size", "context_parallel_size", "sequence_parallel",
+             "cp_comm_type")
+_PLUGIN_DEFAULTS = (("tensor_parallel_mode", "tp"), ("wallfacer_team_size", None),
+                    ("wallfacer_placement", PLACEMENTS[0]))
 
 
-def _megatron_parse(argv: List[str], provider: Provider) -> argparse.Namespace:
-    from megatron.training.arguments import parse_args  # Megatron-LM's training package
-
-    saved = sys.argv
-    sys.argv = [saved[0] if saved else "pretrain_gpt.py"] + list(argv)
-    try:
-        return parse_args(provider)
-    finally:
-        sys.argv = saved
+def _yaml_view(ns) -> SimpleNamespace:
+    """A flat view of a ``--yaml-cfg`` namespace, named as ``validate_yaml`` flattens it."""
+    flat = {k: v for k, v in vars(ns).items() if k not in _YAML_SECTIONS}
+    for section in _YAML_SECTIONS:
+        flat.update(vars(getattr(ns, section, SimpleNamespace())))
+    flat["num_experts"] = flat.get("num_moe_experts")  # validate_yaml's alias
+    return SimpleNamespace(**flat)
 
 
-def prepare_argv(
-    argv: Optional[List[str]] = None,
-    extra_args_provider: Optional[Provider] = None,
-    *,
-    parse: Callable[[List[str], Provider], argparse.Namespace] = _megatron_parse,
-) -> List[str]:
-    """Parse, remap, validate; return the rewritten argv (and write it to ``sys.argv`` when
-    ``argv`` is None). Call before ``pretrain()``: nothing is initialised here."""
-    in_place = argv is None
-    args_in = list(sys.argv[1:] if in_place else argv)
-    provider = extra_args_provider or chain_providers()
-    ns = parse(args_in, provider)
-    apply_mode_remap(ns, explicit=explicit_flags(args_in))
+def _remap_yaml(ns, argv: Sequence[str]) -> None:
+    given = sorted(explicit_flags(argv) & {"--tensor-parallel-mode", "--wallfacer-team-size",
+                                           "--wallfacer-placement"})
+    if given:
+        raise MetpConfigError(
+            f"{' '.join(given)} on the command line is ignored with --yaml-cfg (Megatron-LM reads "
+            f"every argument from the YAML file): put {', '.join(g[2:].replace('-', '_') for g in given)} "
+            f"at the top level of {ns.yaml_cfg} instead")
+    for key, default in _PLUGIN_DEFAULTS:
+        if not hasattr(ns, key):
+            setattr(ns, key, default)
+    view = _yaml_view(ns)
+    apply_mode_remap(view)  # a YAML value is always explicit, so only non-default types conflict
+    validate_args(view)
+    if (ns.tensor_parallel_mode or "tp") != "wallfacer":
+        return
+    for key in _REMAPPED:  # back into the section that holds it, where validate_yaml reads it
+        home = next((getattr(ns, s) for s in _YAML_SECTIONS
+                     if hasattr(getattr(ns, s, None), key)), ns.model_parallel)
+        setattr(home, key, getattr(view, key))
+
+
+def remap_and_validate(ns, argv: Optional[Sequence[str]] = None):
+    """The WallFacer remap and the plugin's validation on what Megatron-LM's ``parse_args``
+    returned, in place, before Megatron validates it: an argparse namespace, or the nested
+    namespace of ``--yaml-cfg`` (then the plugin's keys are top-level YAML keys, and the remapped
+    sizes go back into its ``model_parallel`` section). ``argv`` is the parsed command line
+    (default ``sys.argv[1:]``)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if getattr(ns, "yaml_cfg", None) is not None and hasattr(ns, "model_parallel"):
+        _remap_yaml(ns, argv)
+        return ns
+    apply_mode_remap(ns, explicit=explicit_flags(argv))
     validate_args(ns)
-    out = remapped_argv(args_in, ns)
-    if in_place:
-        sys.argv[1:] = out
-    return out
+    return ns
 
 
 # ----------------------------------------------------------------------------- builder
@@ -248,10 +253,35 @@ def layer_spec_for(args: argparse.Namespace, config, vp_stage: Optional[int] = N
     lazily named class checked importable so a missing mode fails here, not mid-build."""
     from megatron_metp import specs
 
+    from megatron_metp.te_backend import backend_for
+
     mode = getattr(args, "tensor_parallel_mode", None) or "tp"
+    reason = backend_for(config, mode).reason
+    if reason and reason not in _said:  # a fallback from the user's (default) flag, said once
+        _said.add(reason)
+        _log(reason)
     spec = specs.get_gpt_block_spec(config, mode, vp_stage=vp_stage)
     specs.check_spec_importable(spec)
     return spec
+
+
+_said: set = set()
+
+
+def layer_spec_provider(args: argparse.Namespace) -> Callable:
+    """A ``transformer_layer_spec`` callable for Megatron-LM's ``GPTModelConfig`` (core_v0.19+),
+    whose ``GPTModelBuilder.build_model`` calls it as ``spec(model_config, vp_stage=...)`` after
+    Megatron initialises: it validates ``args``, registers the plugin's groups and returns the
+    mode's block spec for the ``TransformerConfig`` inside ``model_config``."""
+
+    def transformer_layer_spec(model_config, vp_stage: Optional[int] = None):
+        validate_args(args)
+        config = getattr(model_config, "transformer", model_config)
+        spec = layer_spec_for(args, config, vp_stage)
+        initialize_plugin_groups(args)
+        return spec
+
+    return transformer_layer_spec
 
 
 def _config_from_args(args: argparse.Namespace):
@@ -360,8 +390,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 __all__ = [
     "MODES", "MetpConfigError", "extra_args_provider", "chain_providers", "apply_mode_remap",
-    "explicit_flags", "remapped_argv", "prepare_argv", "initialize_plugin_groups",
-    "layer_spec_for", "gpt_builder", "make_gpt_builder", "config_flags",
+    "explicit_flags", "remap_and_validate", "initialize_plugin_groups", "layer_spec_for",
+    "layer_spec_provider", "gpt_builder", "make_gpt_builder", "config_flags",
 ]
 
 

@@ -15,9 +15,12 @@ name                   MLP                                          self-attenti
                                                                      ``WallFacerCoreAttention``
 =====================  ===========================================  ===========================
 
-Every mode uses Megatron's local ``ColumnParallelLinear`` / ``RowParallelLinear`` for the
-linears, so parameter names, shapes and ``sharded_state_dict`` keys are those of the ``tp``
-model and checkpoints move between modes. The norm (``megatron_metp.layers.Norm``) reads
+The module-level specs use Megatron's local ``ColumnParallelLinear`` / ``RowParallelLinear`` for
+the linears, so parameter names, shapes and ``sharded_state_dict`` keys are those of the ``tp``
+model and checkpoints move between modes. :func:`get_gpt_block_spec` follows
+``config.transformer_impl``: with ``transformer_engine`` (Megatron-LM's default) and Transformer
+Engine importable it takes TE's norms (and, outside METP's own MLP and attention, TE's linears);
+otherwise the local classes (``megatron_metp.te_backend`` has the table and the reasons). The norm (``megatron_metp.layers.Norm``) reads
 ``config.normalization`` when it is built, so one spec serves GPT (LayerNorm, GeLU, learned or
 rotary positions) and LLaMA-style (RMSNorm, SwiGLU, RoPE, GQA) configs; the activation, gating,
 bias and GQA choices all come from the ``TransformerConfig``.
@@ -46,7 +49,6 @@ import importlib
 from typing import Tuple, Union
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
-from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
@@ -61,7 +63,8 @@ from megatron.core.transformer.transformer_layer import (
     TransformerLayerSubmodules,
 )
 
-from megatron_metp.layers import Norm, SDPACoreAttention
+from megatron_metp.layers import SDPACoreAttention
+from megatron_metp.te_backend import LOCAL, Backend, backend_for
 
 MODES = ("tp", "metp", "metp_mlp", "wallfacer")
 
@@ -73,49 +76,53 @@ WALLFACER_CORE_ATTENTION = ("megatron_metp.wallfacer.attention", "WallFacerCoreA
 _Module = Union[type, Tuple[str, str]]
 
 
-def _mlp(module: _Module) -> ModuleSpec:
+def _mlp(module: _Module, backend: Backend) -> ModuleSpec:
     # fc1 by columns (the SwiGLU halves interleaved per shard, as Megatron's MLP does), fc2 by rows.
     return ModuleSpec(
         module=module,
-        submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+        submodules=MLPSubmodules(linear_fc1=backend.column_linear,
+                                 linear_fc2=backend.row_linear),
     )
 
 
-def _self_attention(module: _Module, core_attention: _Module, qk_layernorm: bool) -> ModuleSpec:
-    qk_norm = Norm if qk_layernorm else IdentityOp
+def _self_attention(module: _Module, core_attention: _Module, qk_layernorm: bool,
+                    backend: Backend) -> ModuleSpec:
+    qk_norm = backend.qk_norm if qk_layernorm else IdentityOp
     core = core_attention if isinstance(core_attention, type) else ModuleSpec(module=core_attention)
     return ModuleSpec(
         module=module,
         params={"attn_mask_type": AttnMaskType.causal},
         submodules=SelfAttentionSubmodules(
-            linear_qkv=ColumnParallelLinear,
+            linear_qkv=backend.column_linear,
             core_attention=core,
-            linear_proj=RowParallelLinear,
+            linear_proj=backend.row_linear,
             q_layernorm=qk_norm,
             k_layernorm=qk_norm,
         ),
     )
 
 
-def _layer(mlp: ModuleSpec, self_attention: ModuleSpec) -> ModuleSpec:
+def _layer(mlp: ModuleSpec, self_attention: ModuleSpec, backend: Backend) -> ModuleSpec:
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
-            input_layernorm=Norm,
+            input_layernorm=backend.norm,
             self_attention=self_attention,
             self_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=Norm,
+            pre_mlp_layernorm=backend.norm,
             mlp=mlp,
             mlp_bda=get_bias_dropout_add,
         ),
     )
 
 
-def get_gpt_layer_spec(mode: str, *, qk_layernorm: bool = False) -> ModuleSpec:
+def get_gpt_layer_spec(mode: str, *, qk_layernorm: bool = False,
+                       backend: Backend = LOCAL) -> ModuleSpec:
     """A fresh ``TransformerLayer`` spec for ``mode`` in ``MODES`` (see the module docstring).
 
     ``qk_layernorm`` adds Megatron's per-head query/key norm (``--qk-layernorm``), of the type
-    ``config.normalization`` names.
+    ``config.normalization`` names. ``backend`` (``megatron_metp.te_backend``) supplies the norm
+    and linear classes: the local ones by default, Transformer Engine's where a config asks.
     """
     if mode not in MODES:
         raise ValueError(
@@ -124,19 +131,22 @@ def get_gpt_layer_spec(mode: str, *, qk_layernorm: bool = False) -> ModuleSpec:
     mlp_module = METP_MLP if mode in ("metp", "metp_mlp") else MLP
     attn_module = METP_SELF_ATTENTION if mode == "metp" else SelfAttention
     core = WALLFACER_CORE_ATTENTION if mode == "wallfacer" else SDPACoreAttention
-    return _layer(_mlp(mlp_module), _self_attention(attn_module, core, qk_layernorm))
+    return _layer(_mlp(mlp_module, backend),
+                  _self_attention(attn_module, core, qk_layernorm, backend), backend)
 
 
 def get_gpt_block_spec(config, mode: str, *, vp_stage=None) -> TransformerBlockSubmodules:
-    """The decoder-block spec: this stage's layers of ``mode`` plus a final ``Norm``.
+    """The decoder-block spec: this stage's layers of ``mode`` plus a final norm.
 
     Passing a bare layer spec to ``GPTModel`` makes Megatron pick the final norm itself
     (``LayerNormImpl``: TE's or apex's norm when installed, else ``WrappedTorchNorm``, which
-    refuses sequence parallelism); the block spec pins the SP-aware ``Norm`` instead.
+    refuses sequence parallelism); the block spec pins the backend's SP-aware norm instead.
+    The backend follows ``config.transformer_impl`` (``megatron_metp.te_backend.backend_for``).
     """
-    layer = get_gpt_layer_spec(mode, qk_layernorm=bool(config.qk_layernorm))
+    backend = backend_for(config, mode)
+    layer = get_gpt_layer_spec(mode, qk_layernorm=bool(config.qk_layernorm), backend=backend)
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=Norm)
+    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=backend.norm)
 
 
 def check_spec_importable(spec: ModuleSpec) -> None:

@@ -1,4 +1,6 @@
-"""Megatron-LM integration: flags, mode remap, argv preparation, the wrapper's wiring, the builder.
+"""Megatron-LM integration: flags, mode remap and validation of what Megatron parsed, the builder.
+
+(The hook points per release, the no-patch script and the patch: test_megatron_lm_releases.py.)
 
 Megatron-LM's training package is not installable here and its ``pretrain()`` needs CUDA, so:
 
@@ -14,7 +16,6 @@ Megatron-LM's training package is not installable here and its ``pretrain()`` ne
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import subprocess
 import sys
@@ -29,9 +30,8 @@ from tests._harness import run_ranks
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _megatron_like_parse(argv, provider):
+def add_megatron_like_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The flags read here, declared as Megatron-LM core_v0.16.1 declares them."""
-    p = argparse.ArgumentParser(allow_abbrev=False)
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--context-parallel-size", type=int, default=1)
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
@@ -45,6 +45,15 @@ def _megatron_like_parse(argv, provider):
     p.add_argument("--ffn-hidden-size", type=int, default=None)
     p.add_argument("--seq-length", type=int, default=64)
     p.add_argument("--data-path", nargs="*", default=None)
+    p.add_argument("--spec", type=str, default=None, nargs="*")
+    p.add_argument("--yaml-cfg", type=str, default=None)
+    p.add_argument("--transformer-impl", default="transformer_engine",
+                   choices=["local", "transformer_engine"])
+    return p
+
+
+def _megatron_like_parse(argv, provider):
+    p = add_megatron_like_arguments(argparse.ArgumentParser(allow_abbrev=False))
     ns = provider(p).parse_args(argv)
     ns.world_size = int(os.environ.get("WORLD_SIZE", "1"))  # as Megatron-LM's parse_args does
     return ns
@@ -84,7 +93,7 @@ def test_remap_wallfacer_moves_tp_to_cp():
     assert (ns.tensor_model_parallel_size, ns.context_parallel_size, ns.sequence_parallel,
             ns.cp_comm_type) == (1, 4, False, ["wallfacer"])
     assert len(logs) == 1 and "--context-parallel-size 4" in logs[0]
-    # Idempotent: a second call (e.g. the builder after prepare_argv) changes nothing.
+    # Idempotent: a second call changes nothing.
     mlm.apply_mode_remap(ns, explicit=set(), log=logs.append)
     assert (ns.tensor_model_parallel_size, ns.context_parallel_size) == (1, 4)
 
@@ -115,29 +124,26 @@ def test_remap_leaves_other_modes_alone():
                 ns.sequence_parallel, ns.cp_comm_type) == (4, 1, True, ["p2p"])
 
 
-# ----------------------------------------------------------------------------- argv
-def test_prepare_argv_rewrites_so_megatron_parses_the_remapped_sizes(monkeypatch):
+# ----------------------------------------------------------------------------- parse
+def test_remap_and_validate_on_what_megatron_parsed(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     argv = ["--tensor-model-parallel-size", "4", "--sequence-parallel",
             "--tensor-parallel-mode", "wallfacer", "--wallfacer-team-size", "2",
-            "--data-path", "a", "b"]  # a nargs='*' flag last: appended flags must not join it
+            "--data-path", "a", "b"]
     provider = mlm.chain_providers()
-    out = mlm.prepare_argv(list(argv), provider, parse=_megatron_like_parse)
-    assert "--sequence-parallel" not in out
-    ns = _megatron_like_parse(out, provider)  # what Megatron's pretrain() will parse
+    ns = mlm.remap_and_validate(_megatron_like_parse(argv, provider), argv)
     assert (ns.tensor_model_parallel_size, ns.context_parallel_size, ns.sequence_parallel,
             ns.cp_comm_type, ns.wallfacer_team_size, ns.data_path) == (
         1, 4, False, ["wallfacer"], 2, ["a", "b"])
+    # Other modes untouched; the provider chained twice registers the flags once.
+    argv = ["--tensor-model-parallel-size", "4", "--sequence-parallel",
+            "--tensor-parallel-mode", "metp"]
+    ns = mlm.remap_and_validate(_megatron_like_parse(argv, mlm.chain_providers(provider)), argv)
+    assert (ns.tensor_model_parallel_size, ns.context_parallel_size, ns.sequence_parallel) == (
+        4, 1, True)
 
-    # In place on sys.argv (the wrapper's and the patch's call), and other modes untouched.
-    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", "--tensor-model-parallel-size", "4",
-                                      "--sequence-parallel", "--tensor-parallel-mode", "metp"])
-    before = list(sys.argv)
-    mlm.prepare_argv(None, provider, parse=_megatron_like_parse)
-    assert sys.argv == before
 
-
-def test_prepare_argv_validates_before_anything_starts(monkeypatch):
+def test_remap_and_validate_refuses_before_anything_starts(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     provider = mlm.chain_providers()
     cases = [
@@ -153,65 +159,8 @@ def test_prepare_argv_validates_before_anything_starts(monkeypatch):
     ]
     for argv, flag in cases:
         with pytest.raises(MetpConfigError) as info:
-            mlm.prepare_argv(argv, provider, parse=_megatron_like_parse)
+            mlm.remap_and_validate(_megatron_like_parse(argv, provider), argv)
         assert flag in str(info.value), (argv, str(info.value))
-
-
-def _load_wrapper():
-    spec = importlib.util.spec_from_file_location(
-        "pretrain_gpt_metp", ROOT / "scripts" / "pretrain_gpt_metp.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_wrapper_calls_pretrain_like_pretrain_gpt_main(monkeypatch):
-    """The no-patch wrapper's wiring, with a stand-in for Megatron-LM's pretrain_gpt module
-    that records what ``pretrain`` receives (the real one needs CUDA)."""
-    monkeypatch.setenv("WORLD_SIZE", "4")
-    monkeypatch.setattr(sys, "argv", ["x", "--tensor-model-parallel-size", "4",
-                                      "--tensor-parallel-mode", "wallfacer"])
-    calls = {}
-
-    def modelopt_args(parser):
-        parser.add_argument("--modelopt-flag", action="store_true")
-        return parser
-
-    def model_provider(builder, pre_process=True, post_process=True, vp_stage=None,
-                       config=None, pg_collection=None):
-        return builder
-
-    class Restart:
-        @staticmethod
-        def maybe_wrap_for_inprocess_restart(fn):
-            return fn, "store"
-
-    def pretrain(*args, **kw):
-        calls["args"], calls["kw"] = args, kw
-
-    stand_in = argparse.Namespace(
-        has_nvidia_modelopt=True, add_modelopt_args=modelopt_args, model_provider=model_provider,
-        gpt_builder=lambda *a, **k: "megatron's gpt_builder", inprocess_restart=Restart,
-        pretrain=pretrain, set_startup_timestamps=lambda **k: None,
-        train_valid_test_datasets_provider=lambda *a: None, forward_step=object(),
-        get_embedding_ranks=object(), ModelType=argparse.Namespace(encoder_or_decoder="enc"))
-    _load_wrapper().main(stand_in, parse=_megatron_like_parse)
-
-    assert sys.argv[-6:] == ["--tensor-model-parallel-size", "1", "--context-parallel-size", "4",
-                             "--cp-comm-type", "wallfacer"]
-    dataset, model_prov, model_type, fwd = calls["args"]
-    assert dataset is stand_in.train_valid_test_datasets_provider and dataset.is_distributed
-    assert model_type == "enc" and fwd is stand_in.forward_step
-    kw = calls["kw"]
-    assert kw["store"] == "store" and kw["get_embedding_ranks"] is stand_in.get_embedding_ranks
-    parser = kw["extra_args_provider"](argparse.ArgumentParser(allow_abbrev=False))
-    ns = parser.parse_args(["--modelopt-flag", "--tensor-parallel-mode", "metp"])
-    assert ns.modelopt_flag and ns.tensor_parallel_mode == "metp"  # chained with ModelOpt's
-    # tp falls through to Megatron-LM's gpt_builder.
-    builder = model_prov()
-    tp_args = argparse.Namespace(tensor_parallel_mode="tp", hidden_size=64,
-                                 num_attention_heads=8, tensor_model_parallel_size=1)
-    assert builder(tp_args, True, True) == "megatron's gpt_builder"
 
 
 @pytest.mark.skipif(not os.environ.get("MEGATRON_LM_PATH"),
@@ -223,6 +172,7 @@ def test_real_megatron_lm_arguments():
 import sys
 import megatron.training.arguments as A
 from megatron_metp import megatron_lm as mlm
+from megatron_metp import megatron_lm_hooks as hooks
 A.get_device_arch_version = lambda: 9  # validate_args queries the GPU; there is none here
 sys.argv = ["pretrain_gpt.py"] + mlm.config_flags("tiny-llama", training=False) + [
             "--seq-length", "64", "--max-position-embeddings", "64",
@@ -231,9 +181,8 @@ sys.argv = ["pretrain_gpt.py"] + mlm.config_flags("tiny-llama", training=False) 
             "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--train-iters", "1",
             "--lr", "1e-4", "--transformer-impl", "local", "--attention-dropout", "0",
             "--no-rope-fusion"]  # RoPE fusion needs Transformer Engine
-provider = mlm.chain_providers()
-mlm.prepare_argv(extra_args_provider=provider)
-args = A.parse_args(provider)
+hooks.install(hooks.HookPlan(hooks.release_name(), "builder"))
+args = A.parse_args(None)  # the hooked parse: flags, remap, the plugin's validation
 A.validate_args(args, {})
 cfg = A.core_transformer_config_from_args(args)
 print("RESULT", args.tensor_model_parallel_size, args.context_parallel_size,
