@@ -46,6 +46,10 @@ Stand-ins (each names the Megatron-Core code it covers; tests/test_cpu_compat.py
    backward, where the unfused path keeps cos/sin copies) and ``--gradient-accumulation-fusion``
    (apex's ``fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32/_fp16``: the weight gradient
    GEMM accumulates straight into ``main_grad``, no transient ``.grad``). Same math, on CPU.
+   The fused bias-GeLU and SwiGLU functions (``fusions.fused_bias_gelu`` / ``fused_bias_swiglu``)
+   are TorchScript functions that a GPU fuses into one kernel with no intermediate tensors; on
+   CPU (and under fake tensors) each elementwise step would allocate a full-size temporary, so
+   they run here in 16 token chunks: same values, temporaries 1/16 of that size.
 
 Not covered (documented, not patched): the distributed optimizer (``use_distributed_optimizer``)
 checks for CUDA tensor types throughout its buffers and refuses CPU parameters; on CPU use the
@@ -272,17 +276,44 @@ def fused_apply_rotary_pos_emb_cpu(t: torch.Tensor, freqs: torch.Tensor,
 
 
 class _WgradAccum:
-    """CPU twin of apex's ``fused_weight_gradient_mlp_cuda``: ``main_grad += g^T x`` in one
-    GEMM (fp32 accumulation), no weight-gradient tensor of its own."""
+    """CPU twin of apex's ``fused_weight_gradient_mlp_cuda``: ``main_grad += g^T x``.
+
+    The GEMM runs in the activations' dtype and its weight-sized result is added to
+    ``main_grad``: one transient of the weight's size, where apex's kernel writes into
+    ``main_grad`` directly. Casting the [tokens, features] operands to fp32 first would add
+    activation-sized transients that the GPU kernel does not have."""
 
     @staticmethod
     def _accum(total_input, grad_output, main_grad):
         x = total_input.reshape(-1, total_input.shape[-1])
         g = grad_output.reshape(-1, grad_output.shape[-1])
-        main_grad.addmm_(g.t().to(main_grad.dtype), x.to(main_grad.dtype))
+        main_grad.add_(torch.mm(g.t(), x))
 
     wgrad_gemm_accum_fp32 = _accum
     wgrad_gemm_accum_fp16 = _accum
+
+
+_CHUNKS = 16
+
+
+def _in_token_chunks(fn, token_args):
+    """``fn`` (elementwise over dim 0 of the arguments at ``token_args``; the others broadcast)
+    run on 1/_CHUNKS of the tokens at a time into one output, as a fused kernel would run."""
+
+    @functools.wraps(fn)
+    def run(*args):
+        n = args[token_args[0]].shape[0]
+        step = -(-n // _CHUNKS)
+        out = None
+        for i in range(0, n, step):
+            part = fn(*(a[i:i + step] if k in token_args else a for k, a in enumerate(args)))
+            if out is None:
+                out = part.new_empty((n, *part.shape[1:]))
+            out[i:i + step] = part
+        return out
+
+    run.__metp_chunked__ = True
+    return run
 
 
 def _install_fusion_kernels() -> None:
@@ -294,6 +325,18 @@ def _install_fusion_kernels() -> None:
     if not layers._grad_accum_fusion_available:
         layers.fused_weight_gradient_mlp_cuda = _WgradAccum
         layers._grad_accum_fusion_available = True
+    from megatron.core.fusions import fused_bias_gelu, fused_bias_swiglu
+
+    # (module, function, positions of the token-shaped arguments)
+    for mod, name, tokens in ((fused_bias_gelu, "bias_gelu", (1,)),
+                              (fused_bias_gelu, "bias_gelu_back", (0, 2)),
+                              (fused_bias_swiglu, "swiglu", (0,)),
+                              (fused_bias_swiglu, "bias_swiglu", (0,)),
+                              (fused_bias_swiglu, "swiglu_back", (0, 1)),
+                              (fused_bias_swiglu, "bias_swiglu_back", (0, 1))):
+        fn = getattr(mod, name)
+        if not getattr(fn, "__metp_chunked__", False):
+            setattr(mod, name, _in_token_chunks(fn, tokens))
 
 
 def apply() -> None:

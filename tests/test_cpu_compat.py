@@ -340,3 +340,82 @@ def _cp_rope_slicing():
 
 def test_cp_rope_slicing():
     assert all(run_ranks(2, _cp_rope_slicing))
+
+
+# ------------------------------------------------------------------------------------------
+# Stand-in 6: Megatron-LM's default fusions on CPU (the stock tp baseline). Each twin is checked
+# against an independent computation in fp64, value and gradient; the elementwise ones must be
+# exact (same operations, only split into token chunks).
+
+
+def test_fused_rope_twin_equals_unfused_rope():
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from megatron_metp import cpu_compat
+
+    cpu_compat.apply()
+    assert rope_utils.fused_apply_rotary_pos_emb is cpu_compat.fused_apply_rotary_pos_emb_cpu
+    torch.manual_seed(0)
+    s, b, n, d = 12, 2, 3, 8
+    t = torch.randn(s, b, n, d, dtype=torch.float64, requires_grad=True)
+    freqs = torch.randn(s + 4, 1, 1, 6, dtype=torch.float64)  # partial rotary, longer table
+    g = torch.randn(s, b, n, d, dtype=torch.float64)
+    out = rope_utils.fused_apply_rotary_pos_emb(t, freqs)
+    (dt,) = torch.autograd.grad(out, t, g)
+    # Independent: rotate the first 6 channels by the angles, pass the rest through.
+    f = freqs[:s]
+    x1, x2, rest = t[..., :3], t[..., 3:6], t[..., 6:]
+    ref = torch.cat((x1 * f[..., :3].cos() - x2 * f[..., :3].sin(),
+                     x2 * f[..., 3:].cos() + x1 * f[..., 3:].sin(), rest), dim=-1)
+    (dref,) = torch.autograd.grad(ref, t, g)
+    # fp64, same operations in another order: rounding ~1e-16 relative; 1e-12 leaves margin.
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(dt, dref, rtol=1e-12, atol=1e-12)
+
+
+def test_wgrad_accumulation_twin():
+    from megatron.core.tensor_parallel import layers
+
+    from megatron_metp import cpu_compat
+
+    cpu_compat.apply()
+    assert layers._grad_accum_fusion_available
+    torch.manual_seed(0)
+    x, g = torch.randn(5, 2, 7, dtype=torch.float64), torch.randn(5, 2, 3, dtype=torch.float64)
+    main_grad = torch.randn(3, 7, dtype=torch.float64)
+    expect = main_grad + g.reshape(10, 3).t() @ x.reshape(10, 7)
+    layers.fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32(x, g, main_grad)
+    torch.testing.assert_close(main_grad, expect, rtol=1e-12, atol=1e-12)  # fp64 GEMM rounding
+
+
+@pytest.mark.parametrize("kind", ["gelu", "swiglu"])
+def test_fused_activations_in_chunks_are_exact(kind):
+    from megatron.core.fusions import fused_bias_gelu, fused_bias_swiglu
+
+    from megatron_metp import cpu_compat
+
+    cpu_compat.apply()
+    torch.manual_seed(0)
+    s, f = 37, 10  # 37 tokens: the last of the 16 chunks is a short one
+    y = torch.randn(s, 2, 2 * f if kind == "swiglu" else f, requires_grad=True)
+    bias = torch.randn(y.shape[-1], requires_grad=True)
+    g = torch.randn(s, 2, f)
+    if kind == "gelu":
+        out = fused_bias_gelu.bias_gelu_impl(y, bias)
+        x = y + bias
+        ref = x * 0.5 * (1.0 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))
+    else:
+        out = fused_bias_swiglu.bias_swiglu_impl(y, bias)
+        x1, x2 = torch.chunk(y + bias, 2, dim=-1)
+        ref = torch.nn.functional.silu(x1) * x2
+    grads = torch.autograd.grad(out, (y, bias), g)
+    refs = torch.autograd.grad(ref, (y, bias), g)
+    if kind == "gelu":  # the same elementwise operations per token: bit-identical
+        assert torch.equal(out, ref)
+    else:  # the kernel's sigmoid form of silu: fp32 rounding
+        torch.testing.assert_close(out, ref, rtol=0, atol=1e-6)
+    # Backward: Megatron's hand-written derivative vs autograd of the formula (fp32 rounding;
+    # the bias gradient sums 74 terms).
+    for a, r in zip(grads, refs):
+        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5)
+    assert getattr(fused_bias_gelu.bias_gelu, "__metp_chunked__", False)

@@ -166,6 +166,9 @@ def saved_for_backward(module: torch.nn.Module, x: torch.Tensor, run_forward,
     pre = [m.register_forward_pre_hook(enter) for m in names]
     post = [m.register_forward_hook(leave) for m in names]
     give_main_grads(module)
+    gbuf = _global_buffer()
+    if gbuf is not None:  # its scratch may hold tensors of an earlier FakeTensorMode
+        gbuf.buffer.clear()
     skip = {t.untyped_storage()._cdata for t in (*module.parameters(), x, *extra)
             if isinstance(t, torch.Tensor)}
     found: Dict[int, SavedTensor] = {}
