@@ -189,6 +189,11 @@ def _train_parser(p: argparse.ArgumentParser) -> Callable:
     a("--clip-grad", type=float, default=None)
     a("--hidden-dropout", type=float, default=None)
     a("--attention-dropout", type=float, default=None)
+    a("--recompute-granularity", choices=("selective",), default=None,
+      help="Megatron's selective activation recompute (with --recompute-modules)")
+    a("--recompute-modules", nargs="+", choices=("layernorm", "mlp", "core_attn"), default=None,
+      help="what selective recompute recomputes in backward (Megatron-LM's flag; default "
+           "core_attn); layernorm: the norm outputs, 2 bsh/p less per layer in every mode")
     a("--bf16", action="store_true", help="bf16 parameters and compute (GPU only)")
     a("--use-distributed-optimizer", action="store_true",
       help="shard optimizer state over data-parallel ranks (GPU only)")

@@ -50,6 +50,10 @@ Stand-ins (each names the Megatron-Core code it covers; tests/test_cpu_compat.py
    are TorchScript functions that a GPU fuses into one kernel with no intermediate tensors; on
    CPU (and under fake tensors) each elementwise step would allocate a full-size temporary, so
    they run here in 16 token chunks: same values, temporaries 1/16 of that size.
+7. ``tensor_parallel.random.CheckpointWithoutOutput`` (``--recompute-modules layernorm``):
+   its constructor takes ``fp8 is not None`` as "fp8 on", so the default ``fp8=False`` calls
+   Transformer Engine's ``FP8GlobalStateManager``, a NameError without TE. Without TE there is
+   no fp8: the stand-in keeps it off.
 
 Not covered (documented, not patched): the distributed optimizer (``use_distributed_optimizer``)
 checks for CUDA tensor types throughout its buffers and refuses CPU parameters; on CPU use the
@@ -316,6 +320,25 @@ def _in_token_chunks(fn, token_args):
     return run
 
 
+def _install_recompute_fix() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    if getattr(mrandom, "HAVE_TE", True):
+        return
+    cls = mrandom.CheckpointWithoutOutput
+    if getattr(cls.__init__, "__metp_no_fp8__", False):
+        return
+    original = cls.__init__
+
+    @functools.wraps(original)
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.fp8 = False  # no Transformer Engine, no fp8
+
+    init.__metp_no_fp8__ = True
+    cls.__init__ = init
+
+
 def _install_fusion_kernels() -> None:
     from megatron.core.models.common.embeddings import rope_utils
     from megatron.core.tensor_parallel import layers
@@ -384,5 +407,6 @@ def apply() -> None:
 
     _rebind_everywhere(rope_utils.get_pos_emb_on_this_cp_rank, zigzag.get_pos_emb_on_this_cp_rank)
     _install_fusion_kernels()
+    _install_recompute_fix()
 
     _APPLIED = True

@@ -71,6 +71,8 @@ def resolve_namespace(args: Namespace, cfg: ModelConfig, mode: str,
     ns.bf16 = bool(args.bf16)
     ns.vocab_size = next(v for v in (args.vocab_size, cfg.vocab_size, 258) if v is not None)
     ns.data_path = args.data_path
+    ns.recompute_granularity = args.recompute_granularity
+    ns.recompute_modules = args.recompute_modules
     return ns
 
 
@@ -153,6 +155,9 @@ def _transformer_config(ns: Namespace, cfg: ModelConfig):
         bf16=ns.bf16, params_dtype=dtype,
         stock=True,  # Megatron-LM's default fusions, in every mode
     )
+    if getattr(ns, "recompute_granularity", None):
+        kw.update(recompute_granularity=ns.recompute_granularity,
+                  recompute_modules=list(ns.recompute_modules or ["core_attn"]))
     if ns.pipeline_model_parallel_size > 1:
         kw["pipeline_dtype"] = dtype
     if getattr(ns, "cp_comm_type", None):

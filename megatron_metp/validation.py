@@ -154,41 +154,40 @@ def _at_least(lo):
     return (lambda v: v >= lo), f">= {lo}"
 
 
-_INT_1 = _at_least(1)
-_INT_0 = _at_least(0)
-_NONNEG = _at_least(0)
+_AT_LEAST_1 = _at_least(1)
+_AT_LEAST_0 = _at_least(0)
 _DROPOUT = (lambda v: 0 <= v < 1), "in [0, 1)"
 
 # (attribute, flag, (test, what it must be), what the value means / how to fix)
 _VALUE_RULES = [
-    ("tensor_model_parallel_size", "--tensor-model-parallel-size", _INT_1, "ranks per TP group"),
-    ("context_parallel_size", "--context-parallel-size", _INT_1, "ranks per CP group"),
-    ("pipeline_model_parallel_size", "--pipeline-model-parallel-size", _INT_1,
+    ("tensor_model_parallel_size", "--tensor-model-parallel-size", _AT_LEAST_1, "ranks per TP group"),
+    ("context_parallel_size", "--context-parallel-size", _AT_LEAST_1, "ranks per CP group"),
+    ("pipeline_model_parallel_size", "--pipeline-model-parallel-size", _AT_LEAST_1,
      "pipeline stages"),
-    ("nproc_per_node", "--nproc-per-node", _INT_1, "ranks to launch on this node"),
-    ("seq_length", "--seq-length", _INT_1, "tokens per sequence"),
-    ("micro_batch_size", "--micro-batch-size", _INT_1, "sequences per micro-batch"),
-    ("global_batch_size", "--global-batch-size", _INT_1, "sequences per iteration"),
-    ("train_iters", "--train-iters", _INT_0, "iterations to train"),
-    ("lr", "--lr", _NONNEG, "the peak learning rate"),
-    ("min_lr", "--min-lr", _NONNEG, "the learning rate at the end of the decay"),
-    ("lr_warmup_iters", "--lr-warmup-iters", _INT_0, "warm-up iterations"),
-    ("lr_decay_iters", "--lr-decay-iters", _INT_1, "decay iterations"),
-    ("weight_decay", "--weight-decay", _NONNEG, "the L2 coefficient"),
-    ("clip_grad", "--clip-grad", _NONNEG, "the gradient-norm limit (0 = off)"),
+    ("nproc_per_node", "--nproc-per-node", _AT_LEAST_1, "ranks to launch on this node"),
+    ("seq_length", "--seq-length", _AT_LEAST_1, "tokens per sequence"),
+    ("micro_batch_size", "--micro-batch-size", _AT_LEAST_1, "sequences per micro-batch"),
+    ("global_batch_size", "--global-batch-size", _AT_LEAST_1, "sequences per iteration"),
+    ("train_iters", "--train-iters", _AT_LEAST_0, "iterations to train"),
+    ("lr", "--lr", _AT_LEAST_0, "the peak learning rate"),
+    ("min_lr", "--min-lr", _AT_LEAST_0, "the learning rate at the end of the decay"),
+    ("lr_warmup_iters", "--lr-warmup-iters", _AT_LEAST_0, "warm-up iterations"),
+    ("lr_decay_iters", "--lr-decay-iters", _AT_LEAST_1, "decay iterations"),
+    ("weight_decay", "--weight-decay", _AT_LEAST_0, "the L2 coefficient"),
+    ("clip_grad", "--clip-grad", _AT_LEAST_0, "the gradient-norm limit (0 = off)"),
     ("hidden_dropout", "--hidden-dropout", _DROPOUT, "a dropout probability"),
     ("attention_dropout", "--attention-dropout", _DROPOUT, "a dropout probability"),
-    ("seed", "--seed", _INT_0, "the random seed"),
-    ("vocab_size", "--vocab-size", _INT_1, "the tokenizer's vocabulary"),
-    ("make_vocab_size_divisible_by", "--make-vocab-size-divisible-by", _INT_1,
+    ("seed", "--seed", _AT_LEAST_0, "the random seed"),
+    ("vocab_size", "--vocab-size", _AT_LEAST_1, "the tokenizer's vocabulary"),
+    ("make_vocab_size_divisible_by", "--make-vocab-size-divisible-by", _AT_LEAST_1,
      "the vocabulary padding multiple"),
-    ("save_interval", "--save-interval", _INT_1, "iterations between checkpoints"),
-    ("distributed_timeout_minutes", "--distributed-timeout-minutes", _INT_1,
+    ("save_interval", "--save-interval", _AT_LEAST_1, "iterations between checkpoints"),
+    ("distributed_timeout_minutes", "--distributed-timeout-minutes", _AT_LEAST_1,
      "minutes a collective may wait for a peer"),
-    ("num_layers", "--num-layers", _INT_1, "transformer layers"),
-    ("hidden_size", "--hidden-size", _INT_1, "the model width"),
-    ("num_attention_heads", "--num-attention-heads", _INT_1, "attention heads"),
-    ("max_position_embeddings", "--max-position-embeddings", _INT_1,
+    ("num_layers", "--num-layers", _AT_LEAST_1, "transformer layers"),
+    ("hidden_size", "--hidden-size", _AT_LEAST_1, "the model width"),
+    ("num_attention_heads", "--num-attention-heads", _AT_LEAST_1, "attention heads"),
+    ("max_position_embeddings", "--max-position-embeddings", _AT_LEAST_1,
      "positions of the embedding table"),
 ]
 
@@ -210,6 +209,9 @@ def check_values(ns: Namespace, *, trainer: bool = False) -> None:
     if lr is not None and min_lr is not None and min_lr > lr:
         _fail(f"--min-lr {min_lr} is above --lr {lr}: the schedule decays from --lr to "
               f"--min-lr; pass --min-lr <= {lr}")
+    if getattr(ns, "recompute_modules", None) and not getattr(ns, "recompute_granularity", None):
+        _fail(f"--recompute-modules {' '.join(ns.recompute_modules)} needs "
+              f"--recompute-granularity selective")
     s, pos = getattr(ns, "seq_length", None), getattr(ns, "max_position_embeddings", None)
     if (s is not None and pos is not None and s > pos and getattr(
             ns, "position_embedding_type", "learned_absolute") == "learned_absolute"):

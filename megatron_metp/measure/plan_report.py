@@ -62,7 +62,17 @@ def add_arguments(parser) -> None:
     a("--time-seq-length", default="128k", help="sequence of the comm/time table")
     a("--count-send-buffers", action="store_true",
       help="add the largest P2P send per layer, as if a live request held it (upper bound)")
+    a("--recompute-modules", default=None, metavar="M1,M2",
+      help="Megatron's selective recompute in every mode (--recompute-granularity selective), "
+           "e.g. layernorm: norm outputs are recomputed in backward")
     a("--json", default=None, metavar="PATH", help="write every planned point as JSON")
+
+
+RECOMPUTE_MODULES = ("layernorm", "mlp", "core_attn")
+
+
+def _modules(value: Optional[str]) -> Optional[List[str]]:
+    return [m.strip() for m in value.split(",") if m.strip()] if value else None
 
 
 def _check(args) -> None:
@@ -93,6 +103,10 @@ def _check(args) -> None:
                          f"peak FLOP/s, e.g. 0.5)")
     if args.json:
         check_output_file("--json", args.json)
+    bad = [m for m in _modules(args.recompute_modules) or [] if m not in RECOMPUTE_MODULES]
+    if bad:
+        raise ValueError(f"--recompute-modules {args.recompute_modules}: {bad[0]!r} is not one "
+                         f"of Megatron's dense-layer modules {', '.join(RECOMPUTE_MODULES)}")
 
 
 def run(args) -> int:
@@ -106,7 +120,8 @@ def run(args) -> int:
                             fragmentation=args.fragmentation,
                             distributed_optimizer=args.use_distributed_optimizer,
                             efficiency=args.efficiency,
-                            count_send_buffers=args.count_send_buffers)
+                            count_send_buffers=args.count_send_buffers,
+                            recompute_modules=_modules(args.recompute_modules))
     planner = Planner(settings)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     cfgs = [load_config(n.strip()) for n in args.models.split(",") if n.strip()]
@@ -115,6 +130,9 @@ def run(args) -> int:
     points = [planner.plan(cfg, mode, p, s)
               for cfg in cfgs for p in ps for mode in modes for s in seqs]
     out: List[str] = []
+    if settings.recompute_modules:
+        out.append(f"Selective recompute in every mode: --recompute-granularity selective "
+                   f"--recompute-modules {' '.join(settings.recompute_modules)}\n")
     out.append(f"## Per-rank memory of a training step, GiB (state + activation peak; "
                f"mode/TP in brackets; * = exceeds {settings.memory_gib:g} GiB with "
                f"{settings.reserve_gib:g} GiB reserve and {settings.fragmentation:.0%} "

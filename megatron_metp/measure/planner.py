@@ -80,6 +80,8 @@ class PlanSettings:
     distributed_optimizer: bool = False
     efficiency: float = 0.5
     count_send_buffers: bool = False
+    # Megatron's selective recompute for every mode, e.g. ["layernorm"]; None: none.
+    recompute_modules: Optional[List[str]] = None
 
 
 @dataclass
@@ -160,14 +162,18 @@ class FakeWorld:
         self.key = None
 
 
-def transformer_config(cfg, p: int, mode: str):
-    """Megatron ``TransformerConfig`` of one layer of ``cfg`` (a ``config.ModelConfig``), bf16."""
+def transformer_config(cfg, p: int, mode: str, recompute_modules: Optional[List[str]] = None):
+    """Megatron ``TransformerConfig`` of one layer of ``cfg`` (a ``config.ModelConfig``), bf16.
+    ``recompute_modules``: Megatron's selective recompute (``--recompute-granularity selective
+    --recompute-modules ...``), the same in every mode."""
     import torch.nn.functional as F
 
     from megatron_metp.model import make_config
 
     tp, cp = (1, p) if mode == "wallfacer" else (p, 1)
-    return make_config(
+    recompute = (dict(recompute_granularity="selective", recompute_modules=list(recompute_modules))
+                 if recompute_modules else {})
+    return make_config(**recompute,
         style="llama" if cfg.swiglu else "gpt", num_layers=1, hidden_size=cfg.hidden_size,
         num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_query_groups,
         ffn_hidden_size=cfg.ffn_hidden_size, kv_channels=cfg.kv_channels,
@@ -206,7 +212,7 @@ class Planner:
         key = (cfg.name, mode, p, s)
         if key not in self._layer:
             self.world.setup(mode, p)
-            tcfg = transformer_config(cfg, p, mode)
+            tcfg = transformer_config(cfg, p, mode, self.settings.recompute_modules)
             b = self.settings.micro_batch
             with FakeTensorMode():
                 # RoPE under context parallelism slices the table with a pinned CUDA tensor
@@ -225,7 +231,7 @@ class Planner:
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         self.world.setup(mode, p)
-        tcfg = transformer_config(cfg, p, mode)
+        tcfg = transformer_config(cfg, p, mode, self.settings.recompute_modules)
         b = self.settings.micro_batch
         rope = cfg.position_embedding_type == "rope" and mode != "wallfacer"
         with FakeTensorMode():
