@@ -148,29 +148,31 @@ def _grad_step(
     return dt
 
 
-def metp_mlp_backward(
-    x_shard_s: torch.Tensor,
-    grad_out_shard_s: torch.Tensor,
-    weights: Weights,
-    act: Callable[[torch.Tensor], torch.Tensor],
+def circulate_for_backward(
+    present: Sequence[torch.Tensor],
     group: Optional[dist.ProcessGroup],
-) -> Tuple[torch.Tensor, List[torch.Tensor]]:
-    """Alg. 2: ``(grad_x [n/p, h_in], [grad w_in, grad b_in?, grad w_out])`` for the shards this
-    rank owns; gradients in the dtypes of their inputs."""
+    step_fn: Callable[[List[torch.Tensor], List[torch.Tensor]], Optional[Callable[[], None]]],
+) -> List[torch.Tensor]:
+    """Alg. 2's ring: the weight shards ``present`` circulate again and each shard's gradient
+    is built on the way and brought home (module docstring). Returns this rank's gradients of
+    ``present``, accumulated in :func:`accum_dtype` (the caller casts).
+
+    ``step_fn(cur, target)`` runs once per step on the shards held now (``cur``, same order as
+    ``present``): it adds this rank's contribution to ``target`` and may return deferred work
+    (e.g. the input-gradient matmul), which runs while the step's transfers are in flight, and
+    at the last step while the final accumulator hop is in flight.
+    """
     p = _ring_size(group)
-    has_bias = weights[1] is not None
-    present = _present(weights)
-    gdt = accum_dtype(x_shard_s.dtype)
+    gdt = accum_dtype(present[0].dtype)
     new = lambda: [torch.zeros_like(t, dtype=gdt) for t in present]  # noqa: E731
     own = new()  # the owner's contribution never leaves the rank
-    grad_x = torch.zeros_like(x_shard_s)
     comm = RingComm(group) if p > 1 else None
     bufs = [DoubleBuffer(t) for t in present] if p > 1 else []
     accs: List[List[torch.Tensor]] = [new(), new()] if p > 1 else []
     scratch = new() if p > 2 else []
     a = 0  # accs[a]: the accumulator completed in the previous step (sent in this one)
     for step in range(p):
-        cur = weights if p == 1 else _unpack([b.current for b in bufs], has_bias)
+        cur = list(present) if p == 1 else [b.current for b in bufs]
         send_w = step < p - 1
         send_acc = step >= 2
         if send_w:
@@ -191,10 +193,11 @@ def metp_mlp_backward(
         if step >= 2:
             for t in scratch:
                 t.zero_()
-        dt = _grad_step(x_shard_s, grad_out_shard_s, cur, act, target)
+        deferred = step_fn(cur, target)
         last = step == p - 1
-        if not last:
-            _add_mm(grad_x, dt, cur[0])  # dX_i += dT_ij W_in_r
+        if not last and deferred is not None:
+            deferred()
+            deferred = None  # frees what it held (the step's dT) before the next step
         if send_w or send_acc:
             comm.wait()
             for b in bufs if send_w else ():
@@ -206,17 +209,39 @@ def metp_mlp_backward(
         if last:
             if p > 1:
                 # Final hop: the accumulator of shard i+1 goes home; shard i's arrives from i-1.
-                # It overlaps the last input-gradient matmul below. Safe: accs[1-a] was last
-                # sent in this step's batch (or never), completed by the wait above.
+                # It overlaps the deferred work below. Safe: accs[1-a] was last sent in this
+                # step's batch (or never), completed by the wait above.
                 for k in range(len(present)):
                     comm.send_recv(accs[a][k], accs[1 - a][k])
                 comm.commit()
-            _add_mm(grad_x, dt, cur[0])
+            if deferred is not None:
+                deferred()
             if p > 1:
                 comm.wait()
                 for mine, arrived in zip(own, accs[1 - a]):
                     mine.add_(arrived)
-        del dt
+    return own
+
+
+def metp_mlp_backward(
+    x_shard_s: torch.Tensor,
+    grad_out_shard_s: torch.Tensor,
+    weights: Weights,
+    act: Callable[[torch.Tensor], torch.Tensor],
+    group: Optional[dist.ProcessGroup],
+) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+    """Alg. 2: ``(grad_x [n/p, h_in], [grad w_in, grad b_in?, grad w_out])`` for the shards this
+    rank owns; gradients in the dtypes of their inputs."""
+    has_bias = weights[1] is not None
+    present = _present(weights)
+    grad_x = torch.zeros_like(x_shard_s)
+
+    def step(cur: List[torch.Tensor], target: List[torch.Tensor]):
+        w = _unpack(cur, has_bias)
+        dt = _grad_step(x_shard_s, grad_out_shard_s, w, act, target)
+        return lambda: _add_mm(grad_x, dt, w[0])  # dX_i += dT_ij W_in_r
+
+    own = circulate_for_backward(present, group, step)
     grads = [g.to(t.dtype) for g, t in zip(own, present)]
     return grad_x, grads
 
