@@ -56,7 +56,7 @@ def _measure_here(style: str, mode: str, fake: bool):
     torch.manual_seed(0)
     with FakeTensorMode() if fake else contextlib.nullcontext():
         lm = layer_probe.measure_layer(tcfg, mode, SEQ, rope=rope)
-        hd = layer_probe.measure_head(tcfg, padded_vocab(cfg, tp), SEQ)
+        hd = layer_probe.measure_head(tcfg, padded_vocab(cfg, tp), SEQ, mode=mode)
     return lm.peak, lm.retained, lm.handle_allowance, hd.peak
 
 

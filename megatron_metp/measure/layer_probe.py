@@ -239,14 +239,19 @@ def measure_layer(config, mode: str, seq_length: int, micro_batch: int = 1, *,
 
 
 class _Head(torch.nn.Module):
-    """Final norm, Megatron's output layer (vocab-parallel ColumnParallelLinear) and its loss."""
+    """Final norm, the output layer (vocab-parallel ``ColumnParallelLinear``) and the loss.
 
-    def __init__(self, config, vocab_size: int):
+    ``tp`` / ``wallfacer``: Megatron's logits and ``vocab_parallel_cross_entropy`` (GPTModel's
+    ``compute_language_model_loss`` without fused cross entropy). ``metp``: the same weight, its
+    vocabulary shards on the METP ring (``metp.cross_entropy``), no logits tensor."""
+
+    def __init__(self, config, vocab_size: int, mode: str = "tp"):
         super().__init__()
         from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
         from megatron_metp.layers import Norm
 
+        self.mode = mode
         self.norm = Norm(config, config.hidden_size, eps=config.layernorm_epsilon)
         self.output_layer = ColumnParallelLinear(
             config.hidden_size, vocab_size, config=config, init_method=config.init_method,
@@ -255,21 +260,29 @@ class _Head(torch.nn.Module):
     def forward(self, x, labels):
         from megatron.core import tensor_parallel
 
+        if self.mode == "metp":
+            from megatron.core import parallel_state as mpu
+
+            from megatron_metp.metp.cross_entropy import metp_cross_entropy
+
+            return metp_cross_entropy(self.norm(x), self.output_layer.weight, labels,
+                                      mpu.get_tensor_model_parallel_group()).mean()
         logits, _ = self.output_layer(self.norm(x))
         # GPTModel.compute_language_model_loss (no fused cross entropy): [s, b] per-token loss.
         return tensor_parallel.vocab_parallel_cross_entropy(logits, labels).mean()
 
 
 def measure_head(config, vocab_size: int, seq_length: int, micro_batch: int = 1,
-                 device: Optional[torch.device] = None) -> LayerMeasure:
-    """The LM head (final norm, logits, vocab-parallel cross entropy) forward + backward."""
+                 device: Optional[torch.device] = None, mode: str = "tp") -> LayerMeasure:
+    """The LM head (final norm, logits, cross entropy) forward + backward; ``mode`` ``metp``
+    takes METP's ring cross entropy (see ``_Head``)."""
     p = config.tensor_model_parallel_size * config.context_parallel_size
-    head = _Head(config, vocab_size)
+    head = _Head(config, vocab_size, mode)
     x = torch.empty(seq_length // p, micro_batch, config.hidden_size, dtype=config.params_dtype,
                     device=device).normal_().requires_grad_()
-    # Labels of the tokens whose logits this rank computes: all s under SP (the output layer
-    # all-gathers the sequence), s/p under context parallelism.
-    rows = seq_length if config.sequence_parallel else seq_length // p
+    # Labels of the tokens whose logits this rank computes: all s under TP's SP head (the output
+    # layer all-gathers the sequence), s/p under METP and context parallelism.
+    rows = seq_length if config.sequence_parallel and mode != "metp" else seq_length // p
     labels = torch.zeros(rows, micro_batch, dtype=torch.long, device=device)
     return _measure(head, x, lambda inp: head(inp, labels), extra=(labels,))
 

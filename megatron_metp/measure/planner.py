@@ -222,7 +222,7 @@ class Planner:
                     tcfg, mode, s, b, causal=cfg.causal, rope=rope, rotary_base=cfg.rotary_base)
                 if holds_all_layers(cfg):
                     self._head[key] = layer_probe.measure_head(
-                        tcfg, padded_vocab(cfg, _tp(mode, p)), s, b)
+                        tcfg, padded_vocab(cfg, _tp(mode, p)), s, b, mode=mode)
         return self._layer[key], self._head.get(key)
 
     def saved_tensors(self, cfg, mode: str, p: int, s: int) -> list:

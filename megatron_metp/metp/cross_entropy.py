@@ -62,10 +62,12 @@ def _chunk_logits(x_c: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.mm(x_c, w.t()).to(_math_dtype(x_c.dtype))
 
 
-def _target_rows(labels_c: torch.Tensor, lo: int, hi: int):
-    """Rows whose label is in [lo, hi), and those labels as shard-local columns."""
-    rows = ((labels_c >= lo) & (labels_c < hi)).nonzero(as_tuple=True)[0]
-    return rows, labels_c[rows] - lo
+def _targets(labels_c: torch.Tensor, lo: int, hi: int):
+    """``(in_shard [c] bool, column [c, 1])``: whether each label is in [lo, hi), and its
+    shard-local column (clamped, so valid everywhere; only used where ``in_shard``). Masks, not
+    indices: no data-dependent shapes, so fake tensors plan it too."""
+    in_shard = (labels_c >= lo) & (labels_c < hi)
+    return in_shard, (labels_c - lo).clamp(0, hi - lo - 1).unsqueeze(1)
 
 
 def metp_ce_forward(x: torch.Tensor, w: torch.Tensor, labels: torch.Tensor,
@@ -92,8 +94,9 @@ def metp_ce_forward(x: torch.Tensor, w: torch.Tensor, labels: torch.Tensor,
             logits = _chunk_logits(x[a:a + chunk], w_r)
             torch.logaddexp(lse[a:a + chunk], torch.logsumexp(logits, dim=-1),
                             out=lse[a:a + chunk])
-            rows, cols = _target_rows(labels[a:a + chunk], lo, hi)
-            target[a + rows] = logits[rows, cols]
+            in_shard, col = _targets(labels[a:a + chunk], lo, hi)
+            picked = logits.gather(1, col).squeeze(1)
+            target[a:a + chunk] = torch.where(in_shard, picked, target[a:a + chunk])
             del logits
         if step < p - 1:
             comm.wait()
@@ -120,8 +123,8 @@ def metp_ce_backward(x: torch.Tensor, w: torch.Tensor, labels: torch.Tensor,
             x_c = x[a:a + chunk]
             d = _chunk_logits(x_c, w_r)
             d.sub_(lse[a:a + chunk, None]).exp_()  # softmax over the whole vocabulary
-            rows, cols = _target_rows(labels[a:a + chunk], lo, hi)
-            d[rows, cols] -= 1.0
+            in_shard, col = _targets(labels[a:a + chunk], lo, hi)
+            d.scatter_add_(1, col, -in_shard.to(d.dtype).unsqueeze(1))  # - onehot(label)
             d.mul_(g[a:a + chunk, None])
             d_lp = d.to(x.dtype)
             del d
