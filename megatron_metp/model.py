@@ -162,7 +162,10 @@ def build_gpt_model(
         )
     spec = get_gpt_block_spec(config, mode, vp_stage=vp_stage)
     check_spec_importable(spec)
-    return GPTModel(
+    model_cls = GPTModel
+    if mode == "metp":  # the LM-head loss on the METP ring (no [s, V/p] logits)
+        from megatron_metp.metp.gpt_model import MetpGPTModel as model_cls
+    return model_cls(
         config=config,
         transformer_layer_spec=spec,
         vocab_size=vocab_size,

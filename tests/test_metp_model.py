@@ -108,3 +108,58 @@ def test_layernorm_recompute_is_exact_for_metp_and_tp(report):
             assert dloss < 1e-5
     report(f"selective layernorm recompute (p=2, gpt+llama): tp and metp bit-identical to no "
            f"recompute; metp vs tp |dloss| {max(r.values()):.1e}")
+
+
+# ------------------------------------------------------------------------------------------
+# The METP LM head inside the model (issue 12 item 2): with labels, MetpGPTModel's loss is the
+# ring cross entropy (no logits); it must equal GPTModel's TP+SP loss, per token, with every
+# gradient, for tied and untied output weights.
+
+
+def _loss_with_labels(p):
+    from megatron.core.distributed import finalize_model_grads
+
+    from megatron_metp.metp.gpt_model import MetpGPTModel
+
+    M.setup(tp=p, mode="metp")
+    out = {}
+    for case, (style, overrides) in _cases(p).items():
+        for tied in (True, False):
+            res = {}
+            for mode in ("tp", "metp"):
+                from megatron_metp.model import build_gpt_model, make_config
+
+                torch.manual_seed(1234)
+                config = make_config(style=style, **{**dict(num_layers=2, hidden_size=32,
+                                                            num_attention_heads=4), **overrides})
+                model = build_gpt_model(
+                    config, mode, vocab_size=M.VOCAB, max_sequence_length=M.SEQ,
+                    position_embedding_type="rope" if style == "llama" else "learned_absolute",
+                    share_embeddings_and_output_weights=tied)
+                assert isinstance(model, MetpGPTModel) == (mode == "metp")
+                ddp = M.wrap_ddp(model)
+                b = M.batch()
+                ddp.zero_grad_buffer()
+                loss_bs = ddp(b["tokens"], b["position_ids"], b["attention_mask"],
+                              labels=b["labels"])
+                loss_bs.mean().backward()
+                finalize_model_grads([ddp])
+                res[mode] = (loss_bs.detach().clone(),
+                             {n: q.main_grad.detach().clone() for n, q in model.named_parameters()})
+            (l_tp, g_tp), (l_metp, g_metp) = res["tp"], res["metp"]
+            assert l_metp.shape == l_tp.shape  # [b, s] per-token losses, as GPTModel's
+            torch.testing.assert_close(l_metp, l_tp, rtol=RTOL, atol=0.0)
+            M.assert_close_dict(g_metp, g_tp, rtol=RTOL, atol_scale=ATOL_SCALE,
+                                what=f"head {case} tied={tied} p={p}")
+            out[f"{case}/{'tied' if tied else 'untied'}"] = (l_metp - l_tp).abs().max().item()
+    return out
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_metp_head_loss_equals_tp(p, report):
+    worst = {}
+    for r in run_ranks(p, _loss_with_labels, p):
+        for k, v in r.items():
+            worst[k] = max(worst.get(k, 0.0), v)
+    report(f"MetpGPTModel ring-CE loss vs GPTModel TP+SP p={p}: max |dloss per token| "
+           + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()))

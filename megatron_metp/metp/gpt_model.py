@@ -1,0 +1,51 @@
+"""``MetpGPTModel``: Megatron-Core's ``GPTModel`` whose training loss is METP's ring cross entropy.
+
+Same constructor, modules, parameters and ``sharded_state_dict`` as ``GPTModel`` (checkpoints
+move between modes). Only the loss differs: when labels are given in training, the final
+norm's output ``[s/p, b, h]`` stays sequence-sharded and the output layer's vocabulary shards
+travel the TP ring (``metp.cross_entropy``) instead of Megatron's SP all-gather, ``[s, b, V/p]``
+logits and vocab-parallel cross entropy. Tied embeddings work unchanged: the weight is whichever
+``GPTModel`` uses (``shared_embedding_or_output_weight``), and its gradient reaches it through
+autograd.
+
+The per-token losses of this rank's tokens are all-gathered (s floats per sequence, no
+gradient reduction: each rank's loss depends only on its own tokens), so the model returns the
+``[b, s]`` loss ``GPTModel`` returns and the trainer's loss mask applies as before. Without
+labels (logits wanted), with multi-token prediction, or in inference, ``GPTModel``'s own path
+runs.
+"""
+
+from __future__ import annotations
+
+from megatron.core.models.gpt import GPTModel
+
+from megatron_metp.metp.cross_entropy import metp_cross_entropy
+
+__all__ = ["MetpGPTModel"]
+
+
+class MetpGPTModel(GPTModel):
+    """``GPTModel`` with METP's LM-head loss (see the module docstring)."""
+
+    def _postprocess(self, hidden_states, input_ids, position_ids, labels, *args, **kwargs):
+        plain = (labels is None or kwargs.get("mtp_in_postprocess")
+                 or kwargs.get("inference_context") is not None
+                 or getattr(self.config, "mtp_num_layers", None)
+                 or not self.config.sequence_parallel)
+        if plain:
+            return super()._postprocess(hidden_states, input_ids, position_ids, labels,
+                                        *args, **kwargs)
+        from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+        group = self.pg_collection.tp
+        r = group.rank()
+        weight = (self.shared_embedding_or_output_weight()
+                  if self.share_embeddings_and_output_weights else self.output_layer.weight)
+        s_local = hidden_states.shape[0]
+        # labels [b, s] (every TP rank has the whole sequence's): this rank's tokens.
+        labels_shard_s = labels.transpose(0, 1)[r * s_local:(r + 1) * s_local]
+        loss_shard_s = metp_cross_entropy(hidden_states, weight, labels_shard_s, group)
+        # [s/p, b] -> [s, b]; backward takes this rank's slice, no sum over ranks.
+        loss = gather_from_sequence_parallel_region(
+            loss_shard_s, tensor_parallel_output_grad=False, group=group)
+        return loss.transpose(0, 1).contiguous()
