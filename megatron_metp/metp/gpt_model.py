@@ -28,7 +28,7 @@ class MetpGPTModel(GPTModel):
     """``GPTModel`` with METP's LM-head loss (see the module docstring)."""
 
     def _postprocess(self, hidden_states, input_ids, position_ids, labels, *args, **kwargs):
-        plain = (labels is None or kwargs.get("mtp_in_postprocess")
+        plain = (not self.post_process or labels is None or kwargs.get("mtp_in_postprocess")
                  or kwargs.get("inference_context") is not None
                  or getattr(self.config, "mtp_num_layers", None)
                  or not self.config.sequence_parallel)
