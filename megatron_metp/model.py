@@ -20,6 +20,7 @@ default generator and sliced, so they do not depend on the TP size), every CUDA-
 
 from __future__ import annotations
 
+import datetime
 import random
 from typing import Any, Optional, Union
 
@@ -268,7 +269,17 @@ def _initialize(tensor_model_parallel_size, pipeline_model_parallel_size, contex
     random.seed(stage_seed)
     torch.manual_seed(stage_seed)
     model_parallel_cuda_manual_seed(stage_seed)
-    metp_state.initialize_metp()
+    from megatron.core.parallel_state import RankGenerator
+
+    # Every TP group's ranks, as Megatron laid them out (no gather: the fake backend of the
+    # planner has nothing to gather), for the METP weight groups.
+    world = torch.distributed.get_world_size()
+    tp, pp, cp = tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size
+    tp_lists = RankGenerator(tp=tp, ep=1, dp=world // (tp * pp * cp), pp=pp, cp=cp,
+                             order=order).get_ranks("tp")
+    metp_state.initialize_metp(
+        tp_rank_lists=tp_lists,
+        timeout=datetime.timedelta(minutes=distributed_timeout_minutes))
     if mode == "wallfacer":
         from megatron_metp.wallfacer.groups import initialize_wallfacer
 

@@ -2,9 +2,11 @@
 
 METP
     The METP ring *is* Megatron's tensor-model-parallel group: the same ranks, the same
-    ``--tensor-model-parallel-size``, the same weight shards. Nothing new is created; the getter
-    exists so that plugin code names what it uses, and fails clearly when Megatron has not been
-    initialised.
+    ``--tensor-model-parallel-size``, the same weight shards; its P2P (K/V blocks, MLP weight
+    shards) runs on it. METP attention's weight broadcasts and gradient reduces run on a second
+    group over the same ranks, the *weight group*: on NCCL one group is one communicator with one
+    stream whose operations run in issue order, so head group j+1's prefetched broadcast would
+    otherwise queue behind head group j's K/V ring instead of overlapping it.
 
 WallFacer
     Teams, team groups and sub-rings are carved out of Megatron's context-parallel group (see
@@ -15,20 +17,27 @@ Modules receive their groups explicitly at construction; no autograd Function re
 
 from __future__ import annotations
 
-from typing import Any, FrozenSet, Iterable, Optional
+import datetime
+from typing import Any, FrozenSet, Iterable, List, Optional
 
 import torch.distributed as dist
 
 _METP_GROUP: Optional[dist.ProcessGroup] = None
+_METP_WEIGHT_GROUP: Optional[dist.ProcessGroup] = None
 _WALLFACER_GROUPS: Optional[Any] = None
 
 
-def initialize_metp(tp_group: Optional[dist.ProcessGroup] = None) -> None:
-    """Register the METP ring. Call after Megatron's ``initialize_model_parallel``.
+def initialize_metp(tp_group: Optional[dist.ProcessGroup] = None,
+                    tp_rank_lists: Optional[List[List[int]]] = None,
+                    timeout: Optional[datetime.timedelta] = None) -> None:
+    """Register the METP ring and create its weight group. Call on every rank after Megatron's
+    ``initialize_model_parallel``.
 
-    ``tp_group`` defaults to Megatron's tensor-model-parallel group.
+    ``tp_group`` defaults to Megatron's tensor-model-parallel group. ``tp_rank_lists``: every TP
+    group's global ranks, the same on every rank (``new_group`` is collective over the world, so
+    every rank creates every group in one order); default: gathered from all ranks.
     """
-    global _METP_GROUP
+    global _METP_GROUP, _METP_WEIGHT_GROUP
     if tp_group is None:
         from megatron.core import parallel_state as mpu
 
@@ -40,6 +49,29 @@ def initialize_metp(tp_group: Optional[dist.ProcessGroup] = None) -> None:
             )
         tp_group = mpu.get_tensor_model_parallel_group()
     _METP_GROUP = tp_group
+    _METP_WEIGHT_GROUP = None
+    if dist.get_world_size(tp_group) > 1:
+        mine = sorted(dist.get_process_group_ranks(tp_group))
+        if tp_rank_lists is None:
+            gathered: List[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, mine)
+            tp_rank_lists = [list(g) for g in sorted({tuple(g) for g in gathered})]
+        for ranks in sorted(sorted(r) for r in tp_rank_lists):
+            pg = dist.new_group(ranks, timeout=timeout)
+            if ranks == mine:
+                _METP_WEIGHT_GROUP = pg
+
+
+def metp_weight_group(tp_group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
+    """The weight group over ``tp_group``'s ranks, or ``tp_group`` itself when none was created
+    (one rank, or a ring built outside ``initialize_metp``): read once, at construction."""
+    g = _METP_WEIGHT_GROUP
+    if g is None or tp_group is None:
+        return tp_group
+    if tp_group is _METP_GROUP or (sorted(dist.get_process_group_ranks(g))
+                                   == sorted(dist.get_process_group_ranks(tp_group))):
+        return g
+    return tp_group
 
 
 def metp_is_initialized() -> bool:
@@ -87,8 +119,9 @@ def get_wallfacer_groups() -> Any:
 def destroy() -> None:
     """Forget the plugin's groups. This only drops references; the groups themselves are ended
     by :func:`destroy_groups` (``megatron_metp.model.destroy_parallel`` does both)."""
-    global _METP_GROUP, _WALLFACER_GROUPS
+    global _METP_GROUP, _METP_WEIGHT_GROUP, _WALLFACER_GROUPS
     _METP_GROUP = None
+    _METP_WEIGHT_GROUP = None
     _WALLFACER_GROUPS = None
 
 

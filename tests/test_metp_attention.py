@@ -377,3 +377,45 @@ def test_metp_mha_bf16_within_te_tolerance(report):
         assert metp <= tol, (kind, metp, tp)
         report(f"metp mha bf16 p=4 {kind}: max err / max|fp64 ref| over out, dx, all weight "
                f"grads: METP {metp:.1e}, TP+SP {tp:.1e} (tol {tol:g})")
+
+
+# ------------------------------------------------------------------------------------------
+# Issue 13 item 1: on NCCL one process group is one communicator with one stream, so traffic
+# that must overlap needs its own group. The process group of every c10d op of one METP
+# attention forward + backward: the weight broadcasts and gradient reduces on one group, the
+# K/V ring's sends and receives on another, over the same ranks.
+
+
+def _group_record():
+    from megatron_metp.measure.comm_counter import CommCounter
+    from megatron_metp.model import make_config
+    from tests._models import setup
+
+    p = dist.get_world_size()
+    setup(tp=p, mode="metp")
+    config = make_config("llama", hidden_size=64, num_attention_heads=8, num_query_groups=4)
+    attn = _build(config, "metp")
+    x = torch.randn(S // p, B, 64, requires_grad=True)
+    with CommCounter() as cc:
+        y, _ = attn(x, None)
+        y.backward(torch.ones_like(y))
+    by_op = {}
+    for e in cc.events:
+        by_op.setdefault(e.op, set()).add(e.group)
+    ranks = {e.group: sorted(dist.get_process_group_ranks(
+        torch.distributed.distributed_c10d._resolve_process_group(e.group))) for e in cc.events}
+    counts = {op: sum(e.op == op for e in cc.events) for op in by_op}
+    return by_op, ranks, counts
+
+
+def test_metp_attention_weights_and_ring_on_separate_groups(report):
+    for by_op, ranks, counts in run_ranks(2, _group_record):
+        weight = by_op["broadcast"] | by_op["reduce"]
+        ring = by_op["send"] | by_op["recv"]
+        assert len(weight) == 1 and len(ring) == 1, by_op
+        assert weight.isdisjoint(ring), by_op  # two communicators
+        (w,), (r,) = weight, ring
+        assert ranks[w] == ranks[r] == [0, 1]  # over the same ranks (the TP group)
+    report(f"METP attention p=2 fwd+bwd, ops per process group: weight group {w!r} "
+           f"{counts['broadcast']} broadcasts + {counts['reduce']} reduces; ring group {r!r} "
+           f"{counts['send']} sends + {counts['recv']} receives")

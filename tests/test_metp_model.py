@@ -155,7 +155,7 @@ def _loss_with_labels(p):
     return out
 
 
-@pytest.mark.parametrize("p", [2, 4])
+@pytest.mark.parametrize("p", [2])  # p = 4: test_metp_cross_entropy against Megatron's CE
 def test_metp_head_loss_equals_tp(p, report):
     worst = {}
     for r in run_ranks(p, _loss_with_labels, p):

@@ -123,6 +123,7 @@ class CommEvent:
     group_size: Optional[int]
     aten: str
     peer: Optional[int] = None
+    group: str = ""  # the process group's name: one group = one NCCL communicator and stream
 
 
 @dataclass
@@ -149,6 +150,13 @@ def _group_size_of_pg(pg: Any) -> Optional[int]:
             return int(size()) if callable(size) else None
         except Exception:  # noqa: BLE001
             return None
+
+
+def _group_name_of_pg(pg: Any) -> str:
+    try:
+        return str(torch.distributed.ProcessGroup.unbox(pg).group_name)
+    except Exception:  # noqa: BLE001 - a fake or foreign object: no name
+        return ""
 
 
 def _group_size_of_name(name: str) -> Optional[int]:
@@ -222,9 +230,11 @@ class CommCounter(TorchDispatchMode):
         op, arg_name, how = spec
         bound = {a.name: v for a, v in zip(func._schema.arguments, args)}
         bound.update(kwargs)
+        group = str(bound.get("group_name", ""))
         if func.namespace == "c10d":
             pg = bound.get("process_group")
             group_size = _group_size_of_pg(pg) if pg is not None else None
+            group = _group_name_of_pg(pg) if pg is not None else ""
         elif "group_size" in bound:
             group_size = int(bound["group_size"])
         else:
@@ -244,7 +254,7 @@ class CommCounter(TorchDispatchMode):
         peer = bound.get("dst", bound.get("src"))
         self.events.append(
             CommEvent(op, int(numel), int(nbytes), group_size, name,
-                      int(peer) if peer is not None else None)
+                      int(peer) if peer is not None else None, group)
         )
 
     # -- results -----------------------------------------------------------------------------

@@ -99,7 +99,8 @@ class _Plan:
     """
 
     def __init__(self, module: "MetpSelfAttention", freqs_shard_s, causal: bool):
-        self.group = module.tp_group
+        self.group = module.tp_group  # the ring: K/V blocks (P2P)
+        self.weight_group = module.weight_group  # weight broadcasts and gradient reduces
         self.p = module.world_size
         self.rank = dist.get_rank(self.group) if self.p > 1 else 0
         self.global_ranks = module._global_ranks
@@ -178,8 +179,10 @@ class _WeightPrefetch:
     the kernels already queued on the compute stream, so it cannot overwrite what they read.
     Rank j's own step reads its parameters directly (it is the broadcast's source): nothing
     writes them between the forward and the optimizer step, so sending from them is safe.
-    Every rank posts the same broadcasts in the same order, interleaved identically with the
-    ring's P2P batches, so collectives match on gloo and NCCL alike.
+    Every rank posts the same broadcasts in the same order on the weight group, and the ring's
+    P2P batches in the same order on the ring group, so each group's operations match on gloo
+    and NCCL alike; being on two communicators (two NCCL streams), a broadcast is not queued
+    behind the ring's transfers of the step it overlaps.
     """
 
     def __init__(self, plan: _Plan, own: List[Optional[torch.Tensor]]):
@@ -195,7 +198,7 @@ class _WeightPrefetch:
             return
         bufs = self.own if j == plan.rank else self.sets[j % len(self.sets)]
         self.handles = [
-            dist.broadcast(t, src=plan.global_ranks[j], group=plan.group, async_op=True)
+            dist.broadcast(t, src=plan.global_ranks[j], group=plan.weight_group, async_op=True)
             for t in bufs if t is not None
         ]
 
@@ -312,8 +315,9 @@ class _MetpMHAFunction(torch.autograd.Function):
                 # Reduce to rank j (Alg. 6 line 11), completed one step later so it overlaps
                 # head group j + 1. Every rank posts the same collectives in the same order.
                 dst = plan.global_ranks[j]
-                handles = [dist.reduce(g, dst=dst, op=dist.ReduceOp.SUM, group=plan.group,
-                                       async_op=True) for g in red if g is not None]
+                handles = [dist.reduce(g, dst=dst, op=dist.ReduceOp.SUM,
+                                       group=plan.weight_group, async_op=True)
+                           for g in red if g is not None]
                 pending.append((handles, red, j))
                 if len(pending) > 1:
                     _finish_reduce(pending.pop(0), plan, own_grads)
@@ -368,6 +372,11 @@ class MetpSelfAttention(SelfAttention):
         self._global_ranks = (
             [dist.get_global_rank(self.tp_group, r) for r in range(p)] if p > 1 else [0]
         )
+        # Its own communicator, so that a prefetched broadcast overlaps the K/V ring on NCCL
+        # (megatron_metp.parallel_state); read once here, handed to the Function via _Plan.
+        from megatron_metp.parallel_state import metp_weight_group
+
+        self.weight_group = metp_weight_group(self.tp_group)
         self._softmax_scale = (config.softmax_scale if config.softmax_scale is not None
                                else 1.0 / math.sqrt(self.hidden_size_per_attention_head))
 

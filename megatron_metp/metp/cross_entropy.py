@@ -34,8 +34,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_metp.comm import DoubleBuffer, RingComm
-from megatron_metp.metp.weight_ring import _ring_size, circulate_for_backward
+from megatron_metp.metp.weight_ring import (
+    _ring_size,
+    circulate_for_backward,
+    circulate_for_forward,
+)
 
 __all__ = ["metp_cross_entropy", "MetpCrossEntropyFunction", "default_chunk_tokens"]
 
@@ -79,17 +82,10 @@ def metp_ce_forward(x: torch.Tensor, w: torch.Tensor, labels: torch.Tensor,
     acc = _math_dtype(x.dtype)
     lse = torch.full((n,), float("-inf"), dtype=acc, device=x.device)
     target = torch.zeros(n, dtype=acc, device=x.device)
-    comm = RingComm(group) if p > 1 else None
-    buf = DoubleBuffer(w) if p > 1 else None
-    for step in range(p):
-        w_r = w if p == 1 else buf.current
-        if step < p - 1:
-            # The next shard is in flight while this one is used. Safe: the current shard is
-            # only read while it is sent; the receive buffer was last sent in step-1, whose
-            # wait() completed before this post.
-            comm.send_recv(buf.current, buf.recv_buffer())
-            comm.commit()
-        lo, hi = _owner_range(step, rank, p, v_shard)
+
+    def step(j: int, cur) -> None:
+        (w_r,) = cur
+        lo, hi = _owner_range(j, rank, p, v_shard)
         for a in range(0, n, chunk):
             logits = _chunk_logits(x[a:a + chunk], w_r)
             torch.logaddexp(lse[a:a + chunk], torch.logsumexp(logits, dim=-1),
@@ -98,9 +94,8 @@ def metp_ce_forward(x: torch.Tensor, w: torch.Tensor, labels: torch.Tensor,
             picked = logits.gather(1, col).squeeze(1)
             target[a:a + chunk] = torch.where(in_shard, picked, target[a:a + chunk])
             del logits
-        if step < p - 1:
-            comm.wait()
-            buf.advance()
+
+    circulate_for_forward([w], group, step)
     return lse - target, lse
 
 
@@ -113,12 +108,10 @@ def metp_ce_backward(x: torch.Tensor, w: torch.Tensor, labels: torch.Tensor,
     n, v_shard = x.shape[0], w.shape[0]
     grad_x = torch.zeros_like(x)
     g = grad_loss.to(lse.dtype)
-    state = {"step": 0}
 
-    def step(cur, target):
+    def step(j: int, cur, target):
         (w_r,), (dw,) = cur, target
-        lo, hi = _owner_range(state["step"], rank, p, v_shard)
-        state["step"] += 1
+        lo, hi = _owner_range(j, rank, p, v_shard)
         for a in range(0, n, chunk):
             x_c = x[a:a + chunk]
             d = _chunk_logits(x_c, w_r)

@@ -90,6 +90,34 @@ def _unpack(present: Sequence[torch.Tensor], has_bias: bool) -> Weights:
     return present[0], None, present[1]
 
 
+def circulate_for_forward(
+    present: Sequence[torch.Tensor],
+    group: Optional[dist.ProcessGroup],
+    step_fn: Callable[[int, List[torch.Tensor]], None],
+) -> None:
+    """Alg. 1's ring: ``step_fn(step, cur)`` computes on the shards held at each step (``cur``,
+    same order as ``present``: at step j those of owner ``(i - j) % p``) while the next ones
+    are in flight; p - 1 hops."""
+    p = _ring_size(group)
+    comm = RingComm(group) if p > 1 else None
+    # A ring of one computes on its own shards and needs no receive buffers.
+    bufs = [DoubleBuffer(t) for t in present] if p > 1 else []
+    for step in range(p):
+        cur = list(present) if p == 1 else [b.current for b in bufs]
+        if step < p - 1:
+            # The shards of owner i-step-1 land in the buffers not computed on. Safe: the
+            # current shards are only read while they are sent, and the receive buffers were
+            # last sent from in step-1, whose batch wait() completed before this post.
+            for b in bufs:
+                comm.send_recv(b.current, b.recv_buffer())
+            comm.commit()
+        step_fn(step, cur)
+        if step < p - 1:
+            comm.wait()
+            for b in bufs:
+                b.advance()
+
+
 def metp_mlp_forward(
     x_shard_s: torch.Tensor,
     weights: Weights,
@@ -97,31 +125,16 @@ def metp_mlp_forward(
     group: Optional[dist.ProcessGroup],
 ) -> torch.Tensor:
     """Alg. 1: ``out [n/p, h_out]`` for this rank's tokens, in ``x_shard_s``'s dtype."""
-    p = _ring_size(group)
     has_bias = weights[1] is not None
-    w_out = weights[2]
-    out = torch.zeros(x_shard_s.shape[0], w_out.shape[0], dtype=x_shard_s.dtype,
+    out = torch.zeros(x_shard_s.shape[0], weights[2].shape[0], dtype=x_shard_s.dtype,
                       device=x_shard_s.device)
-    comm = RingComm(group) if p > 1 else None
-    # A ring of one computes on its own shard and needs no receive buffers.
-    bufs = [DoubleBuffer(t) for t in _present(weights)] if p > 1 else []
-    for step in range(p):
-        w_in_r, b_in_r, w_out_r = weights if p == 1 else _unpack([b.current for b in bufs],
-                                                                 has_bias)
-        if step < p - 1:
-            # The shard of owner i-step-1 lands in the buffer not computed on. Safe: the current shard
-            # is only read while it is being sent, and the receive buffer was last sent from in
-            # step-1, whose batch wait() completed before this post.
-            for b in bufs:
-                comm.send_recv(b.current, b.recv_buffer())
-            comm.commit()
+
+    def step(_: int, cur: List[torch.Tensor]) -> None:
+        w_in_r, b_in_r, w_out_r = _unpack(cur, has_bias)
         d = act(_fc1(x_shard_s, w_in_r, b_in_r))  # D_ij = f(T_ij) [n/p, F/p]; T_ij freed here
         _add_mm(out, d, w_out_r.t())
-        del d
-        if step < p - 1:
-            comm.wait()
-            for b in bufs:
-                b.advance()
+
+    circulate_for_forward(_present(weights), group, step)
     return out
 
 
@@ -151,13 +164,14 @@ def _grad_step(
 def circulate_for_backward(
     present: Sequence[torch.Tensor],
     group: Optional[dist.ProcessGroup],
-    step_fn: Callable[[List[torch.Tensor], List[torch.Tensor]], Optional[Callable[[], None]]],
+    step_fn: Callable[[int, List[torch.Tensor], List[torch.Tensor]],
+                      Optional[Callable[[], None]]],
 ) -> List[torch.Tensor]:
     """Alg. 2's ring: the weight shards ``present`` circulate again and each shard's gradient
     is built on the way and brought home (module docstring). Returns this rank's gradients of
     ``present``, accumulated in :func:`accum_dtype` (the caller casts).
 
-    ``step_fn(cur, target)`` runs once per step on the shards held now (``cur``, same order as
+    ``step_fn(step, cur, target)`` runs once per step on the shards held now (``cur``, same order as
     ``present``): it adds this rank's contribution to ``target`` and may return deferred work
     (e.g. the input-gradient matmul), which runs while the step's transfers are in flight, and
     at the last step while the final accumulator hop is in flight.
@@ -193,7 +207,7 @@ def circulate_for_backward(
         if step >= 2:
             for t in scratch:
                 t.zero_()
-        deferred = step_fn(cur, target)
+        deferred = step_fn(step, cur, target)
         last = step == p - 1
         if not last and deferred is not None:
             deferred()
@@ -236,7 +250,7 @@ def metp_mlp_backward(
     present = _present(weights)
     grad_x = torch.zeros_like(x_shard_s)
 
-    def step(cur: List[torch.Tensor], target: List[torch.Tensor]):
+    def step(_: int, cur: List[torch.Tensor], target: List[torch.Tensor]):
         w = _unpack(cur, has_bias)
         dt = _grad_step(x_shard_s, grad_out_shard_s, w, act, target)
         return lambda: _add_mm(grad_x, dt, w[0])  # dX_i += dT_ij W_in_r
