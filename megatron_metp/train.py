@@ -364,6 +364,7 @@ def run(args: Namespace, explicit: set) -> Dict[str, Dict]:
     from megatron_metp import cpu_compat
 
     cfg = check_model_config(args)
+    gc.collect()  # what an earlier run in this process left (e.g. one that raised)
     use_cuda = torch.cuda.is_available()
     own_group = not dist.is_initialized()
     if use_cuda:
@@ -386,10 +387,12 @@ def run(args: Namespace, explicit: set) -> Dict[str, Dict]:
                             interactive=sys.stdout.isatty() and not args.no_progress)
         results = {}
         for mode in modes_of(args, cfg):
-            results[mode] = train_one_mode(args, cfg, mode, explicit, device, reporter)
-            # The mode's model, DDP and optimizer hold its (now destroyed) process groups in
-            # reference cycles; a group's threads and sockets end only when it is freed.
-            gc.collect()
+            try:
+                results[mode] = train_one_mode(args, cfg, mode, explicit, device, reporter)
+            finally:
+                # The mode's model, DDP and optimizer hold its (now destroyed) process groups
+                # in reference cycles; a group's threads and sockets end only when it is freed.
+                gc.collect()
         reporter.final(results, compare=bool(args.compare))
         return results
     finally:
