@@ -34,6 +34,7 @@ Placements (``--wallfacer-placement``)
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import sys
 from types import SimpleNamespace
@@ -222,7 +223,9 @@ def initialize_plugin_groups(args: argparse.Namespace) -> None:
 
     mode = getattr(args, "tensor_parallel_mode", None) or "tp"
     if mode in ("metp", "metp_mlp") and not ps.metp_is_initialized():
-        ps.initialize_metp()
+        minutes = getattr(args, "distributed_timeout_minutes", None)
+        # The weight groups take the run's timeout, as Megatron's own groups do.
+        ps.initialize_metp(timeout=datetime.timedelta(minutes=minutes) if minutes else None)
     if mode == "wallfacer" and not ps.wallfacer_is_initialized():
         from megatron_metp.wallfacer import groups as wf_groups
 
