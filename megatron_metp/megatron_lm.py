@@ -183,10 +183,11 @@ def _remap_yaml(ns, argv: Sequence[str]) -> None:
     given = sorted(explicit_flags(argv) & {"--tensor-parallel-mode", "--wallfacer-team-size",
                                            "--wallfacer-placement"})
     if given:
+        keys = ", ".join(g[2:].replace("-", "_") for g in given)
         raise MetpConfigError(
             f"{' '.join(given)} on the command line is ignored with --yaml-cfg (Megatron-LM reads "
-            f"every argument from the YAML file): put {', '.join(g[2:].replace('-', '_') for g in given)} "
-            f"at the top level of {ns.yaml_cfg} instead")
+            f"every argument from the YAML file): put {keys} at the top level of {ns.yaml_cfg} "
+            f"instead")
     for key, default in _PLUGIN_DEFAULTS:
         if not hasattr(ns, key):
             setattr(ns, key, default)

@@ -73,8 +73,9 @@ def stock_fusions(*, gated_linear_unit: bool, add_bias_linear: bool) -> dict:
 
     ``--bias-gelu-fusion`` / ``--bias-swiglu-fusion`` (Megatron-LM turns the GeLU one off when
     the linears have no bias), ``--apply-rope-fusion``, ``--gradient-accumulation-fusion`` and the
-    fused bias-dropout-add. Call after ``cpu_compat.apply()``: on CPU the RoPE and gradient-accumulation kernels are
-    ``cpu_compat``'s twins of Transformer Engine's and apex's (same math, same saved tensors).
+    fused bias-dropout-add. Call after ``cpu_compat.apply()``: on CPU the RoPE and
+    gradient-accumulation kernels are ``cpu_compat``'s twins of Transformer Engine's and apex's
+    (same math, same saved tensors).
     Note that Megatron's fused bias-GeLU is the tanh approximation of GeLU; METP's MLP follows
     the config, so tp and metp compute the same function.
     """
@@ -96,8 +97,9 @@ def make_config(style: str = "gpt", **overrides: Any) -> TransformerConfig:
 
     Defaults (overridable): 2 layers, hidden 64, 4 heads, fp32, every fusion off (the tests'
     fp64 references are unfused). ``stock=True`` turns on Megatron-LM's default fusions
-    (:func:`stock_fusions`): the baseline of ``metp train``, ``metp bench`` and ``metp plan``. ``tensor_model_parallel_size``,
-    ``pipeline_model_parallel_size`` and ``context_parallel_size`` default to Megatron's
+    (:func:`stock_fusions`): the baseline of ``metp train``, ``metp bench`` and ``metp plan``.
+    ``tensor_model_parallel_size``, ``pipeline_model_parallel_size`` and
+    ``context_parallel_size`` default to Megatron's
     initialised parallel state (1 when it is not initialised); ``sequence_parallel`` defaults to
     ``tensor_model_parallel_size > 1``.
     """

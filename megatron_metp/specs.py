@@ -20,8 +20,8 @@ the linears, so parameter names, shapes and ``sharded_state_dict`` keys are thos
 model and checkpoints move between modes. :func:`get_gpt_block_spec` follows
 ``config.transformer_impl``: with ``transformer_engine`` (Megatron-LM's default) and Transformer
 Engine importable it takes TE's norms (and, outside METP's own MLP and attention, TE's linears);
-otherwise the local classes (``megatron_metp.te_backend`` has the table and the reasons). The norm (``megatron_metp.layers.Norm``) reads
-``config.normalization`` when it is built, so one spec serves GPT (LayerNorm, GeLU, learned or
+otherwise the local classes (``megatron_metp.te_backend`` has the table and the reasons). The
+norm (``megatron_metp.layers.Norm``) reads ``config.normalization`` when it is built, so one spec serves GPT (LayerNorm, GeLU, learned or
 rotary positions) and LLaMA-style (RMSNorm, SwiGLU, RoPE, GQA) configs; the activation, gating,
 bias and GQA choices all come from the ``TransformerConfig``.
 

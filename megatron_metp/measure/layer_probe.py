@@ -205,22 +205,17 @@ def build_layer(config, mode: str, causal: bool = True):
     return build_module(spec, config=config, layer_number=1)
 
 
-def measure_layer(config, mode: str, seq_length: int, micro_batch: int = 1, *,
-                  causal: bool = True, rope: bool = False, rotary_base: int = 10000,
-                  layer: Optional[torch.nn.Module] = None,
-                  device: Optional[torch.device] = None) -> LayerMeasure:
-    """Forward + backward of one layer on this rank's ``[s/p, b, h]`` shard (see module doc).
-
-    Call inside ``FakeTensorMode`` for a fake run, or with real process groups for a real one.
-    ``p`` is the size of the group that shards the sequence (TP for tp/metp, CP for wallfacer).
-    """
+def _layer_step(config, mode: str, seq_length: int, micro_batch: int, causal: bool,
+                rope: bool, rotary_base: int, layer: Optional[torch.nn.Module],
+                device: Optional[torch.device]):
+    """``(layer, x_shard_s, extra, fwd)``: one training-mode layer of ``mode``, its
+    ``[s/p, b, h]`` input, the tensors made outside it (the rotary table) and its forward."""
     p = config.tensor_model_parallel_size * config.context_parallel_size
     if seq_length % p:
         raise ValueError(f"--seq-length {seq_length} must be divisible by the parallel size {p}")
     layer = layer if layer is not None else build_layer(config, mode, causal)
     layer.train()
-    dtype = config.params_dtype
-    x = torch.empty(seq_length // p, micro_batch, config.hidden_size, dtype=dtype,
+    x = torch.empty(seq_length // p, micro_batch, config.hidden_size, dtype=config.params_dtype,
                     device=device).normal_().requires_grad_()
     rot = None
     if rope:
@@ -235,7 +230,34 @@ def measure_layer(config, mode: str, seq_length: int, micro_batch: int = 1, *,
         out, _ = layer(inp, attention_mask=None, rotary_pos_emb=rot)
         return out
 
-    return _measure(layer, x, fwd, extra=(rot,) if rot is not None else ())
+    return layer, x, (rot,) if rot is not None else (), fwd
+
+
+def measure_layer(config, mode: str, seq_length: int, micro_batch: int = 1, *,
+                  causal: bool = True, rope: bool = False, rotary_base: int = 10000,
+                  layer: Optional[torch.nn.Module] = None,
+                  device: Optional[torch.device] = None) -> LayerMeasure:
+    """Forward + backward of one layer on this rank's ``[s/p, b, h]`` shard (see module doc).
+
+    Call inside ``FakeTensorMode`` for a fake run, or with real process groups for a real one.
+    ``p`` is the size of the group that shards the sequence (TP for tp/metp, CP for wallfacer).
+    """
+    layer, x, extra, fwd = _layer_step(config, mode, seq_length, micro_batch, causal, rope,
+                                       rotary_base, layer, device)
+    return _measure(layer, x, fwd, extra=extra)
+
+
+def itemise_layer(config, mode: str, seq_length: int, micro_batch: int = 1, *,
+                  causal: bool = True, rope: bool = False, rotary_base: int = 10000,
+                  device: Optional[torch.device] = None) -> list:
+    """What one layer keeps for backward, tensor by tensor (:func:`saved_for_backward`), its
+    output last: the breakdown of ``measure_layer``'s ``retained``."""
+    layer, x, extra, fwd = _layer_step(config, mode, seq_length, micro_batch, causal, rope,
+                                       rotary_base, None, device)
+    items = saved_for_backward(layer, x, fwd, extra=extra)
+    items.append(SavedTensor("(layer output)", tuple(x.shape), str(x.dtype).replace("torch.", ""),
+                             x.numel() * x.element_size()))
+    return items
 
 
 class _Head(torch.nn.Module):

@@ -226,34 +226,17 @@ class Planner:
         return self._layer[key], self._head.get(key)
 
     def saved_tensors(self, cfg, mode: str, p: int, s: int) -> list:
-        """One layer's tensors kept for backward, itemised (``layer_probe.saved_for_backward``),
+        """One layer's tensors kept for backward, itemised (``layer_probe.itemise_layer``),
         the layer output last: the breakdown of ``R`` (``layer_retained``)."""
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         self.world.setup(mode, p)
         tcfg = transformer_config(cfg, p, mode, self.settings.recompute_modules)
-        b = self.settings.micro_batch
-        rope = cfg.position_embedding_type == "rope" and mode != "wallfacer"
         with FakeTensorMode():
-            layer = layer_probe.build_layer(tcfg, mode, cfg.causal)
-            layer.train()
-            shard = s // (tcfg.tensor_model_parallel_size * tcfg.context_parallel_size)
-            x = torch.empty(shard, b, cfg.hidden_size, dtype=tcfg.params_dtype).requires_grad_()
-            rot = None
-            if rope:
-                from megatron.core.models.common.embeddings.rotary_pos_embedding import (
-                    RotaryEmbedding,
-                )
-
-                rot = RotaryEmbedding(kv_channels=tcfg.kv_channels, rotary_percent=1.0,
-                                      rotary_base=cfg.rotary_base)(s)
-            items = layer_probe.saved_for_backward(
-                layer, x, lambda i: layer(i, attention_mask=None, rotary_pos_emb=rot)[0],
-                extra=(rot,) if rot is not None else ())
-        items.append(layer_probe.SavedTensor("(layer output)", tuple(x.shape),
-                                             str(x.dtype).replace("torch.", ""),
-                                             x.numel() * x.element_size()))
-        return items
+            return layer_probe.itemise_layer(
+                tcfg, mode, s, self.settings.micro_batch, causal=cfg.causal,
+                rope=cfg.position_embedding_type == "rope" and mode != "wallfacer",
+                rotary_base=cfg.rotary_base)
 
     def plan(self, cfg, mode: str, p: int, s: int) -> PlanPoint:
         st = self.settings
