@@ -314,7 +314,14 @@ def gpt_builder(args, pre_process=True, post_process=True, vp_stage=None, config
         config = _config_from_args(args)
     spec = layer_spec_for(args, config, vp_stage)  # a mode missing from this install fails here
     initialize_plugin_groups(args)
-    return GPTModel(
+    model_cls, extra = GPTModel, {}
+    if mode == "metp":  # METP's ring LM-head loss; its position table sharded along positions
+        from megatron_metp.metp.gpt_model import MetpGPTModel as model_cls
+
+        extra["shard_position_table"] = (
+            getattr(args, "seq_length", None) == args.max_position_embeddings
+            and not getattr(args, "reset_position_ids", False))
+    return model_cls(
         config=config,
         transformer_layer_spec=spec,
         vocab_size=args.padded_vocab_size,
@@ -331,6 +338,7 @@ def gpt_builder(args, pre_process=True, post_process=True, vp_stage=None, config
         rope_scaling=getattr(args, "use_rope_scaling", False),
         vp_stage=vp_stage,
         pg_collection=pg_collection,
+        **extra,
     )
 
 

@@ -140,6 +140,7 @@ def build_gpt_model(
     parallel_output: bool = True,
     share_embeddings_and_output_weights: bool = False,
     vp_stage: Optional[int] = None,
+    seq_length: Optional[int] = None,
 ) -> GPTModel:
     """A Megatron-Core ``GPTModel`` whose layers use the plugin's spec for ``mode``.
 
@@ -147,6 +148,11 @@ def build_gpt_model(
     ``--make-vocab-size-divisible-by``; do the same before calling). ``pre_process`` /
     ``post_process`` (embedding / output layer on this rank) default to whether this rank is the
     first / last pipeline stage (both True without pipeline parallelism).
+
+    Under ``metp`` a learned position table is sharded along positions over the ring
+    (``metp.embedding``) when the training sequence fills it: ``seq_length`` (the tokens per
+    sequence the model will see) equal to ``max_sequence_length``, or ``seq_length`` not given.
+    Otherwise Megatron's replicated table is kept.
     """
     if pre_process is None:
         pre_process = mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
@@ -165,9 +171,12 @@ def build_gpt_model(
         )
     spec = get_gpt_block_spec(config, mode, vp_stage=vp_stage)
     check_spec_importable(spec)
-    model_cls = GPTModel
+    model_cls, extra = GPTModel, {}
     if mode == "metp":  # the LM-head loss on the METP ring (no [s, V/p] logits)
         from megatron_metp.metp.gpt_model import MetpGPTModel as model_cls
+
+        extra["shard_position_table"] = (position_embedding_type == "learned_absolute" and
+                                         seq_length in (None, max_sequence_length))
     return model_cls(
         config=config,
         transformer_layer_spec=spec,
@@ -179,6 +188,7 @@ def build_gpt_model(
         share_embeddings_and_output_weights=share_embeddings_and_output_weights,
         position_embedding_type=position_embedding_type,
         vp_stage=vp_stage,
+        **extra,
     )
 
 

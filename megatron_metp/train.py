@@ -255,7 +255,7 @@ def train_one_mode(args: Namespace, cfg: ModelConfig, mode: str, explicit: set,
         tconf = _transformer_config(ns, cfg)
         model = build_gpt_model(
             tconf, mode, vocab_size=vocab, max_sequence_length=ns.max_position_embeddings,
-            position_embedding_type=cfg.position_embedding_type,
+            seq_length=ns.seq_length, position_embedding_type=cfg.position_embedding_type,
             pre_process=mpu.is_pipeline_first_stage(), post_process=mpu.is_pipeline_last_stage(),
             share_embeddings_and_output_weights=not cfg.untie_embeddings_and_output_weights,
         ).to(device)

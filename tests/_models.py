@@ -160,6 +160,12 @@ def gather_full(shard: torch.Tensor, param) -> torch.Tensor:
     return torch.cat(ordered, dim=dim)
 
 
+def full_grads(model, grads: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """``grads`` (this rank's shards, by parameter name) gathered to their full (TP = 1) shapes."""
+    params = dict(model.named_parameters())
+    return {n: gather_full(g, params[n]) for n, g in grads.items()}
+
+
 def full_state(model) -> Dict[str, torch.Tensor]:
     """Every parameter gathered to its full (TP = 1) shape, by name."""
     return {n: gather_full(p.detach(), p) for n, p in model.named_parameters()}

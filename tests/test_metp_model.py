@@ -40,11 +40,24 @@ def _compare(p):
         # Checkpoints carry over: same parameter names/shapes and sharded_state_dict keys.
         assert sorted(tp_model.sharded_state_dict().keys()) == sorted(
             metp_model.sharded_state_dict().keys())
-        M.copy_weights(tp_model, metp_model)
+        # METP's position table holds this rank's rows only: copy through the full (TP = 1) state.
+        M.load_full_state(metp_model, M.full_state(tp_model))
+        if style == "gpt":  # the planner's count of the table on a rank = the real model's
+            from types import SimpleNamespace
+
+            from megatron_metp.measure.planner import position_table_params
+
+            cfg = SimpleNamespace(position_embedding_type="learned_absolute",
+                                  max_position_embeddings=M.SEQ, hidden_size=32)
+            for mode, model in (("tp", tp_model), ("metp", metp_model)):
+                table = model.embedding.position_embeddings.weight
+                assert table.numel() == position_table_params(cfg, mode, p, M.SEQ), mode
+            assert metp_model.embedding.position_embeddings.weight.shape[0] == M.SEQ // p
         b = M.batch()
         res = {}
         for mode, model in (("tp", tp_model), ("metp", metp_model)):
             r = M.step(M.wrap_ddp(model), b)
+            r["grads"] = M.full_grads(model, r["grads"])
             res[mode] = r
         ref, got = res["tp"], res["metp"]
         torch.testing.assert_close(torch.tensor(got["loss"]), torch.tensor(ref["loss"]),
@@ -87,7 +100,9 @@ def _recompute_compare(p):
                 layer = model.decoder.layers[0]
                 assert layer.recompute_input_layernorm == rc
                 assert layer.recompute_pre_mlp_layernorm == rc
-                res[(mode, rc)] = M.step(M.wrap_ddp(model), M.batch())
+                r = M.step(M.wrap_ddp(model), M.batch())
+                r["grads"] = M.full_grads(model, r["grads"])
+                res[(mode, rc)] = r
         for mode in ("tp", "metp"):
             a, b = res[(mode, True)], res[(mode, False)]
             # The recomputed norm output is the same computation on the same input: identical
@@ -144,8 +159,8 @@ def _loss_with_labels(p):
                               labels=b["labels"])
                 loss_bs.mean().backward()
                 finalize_model_grads([ddp])
-                res[mode] = (loss_bs.detach().clone(),
-                             {n: q.main_grad.detach().clone() for n, q in model.named_parameters()})
+                res[mode] = (loss_bs.detach().clone(), M.full_grads(model, {
+                    n: q.main_grad.detach().clone() for n, q in model.named_parameters()}))
             (l_tp, g_tp), (l_metp, g_metp) = res["tp"], res["metp"]
             assert l_metp.shape == l_tp.shape  # [b, s] per-token losses, as GPTModel's
             torch.testing.assert_close(l_metp, l_tp, rtol=RTOL, atol=0.0)

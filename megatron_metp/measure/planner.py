@@ -35,8 +35,8 @@ Method (per rank; b = micro batch 1, s = sequence, p = parallel degree, L = laye
    data-parallel (x context-parallel) group of size d: 6 + 12/d. Here every GPU is in the TP
    group (d = 1, 18 B) for tp and metp; for wallfacer (CP = p, TP = 1) d = p.
    The embedding (vocab-parallel word table, and a learned position table of s x h replicated on
-   every rank, as Megatron's ``LanguageModelEmbedding`` keeps it) counts when the device holds
-   the first layer.
+   every rank, as Megatron's ``LanguageModelEmbedding`` keeps it, or 1/p of it under METP,
+   ``position_table_params``) counts when the device holds the first layer.
 5. Budget: ``(state + activation peak) x (1 + fragmentation) + reserve <= memory`` with a
    default reserve of 4 GiB (CUDA context ~0.5 GiB, NCCL buffers and cuBLAS workspaces ~1.5
    GiB, headroom) and 5 % fragmentation; the longest sequence is bisected over multiples of
@@ -257,8 +257,7 @@ class Planner:
             params += head.params                                     # final norm, output
             if cfg.untie_embeddings_and_output_weights:               # else shared with output
                 params += padded_vocab(cfg, _tp(mode, p)) // _tp(mode, p) * h  # word table
-            if cfg.position_embedding_type == "learned_absolute":
-                params += max(s, cfg.max_position_embeddings or 0) * h  # replicated table
+            params += position_table_params(cfg, mode, p, s)
         state = int(params * optimizer_bytes_per_param(mode, p, st.distributed_optimizer))
         total = state + act
         needed = total * (1 + st.fragmentation) + st.reserve_gib * GIB
@@ -297,6 +296,22 @@ class Planner:
             else:
                 z = mid
         return self.plan(cfg, mode, p, a * g)
+
+
+def position_table_params(cfg, mode: str, p: int, s: int) -> int:
+    """Parameters of the learned position table on one rank (0 without one).
+
+    The table has ``max(s, max_position_embeddings)`` rows of ``h`` (the plan sets
+    ``--max-position-embeddings`` to at least ``s``). Megatron replicates it on every rank (tp,
+    wallfacer); METP shards it along positions over the ring when ``s`` fills it
+    (``metp.embedding``), keeping 1/p of it.
+    """
+    if cfg.position_embedding_type != "learned_absolute":
+        return 0
+    rows = max(s, cfg.max_position_embeddings or 0)
+    if mode == "metp" and rows == s:
+        return rows // p * cfg.hidden_size
+    return rows * cfg.hidden_size
 
 
 def _tp(mode: str, p: int) -> int:

@@ -8,6 +8,11 @@ logits and vocab-parallel cross entropy. Tied embeddings work unchanged: the wei
 ``GPTModel`` uses (``shared_embedding_or_output_weight``), and its gradient reaches it through
 autograd.
 
+With ``shard_position_table`` (a learned position table, ``s`` equal to the table's length, the
+default positions) the embedding's table is sharded along positions over the ring
+(``metp.embedding``): each rank holds the rows of its own tokens, and the word lookup
+reduce-scatters straight to the sequence shard.
+
 The per-token losses of this rank's tokens are all-gathered (s floats per sequence, no
 gradient reduction: each rank's loss depends only on its own tokens), so the model returns the
 ``[b, s]`` loss ``GPTModel`` returns and the trainer's loss mask applies as before. Without
@@ -20,12 +25,24 @@ from __future__ import annotations
 from megatron.core.models.gpt import GPTModel
 
 from megatron_metp.metp.cross_entropy import metp_cross_entropy
+from megatron_metp.metp.embedding import MetpLanguageModelEmbedding
 
 __all__ = ["MetpGPTModel"]
 
 
 class MetpGPTModel(GPTModel):
-    """``GPTModel`` with METP's LM-head loss (see the module docstring)."""
+    """``GPTModel`` with METP's LM-head loss and, optionally, its sharded position table (see the
+    module docstring)."""
+
+    def __init__(self, *args, shard_position_table: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.position_table_sharded = bool(
+            shard_position_table and self.pre_process and self.embedding.add_position_embedding
+            and self.config.sequence_parallel)
+        if self.position_table_sharded:
+            # Built after GPTModel's own embedding, from it: the same initial values, and the
+            # replicated table is freed when this returns.
+            self.embedding = MetpLanguageModelEmbedding(self.embedding, self.pg_collection.tp)
 
     def _postprocess(self, hidden_states, input_ids, position_ids, labels, *args, **kwargs):
         plain = (not self.post_process or labels is None or kwargs.get("mtp_in_postprocess")
