@@ -75,10 +75,11 @@ class Machine:
     efficiency: float = 0.5       # fraction of peak FLOP/s
     mem_efficiency: float = 0.8   # fraction of HBM bandwidth
     gpus_per_node: int = 8
+    op_overhead: float = 0.0      # seconds per compute op (GPUs: 0, launches are queued ahead)
 
     def compute_time(self, op: TraceOp) -> float:
-        return max(op.flops / (self.peak_flops * self.efficiency),
-                   op.bytes / (self.hbm_bandwidth * self.mem_efficiency))
+        return self.op_overhead + max(op.flops / (self.peak_flops * self.efficiency),
+                                      op.bytes / (self.hbm_bandwidth * self.mem_efficiency))
 
     def link(self, group_size: int) -> Link:
         return self.intra if group_size <= self.gpus_per_node else self.inter

@@ -5,7 +5,7 @@ compute = communication stubbed) and this machine's matmul FLOP/s and gloo ring 
 and latency), all ranks running at once. :func:`validate` traces the same layer shapes
 (``op_trace.trace_layer`` with the bench's ``TransformerConfig``, rank p - 1), replays them on a
 ``Machine`` built from those measurements (plus a memory-copy bandwidth measured here with the
-bench's thread count; efficiencies 1) and reports simulated / measured - 1 per variant:
+bench's thread count, and the time of one tiny op as a per-op overhead; efficiencies 1) and reports simulated / measured - 1 per variant:
 ``overlapped`` (the trace as is), ``serialised`` (a wait after every comm op) and ``compute``
 (comm ops removed).
 """
@@ -38,6 +38,18 @@ def copy_bandwidth(threads: int, nbytes: int = 64 << 20, iters: int = 5) -> floa
         return 2 * nbytes / best
     finally:
         torch.set_num_threads(old)
+
+
+def op_overhead(iters: int = 200) -> float:
+    """Seconds of one tiny eager op (``torch.add`` of 8 elements), best of ``iters``: the
+    per-op dispatch cost a CPU pays (on a GPU launches are queued ahead of the stream)."""
+    a = torch.ones(8)
+    best = float("inf")
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        torch.add(a, a)
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def serialise(ops: List[TraceOp]) -> List[TraceOp]:
@@ -90,7 +102,8 @@ def validate(bench_json: str) -> Dict:
         raise ValueError(f"--validate {bench_json}: use a `metp bench --scope layer` JSON")
     p = res["world_size"]
     mem_bw = copy_bandwidth(res.get("torch_threads", 1))
-    machine = _machine_from_bench(res, mem_bw)
+    overhead = op_overhead()
+    machine = _machine_from_bench(res, mem_bw, overhead)
     world = FakeWorld(rank=p - 1)
     points = []
     for pt in res["points"]:
@@ -115,7 +128,8 @@ def validate(bench_json: str) -> Dict:
         summary[mode] = {k: sum(abs(q["error"][k]) for q in mine) / len(mine)
                          for k in ("overlapped", "serialised", "compute")}
     lines = [f"Simulator vs metp bench on this machine ({bench_json}; p = {p}; machine: "
-             f"{machine.peak_flops / 1e9:.1f} GFLOP/s matmul, {mem_bw / 1e9:.1f} GB/s copy, gloo "
+             f"{machine.peak_flops / 1e9:.1f} GFLOP/s matmul, {mem_bw / 1e9:.1f} GB/s copy, "
+             f"{overhead * 1e6:.1f} us per op, gloo "
              f"ring {machine.intra.bandwidth / 1e9:.2f} GB/s + {machine.intra.alpha * 1e6:.0f} "
              "us per call)\n",
              "| mode | s | overlapped ms meas / sim | serialised ms meas / sim | "
@@ -130,6 +144,6 @@ def validate(bench_json: str) -> Dict:
         f"{m}: overlapped {v['overlapped']:.0%}, serialised {v['serialised']:.0%}, compute "
         f"{v['compute']:.0%}" for m, v in summary.items()))
     return dict(bench=bench_json, p=p, machine=dict(
-        flops_per_s=machine.peak_flops, copy_bytes_per_s=mem_bw,
+        flops_per_s=machine.peak_flops, copy_bytes_per_s=mem_bw, op_overhead_s=overhead,
         ring_bandwidth=machine.intra.bandwidth, ring_latency_s=machine.intra.alpha),
         points=points, mean_abs_error=summary, markdown="\n".join(lines))
