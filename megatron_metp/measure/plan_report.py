@@ -14,6 +14,7 @@ import sys
 import time
 from typing import List, Optional
 
+from megatron_metp.measure import timeline_report
 from megatron_metp.measure.planner import (
     GIB,
     Planner,
@@ -66,6 +67,7 @@ def add_arguments(parser) -> None:
       help="Megatron's selective recompute in every mode (--recompute-granularity selective), "
            "e.g. layernorm: norm outputs are recomputed in backward")
     a("--json", default=None, metavar="PATH", help="write every planned point as JSON")
+    timeline_report.add_arguments(parser)
 
 
 RECOMPUTE_MODULES = ("layernorm", "mlp", "core_attn")
@@ -115,6 +117,12 @@ def run(args) -> int:
     from megatron_metp.config import load_config
 
     _check(args)
+    if args.timeline:
+        return timeline_report.run(args, _ints, DEFAULT_MODELS,
+                                   ",".join(seq_label(s) for s in DEFAULT_SEQS))
+    if args.validate:
+        raise ValueError("--validate compares the --timeline simulator with metp bench: add "
+                         "--timeline")
     warnings.filterwarnings("ignore")
     settings = PlanSettings(memory_gib=args.memory_gb, reserve_gib=args.reserve_gb,
                             fragmentation=args.fragmentation,

@@ -117,10 +117,12 @@ def optimizer_bytes_per_param(mode: str, p: int, distributed_optimizer: bool) ->
 
 
 class FakeWorld:
-    """The ``fake`` process group of ``p`` ranks (we are rank 0) and Megatron's groups on it."""
+    """The ``fake`` process group of ``p`` ranks (we are ``rank``, default 0) and Megatron's
+    groups on it."""
 
-    def __init__(self):
+    def __init__(self, rank: int = 0):
         self.key = None
+        self.rank = rank
 
     def setup(self, mode: str, p: int) -> None:
         import torch.distributed as dist
@@ -131,11 +133,12 @@ class FakeWorld:
         from megatron_metp import parallel_state as metp_state
         from megatron_metp.model import initialize_parallel
 
-        if self.key == (mode, p):
+        rank = self.rank % p
+        if self.key == (mode, p, rank):
             return
         cpu_compat.apply()
         self.teardown()
-        dist.init_process_group("fake", rank=0, world_size=p, store=FakeStore())
+        dist.init_process_group("fake", rank=rank, world_size=p, store=FakeStore())
         if mode == "wallfacer":
             # WallFacer with team size C = 1 (its ring-attention case) over Megatron's CP group
             # (TP = 1). The groups are built directly: initialize_wallfacer's all_gather_object
@@ -149,7 +152,7 @@ class FakeWorld:
                 mpu.get_context_parallel_group(), 1, "collective_intra"))
         else:
             initialize_parallel(tensor_model_parallel_size=p, mode=mode)
-        self.key = (mode, p)
+        self.key = (mode, p, rank)
 
     def teardown(self) -> None:
         import torch.distributed as dist

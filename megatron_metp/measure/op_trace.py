@@ -1,0 +1,257 @@
+"""One rank's op trace of one layer's forward + backward: compute, communication and waits, in order.
+
+``OpRecorder`` is a ``TorchDispatchMode`` (a :class:`CommCounter` that also sees compute): every
+aten op and every c10d op of its region passes through it, in program order, inside autograd's
+backward too. It runs under ``FakeTensorMode`` with the ``fake`` process-group backend, so one
+process traces a GPT-175B layer at s = 1M in seconds (fake tensors hold no storage), with the
+real plugin and Megatron-Core code. Nothing is written per mode: the trace is whatever the layer
+runs. Events (``TraceOp.kind``):
+
+==========  ================================================================================
+compute     an aten op: ``flops`` (``torch.utils.flop_counter``'s formulas for mm / addmm / bmm
+            / baddbmm; our own for the SDPA flash ops, see :func:`attention_flops`) and
+            ``bytes`` (its tensor inputs read + outputs written; 0 for views and ``empty``)
+comm        a c10d collective or P2P op as posted: ``bytes`` = payload (CommCounter's
+            convention), ``group`` (the process group: one NCCL communicator, one stream),
+            ``group_size``, ``comm_id``
+wait        ``Work.wait()`` on comm ``comm_id`` (also the implicit wait of a synchronous
+            collective): on NCCL it makes the compute stream wait for that communication
+==========  ================================================================================
+
+How waits are seen: the recorder hands the caller a ``Work`` of its own (a Python subclass of
+``torch.distributed.Work`` wrapping the backend's) whose ``wait`` records the event, then waits
+on the real one. The wrappers are kept alive for the recorder's life: pybind keeps the Python
+override only while the Python object exists.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch.utils.flop_counter import flop_registry
+
+from megatron_metp.measure.comm_counter import CommCounter
+
+__all__ = ["TraceOp", "OpRecorder", "attention_flops", "trace_layer", "group_roles"]
+
+GEMMS = ("mm", "addmm", "bmm", "baddbmm")
+
+
+@dataclass
+class TraceOp:
+    kind: str                 # "compute" | "comm" | "wait"
+    name: str                 # aten op (compute) or CommCounter's op key (comm)
+    phase: str = "fwd"        # "fwd" | "bwd"
+    flops: float = 0.0
+    bytes: float = 0.0        # compute: bytes read + written; comm: payload
+    group: str = ""
+    group_size: int = 1
+    comm_id: int = -1
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v not in ("", -1, 0, 0.0)
+                or k in ("kind", "name")}
+
+
+def attention_flops(name: str, q: torch.Tensor, k: torch.Tensor, causal: bool) -> float:
+    """FLOPs of one SDPA-style kernel call (q [b, n_q, s_q, d], k [b, n_kv, s_k, d]).
+
+    Forward: QK^T and PV, 2 x 2 b n_q s_q s_k d. Backward: dV = P^T dO, dP = dO V^T, dQ, dK
+    (4 GEMMs) plus the recomputed QK^T: 2.5 x forward (FlashAttention-2's count). A causal
+    (diagonal, s_q = s_k) block computes half its scores on a GPU flash kernel: x 0.5.
+    """
+    b, n_q, s_q, d = q.shape
+    s_k = k.shape[-2]
+    fwd = 4.0 * b * n_q * s_q * s_k * d
+    out = 2.5 * fwd if "backward" in name else fwd
+    return out * (0.5 if causal else 1.0)
+
+
+def _tensors(x) -> List[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for item in x for t in _tensors(item)]
+    return []
+
+
+def _nbytes(ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+class _RecordedWork(dist.Work):
+    """The caller's handle: records ``wait`` in the trace, then waits on the backend's work."""
+
+    def __init__(self, inner, recorder: "OpRecorder", comm_id: int):
+        super().__init__()
+        self._inner, self._rec, self._id = inner, recorder, comm_id
+
+    def wait(self, timeout=None) -> bool:
+        self._rec._wait(self._id)
+        work = dist.distributed_c10d.Work.unbox(self._inner)
+        return work.wait() if timeout is None else work.wait(timeout)
+
+    def is_completed(self) -> bool:
+        return dist.distributed_c10d.Work.unbox(self._inner).is_completed()
+
+
+class OpRecorder(CommCounter):
+    """Records :class:`TraceOp` s in ``ops`` (see the module docstring). Set ``phase`` to
+    ``"bwd"`` before the backward. Enter inside ``FakeTensorMode`` (as CommCounter)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: List[TraceOp] = []
+        self.phase = "fwd"
+        self._works: List[_RecordedWork] = []
+        self._waited: set = set()
+        self._functional: Dict[int, int] = {}   # storage of a functional collective -> comm id
+
+    def _wait(self, comm_id: int) -> None:
+        if comm_id not in self._waited:  # a second wait on a completed Work orders nothing new
+            self._waited.add(comm_id)
+            self.ops.append(TraceOp("wait", "wait", self.phase, comm_id=comm_id))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        ns = func.namespace
+        if ns in ("c10d", "_c10d_functional"):
+            if func._schema.name.endswith("wait_tensor"):
+                cid = self._functional.get(args[0].untyped_storage()._cdata)
+                if cid is not None:
+                    self._wait(cid)
+                return func(*args, **kwargs)
+            n = len(self.events)
+            self._record(func, args, kwargs)
+            out = func(*args, **kwargs)
+            if len(self.events) == n:
+                return out  # not communication (wrappers, barriers' bookkeeping)
+            e = self.events[-1]
+            cid = n
+            self.ops.append(TraceOp("comm", e.op, self.phase, bytes=float(e.bytes),
+                                    group=e.group, group_size=e.group_size or 1, comm_id=cid))
+            if ns == "_c10d_functional":
+                for t in _tensors(out):
+                    self._functional[t.untyped_storage()._cdata] = cid
+                return out
+            work = out[-1] if isinstance(out, tuple) else out
+            mine = _RecordedWork(work, self, cid)
+            self._works.append(mine)
+            return (*out[:-1], mine.boxed()) if isinstance(out, tuple) else mine.boxed()
+        out = func(*args, **kwargs)
+        self._compute(func, args, kwargs, out)
+        return out
+
+    def _compute(self, func, args, kwargs, out) -> None:
+        name = func.overloadpacket.__name__
+        schema = func._schema
+        view = any(r.alias_info is not None and not r.alias_info.is_write
+                   for r in schema.returns)
+        if view or name.startswith(("empty", "new_empty")) or name in ("detach", "lift_fresh"):
+            return
+        flops = 0.0
+        if "attention" in name and ("flash" in name or "efficient" in name):
+            bound = {a.name: v for a, v in zip(schema.arguments, args)}
+            bound.update(kwargs)
+            q = bound.get("query")
+            k = bound.get("key")
+            if q is not None and k is not None:
+                flops = attention_flops(name, q, k, bool(bound.get("is_causal", False)))
+        else:
+            # In-place variants (addmm_, baddbmm_) count as their out-of-place op.
+            packet = getattr(torch.ops.aten, name.rstrip("_"), None) if name.endswith("_") \
+                else func.overloadpacket
+            if packet in flop_registry:
+                flops = float(flop_registry[packet](*args, **kwargs, out_val=out))
+        outs = _tensors(out)
+        if not outs:
+            return  # metadata queries (aten.device, sym sizes): no kernel
+        moved = _nbytes(_tensors(list(args) + list(kwargs.values()))) + _nbytes(outs)
+        if flops or moved:
+            self.ops.append(TraceOp("compute", name, self.phase, flops=flops, bytes=float(moved)))
+
+
+def group_roles() -> Dict[str, str]:
+    """Process-group name -> role ("tp", "cp", "metp_weight", "wf_team") for the groups that
+    Megatron and the plugin hold now; a trace's groups not listed keep their c10d name."""
+    from megatron.core import parallel_state as mpu
+
+    from megatron_metp import parallel_state as ps
+
+    roles: Dict[str, str] = {}
+
+    def add(pg, role):
+        if pg is not None and not isinstance(pg, int):
+            roles.setdefault(str(pg.group_name), role)
+
+    if mpu.model_parallel_is_initialized():
+        add(mpu.get_tensor_model_parallel_group(), "tp")
+        add(mpu.get_context_parallel_group(), "cp")
+        add(mpu.get_data_parallel_group(), "dp")
+    add(ps._METP_WEIGHT_GROUP, "metp_weight")
+    if ps.wallfacer_is_initialized():
+        add(ps.get_wallfacer_groups().team_group_pg, "wf_team")
+    return roles
+
+
+def trace_layer(cfg, mode: str, p: int, s: int, world=None, micro_batch: int = 1,
+                recompute_modules: Optional[List[str]] = None, tcfg=None) -> List[TraceOp]:
+    """One layer of ``cfg`` (a ``config.ModelConfig``) in ``mode`` at (p, s), fwd + bwd on rank 0,
+    traced under FakeTensorMode on the fake process group (``world``: a ``planner.FakeWorld``,
+    kept set up for the caller). Group names are replaced by their roles (:func:`group_roles`).
+    ``tcfg``: a ready ``TransformerConfig`` instead of ``cfg``'s (e.g. ``metp bench``'s)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from megatron_metp.measure import layer_probe
+    from megatron_metp.measure.planner import FakeWorld, transformer_config
+
+    world = world or FakeWorld()
+    world.setup(mode, p)
+    if tcfg is None:
+        tcfg = transformer_config(cfg, p, mode, recompute_modules)
+    causal = getattr(cfg, "causal", True) if cfg is not None else True
+    rope = (cfg is not None and cfg.position_embedding_type == "rope" and mode != "wallfacer")
+    with FakeTensorMode():
+        gbuf = layer_probe._global_buffer()
+        if gbuf is not None:  # may hold tensors of an earlier FakeTensorMode
+            gbuf.buffer.clear()
+        layer, x, _extra, fwd = layer_probe._layer_step(
+            tcfg, mode, s, micro_batch, causal, rope,
+            getattr(cfg, "rotary_base", 10000), None, None)
+        layer_probe.give_main_grads(layer)
+        grad = torch.empty_like(x)
+        with OpRecorder() as rec:
+            out = fwd(x)
+            rec.phase = "bwd"
+            out.backward(grad)
+    roles = group_roles()
+    for op in rec.ops:
+        if op.kind == "comm":
+            op.group = roles.get(op.group, op.group or "world")
+    return rec.ops
+
+
+def summary(ops: List[TraceOp]) -> Dict[str, float]:
+    """Totals of a trace: FLOPs, compute bytes, comm payload per group, calls, waits."""
+    out: Dict[str, float] = {"flops": 0.0, "compute_bytes": 0.0, "compute_ops": 0,
+                             "comm_ops": 0, "waits": 0}
+    for op in ops:
+        if op.kind == "compute":
+            out["flops"] += op.flops
+            out["compute_bytes"] += op.bytes
+            out["compute_ops"] += 1
+        elif op.kind == "comm":
+            out["comm_ops"] += 1
+            key = f"comm_bytes[{op.group}]"
+            out[key] = out.get(key, 0.0) + op.bytes
+        else:
+            out["waits"] += 1
+    return out
+
+
+def finite(x: float) -> bool:
+    return not (math.isnan(x) or math.isinf(x))

@@ -1,0 +1,284 @@
+"""ESTIMATE: a discrete-event model of one GPU running one layer's op trace (``op_trace``).
+
+Nothing here is measured on a GPU. The model (every number below is an input, stated):
+
+* One compute stream. A compute op takes ``max(flops / (peak x efficiency), bytes / (HBM x
+  mem_efficiency))`` (a roofline), in program order.
+* One FIFO per communicator (process group: on NCCL one group = one communicator = one stream;
+  ../shared/FACTS.md). A comm op starts when it is posted (the compute stream has reached it:
+  ProcessGroupNCCL makes its stream wait for the current stream) and its group's FIFO is free.
+* A ``wait`` makes the compute stream wait until that comm op ends (``Work.wait()`` on NCCL).
+* Sends and receives posted together on one group (no compute or wait between them: one
+  ``batch_isend_irecv``, one ``ncclGroupStart/End``) run concurrently (full-duplex links); the
+  batch ends with its slowest op.
+* Alpha-beta links (NCCL's ring algorithms), S = payload (CommCounter's convention), p = group
+  size, B = link bandwidth per direction x bus efficiency, alpha per call:
+  all_gather, reduce_scatter, all_to_all: alpha + (p-1)/p S/B;  all_reduce: alpha + 2(p-1)/p S/B;
+  broadcast, reduce (pipelined chain): alpha + S/B;  send, recv, ring_step: alpha + S/B.
+  A group of at most ``gpus_per_node`` ranks runs on NVLink, a larger one on InfiniBand (its
+  slowest link).
+
+GPU data (NVIDIA data sheets; dense, no sparsity):
+
+============  ==================  ===============  ==========================  ================
+GPU           bf16 dense peak     HBM              NVLink per GPU              InfiniBand / GPU
+============  ==================  ===============  ==========================  ================
+H100 SXM      989 TFLOP/s         3.35 TB/s HBM3   NVLink 4: 900 GB/s bidir.   NDR 400 Gb/s
+                                                   = 450 GB/s per direction    = 50 GB/s
+A100 80GB     312 TFLOP/s         2.039 TB/s       NVLink 3: 600 GB/s bidir.   HDR 200 Gb/s
+SXM                               HBM2e            = 300 GB/s per direction    = 25 GB/s
+============  ==================  ===============  ==========================  ================
+
+(H100 SXM data sheet: 1,979 TFLOP/s bf16 *with sparsity*, 989 dense; A100 data sheet: 312 dense,
+624 sparse. DGX H100: 8 ConnectX-7 NDR 400 Gb/s, one per GPU; DGX A100: 8 ConnectX-6 HDR
+200 Gb/s, one per GPU.) Bus efficiency 0.8: NCCL-tests' all_reduce bus bandwidth on an 8-GPU
+DGX reaches about 80 % of the NVLink per-direction figure for large messages (~230-240 GB/s of
+300 on A100, ~360-370 GB/s of 450 on H100 without NVLink SHARP); the same fraction is assumed for
+InfiniBand. Alpha (per call): 10 us on NVLink, 20 us over InfiniBand: the order of NCCL-tests'
+small-message (8 B-64 KiB) times inside a DGX and across two; assumptions, not measured here.
+Compute efficiency defaults to 0.5 of peak (``--efficiency``, as ``metp plan``), HBM to 0.8.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from typing import Dict, List, Optional
+
+from megatron_metp.measure.op_trace import GEMMS, TraceOp
+
+__all__ = ["Link", "Machine", "GPUS", "simulate", "Schedule", "tp_comm_overlap", "comm_time",
+           "chrome_trace"]
+
+ESTIMATE = "ESTIMATE (simulated, not measured on a GPU)"
+
+
+@dataclass(frozen=True)
+class Link:
+    name: str
+    bandwidth: float          # bytes/s per direction, peak
+    alpha: float              # seconds per call
+    efficiency: float = 0.8   # achievable fraction of ``bandwidth`` (bus efficiency)
+
+    @property
+    def beta(self) -> float:  # achievable bytes/s
+        return self.bandwidth * self.efficiency
+
+
+@dataclass(frozen=True)
+class Machine:
+    name: str
+    peak_flops: float
+    hbm_bandwidth: float
+    intra: Link
+    inter: Link
+    efficiency: float = 0.5       # fraction of peak FLOP/s
+    mem_efficiency: float = 0.8   # fraction of HBM bandwidth
+    gpus_per_node: int = 8
+    op_overhead: float = 0.0      # seconds per compute op (GPUs: 0, launches are queued ahead)
+
+    def compute_time(self, op: TraceOp) -> float:
+        return self.op_overhead + max(op.flops / (self.peak_flops * self.efficiency),
+                                      op.bytes / (self.hbm_bandwidth * self.mem_efficiency))
+
+    def link(self, group_size: int) -> Link:
+        return self.intra if group_size <= self.gpus_per_node else self.inter
+
+
+GPUS: Dict[str, Machine] = {
+    "H100": Machine("H100 SXM", 989e12, 3.35e12,
+                    Link("NVLink 4", 450e9, 10e-6), Link("IB NDR 400G", 50e9, 20e-6)),
+    "A100": Machine("A100 80GB SXM", 312e12, 2.039e12,
+                    Link("NVLink 3", 300e9, 10e-6), Link("IB HDR 200G", 25e9, 20e-6)),
+}
+
+
+def comm_time(op: str, payload: float, p: int, link: Link) -> float:
+    """Seconds of one call (module docstring: alpha-beta, NCCL's ring algorithms)."""
+    if op in ("send", "recv", "ring_step", "broadcast", "reduce"):
+        factor = 1.0
+    elif op in ("all_gather", "reduce_scatter", "all_to_all", "gather", "scatter"):
+        factor = (p - 1) / p
+    elif op == "all_reduce":
+        factor = 2 * (p - 1) / p
+    elif op == "barrier":
+        factor = 0.0
+    else:
+        raise ValueError(f"comm_time: unknown op {op!r}")
+    if p <= 1 and op not in ("send", "recv", "ring_step"):
+        return 0.0
+    return link.alpha + factor * payload / link.beta
+
+
+@dataclass
+class Interval:
+    lane: str        # "compute" or "comm:<group>"
+    name: str
+    phase: str
+    start: float
+    end: float
+
+
+@dataclass
+class Schedule:
+    intervals: List[Interval] = field(default_factory=list)
+    step: float = 0.0
+    compute: float = 0.0            # busy time of the compute stream
+    comm: Dict[str, float] = field(default_factory=dict)   # busy time per communicator
+
+    @property
+    def exposed_comm(self) -> float:
+        """Step time during which the compute stream is not computing (waiting on comm)."""
+        return max(self.step - self.compute, 0.0)
+
+
+def simulate(ops: List[TraceOp], machine: Machine) -> Schedule:
+    """Replay ``ops`` on ``machine`` (module docstring) and return the schedule."""
+    sch = Schedule()
+    t = 0.0                                   # compute stream clock
+    fifo: Dict[str, float] = {}               # communicator -> time its FIFO is free
+    end: Dict[int, list] = {}                 # comm id -> [end] (shared by a P2P batch)
+    batch: Dict[str, tuple] = {}              # group -> (position, start, [end])
+    position = 0                              # counts computes and waits (batch boundaries)
+    for op in ops:
+        if op.kind == "compute":
+            d = machine.compute_time(op)
+            if d > 0:
+                sch.intervals.append(Interval("compute", op.name, op.phase, t, t + d))
+                t += d
+                sch.compute += d
+            position += 1
+        elif op.kind == "wait":
+            t = max(t, end[op.comm_id][0]) if op.comm_id in end else t
+            position += 1
+        else:
+            d = comm_time(op.name, op.bytes, op.group_size, machine.link(op.group_size))
+            lane = f"comm:{op.group}"
+            open_batch = batch.get(op.group)
+            if op.name in ("send", "recv") and open_batch and open_batch[0] == position:
+                start, shared = open_batch[1], open_batch[2]
+                shared[0] = max(shared[0], start + d)
+            else:
+                start = max(t, fifo.get(op.group, 0.0))
+                shared = [start + d]
+                batch[op.group] = (position, start, shared) if op.name in ("send", "recv") \
+                    else (None, 0.0, shared)
+            end[op.comm_id] = shared
+            fifo[op.group] = shared[0]
+            sch.intervals.append(Interval(lane, op.name, op.phase, start, start + d))
+            sch.comm[lane] = sch.comm.get(lane, 0.0) + d
+    sch.step = max([t] + [v[0] for v in end.values()])
+    return sch
+
+
+def tp_comm_overlap(ops: List[TraceOp], group: str = "tp", window: int = 12) -> List[TraceOp]:
+    """Model of Megatron's ``--tp-comm-overlap`` (Transformer Engine userbuffers) on a trace.
+
+    Each all-gather on ``group`` is split into p - 1 ring steps of S/p bytes, and the first GEMM
+    after its wait into p chunks; chunk i waits only for step i (chunk 0 is the local shard): the
+    AG+GEMM pipeline. Each reduce-scatter on ``group`` becomes p - 1 ring steps, step i posted
+    after chunk i - 1 of the GEMM before it (GEMM+RS pipeline); its wait waits for the last step.
+    What it leaves out: the SMs or copy engines the overlap takes from the GEMMs, and TE's
+    fused kernels; an AG or RS with no GEMM within ``window`` ops stays as it was.
+    """
+    new_id = max([o.comm_id for o in ops] + [0]) + 1
+    wait_at = {o.comm_id: i for i, o in enumerate(ops) if o.kind == "wait"}
+    gemm = lambda o: o.kind == "compute" and o.name in GEMMS and o.flops > 0  # noqa: E731
+    plan: Dict[int, tuple] = {}               # op index -> replacement list
+    drop: set = set()
+    for i, c in enumerate(ops):
+        if c.kind != "comm" or c.group != group or c.name not in ("all_gather", "reduce_scatter"):
+            continue
+        p = c.group_size
+        if p <= 1 or i in plan:
+            continue
+        step = [TraceOp("comm", "ring_step", c.phase, bytes=c.bytes / p, group=c.group,
+                        group_size=p, comm_id=new_id + k) for k in range(p - 1)]
+        if c.name == "all_gather":
+            w = wait_at.get(c.comm_id)
+            if w is None:
+                continue
+            g = next((j for j in range(w + 1, min(w + 1 + window, len(ops))) if gemm(ops[j])
+                      and j not in plan), None)
+            if g is None:
+                continue
+            chunks = _split(ops[g], p)
+            repl = [chunks[0]]
+            for k in range(1, p):
+                repl += [TraceOp("wait", "wait", c.phase, comm_id=step[k - 1].comm_id),
+                         chunks[k]]
+            plan[i], plan[g] = step, repl
+            drop.add(w)
+        else:
+            g = next((j for j in range(i - 1, max(i - 1 - window, -1), -1) if gemm(ops[j])
+                      and j not in plan), None)
+            if g is None:
+                continue
+            chunks = _split(ops[g], p)
+            repl = [chunks[0]]
+            for k in range(1, p):
+                repl += [step[k - 1], chunks[k]]
+            plan[g], plan[i] = repl, []
+            w = wait_at.get(c.comm_id)
+            if w is not None:
+                plan[w] = [TraceOp("wait", "wait", c.phase, comm_id=step[-1].comm_id)]
+        new_id += p - 1
+    out: List[TraceOp] = []
+    for i, o in enumerate(ops):
+        if i in drop:
+            continue
+        out.extend(plan.get(i, [o]))
+    return out
+
+
+def _split(op: TraceOp, p: int) -> List[TraceOp]:
+    return [replace(op, flops=op.flops / p, bytes=op.bytes / p) for _ in range(p)]
+
+
+def chrome_trace(scenarios: Dict[str, Schedule], path: Optional[str] = None,
+                 min_us: float = 0.0, meta: Optional[dict] = None) -> dict:
+    """Chrome trace-event JSON (opens in Perfetto / chrome://tracing): one process per scenario,
+    one thread per stream (compute, each communicator). Adjacent compute intervals shorter than
+    ``min_us`` are merged (keeps files small). Labelled ESTIMATE in every process name and in
+    ``metadata``."""
+    events: List[dict] = []
+    for pid, (label, sch) in enumerate(scenarios.items(), start=1):
+        events.append({"ph": "M", "pid": pid, "tid": 0, "name": "process_name",
+                       "args": {"name": f"ESTIMATE {label}"}})
+        lanes = ["compute"] + sorted({iv.lane for iv in sch.intervals} - {"compute"})
+        for tid, lane in enumerate(lanes):
+            events.append({"ph": "M", "pid": pid, "tid": tid, "name": "thread_name",
+                           "args": {"name": lane}})
+        tids = {lane: tid for tid, lane in enumerate(lanes)}
+        pending = None
+        for iv in sch.intervals:
+            ts, dur = iv.start * 1e6, (iv.end - iv.start) * 1e6
+            if iv.lane == "compute" and dur < min_us:
+                if pending and abs(pending["ts"] + pending["dur"] - ts) < 1e-6 \
+                        and pending["args"]["phase"] == iv.phase:
+                    pending["dur"] = ts + dur - pending["ts"]
+                    pending["args"]["ops"] += 1
+                    pending["name"] = "small ops"
+                    continue
+                if pending:
+                    events.append(pending)
+                pending = {"ph": "X", "pid": pid, "tid": 0, "name": iv.name, "ts": ts,
+                           "dur": dur, "args": {"phase": iv.phase, "ops": 1}}
+                continue
+            if pending:
+                events.append(pending)
+                pending = None
+            events.append({"ph": "X", "pid": pid, "tid": tids[iv.lane], "name": iv.name,
+                           "ts": round(ts, 3), "dur": round(dur, 3),
+                           "args": {"phase": iv.phase}})
+        if pending:
+            events.append(pending)
+    for e in events:
+        if "ts" in e:
+            e["ts"], e["dur"] = round(e["ts"], 3), round(e["dur"], 3)
+    doc = {"traceEvents": events, "displayTimeUnit": "ms",
+           "metadata": {"label": ESTIMATE, **(meta or {})}}
+    if path:
+        with open(path, "w") as f:
+            json.dump(doc, f, separators=(",", ":"))
+    return doc

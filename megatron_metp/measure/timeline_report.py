@@ -1,0 +1,246 @@
+"""``metp plan --timeline``: ESTIMATED per-layer step time, MFU and exposed communication on
+H100 / A100 from one layer's traced ops (``op_trace``) replayed on a GPU model (``timeline``).
+
+Per (model, p, mode, s) one layer's forward + backward is traced once, on rank p - 1 (the most
+loaded rank of a causal ring without zigzag, METP's; tp and WallFacer's zigzag are balanced), at
+the full sequence length (fake tensors cost no memory), then replayed per GPU and scenario:
+``tp`` (stock Megatron-Core TP+SP as traced), ``tp+overlap`` (the trace rewritten by
+``timeline.tp_comm_overlap``: Megatron's ``--tp-comm-overlap``), ``metp``, ``wallfacer`` (C = 1,
+ring attention over CP = p). MFU = Megatron-LM's model FLOPs of one layer (``flops``) / p /
+(step x bf16 peak). ``--validate BENCH_JSON`` replays ``metp bench``'s layers on this machine's
+measured FLOP/s, memory bandwidth and gloo ring step instead, and compares.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Dict
+
+from megatron_metp.measure.timeline import ESTIMATE, GPUS, Link, Machine, chrome_trace, simulate
+
+TIMELINE_MODELS = ("llama-7b", "gpt-175b")
+TIMELINE_SEQS = "32k,128k,512k,1024k"
+SCENARIOS = {"tp": ("tp", "tp+overlap"), "metp": ("metp",), "wallfacer": ("wallfacer",)}
+
+
+def add_arguments(parser) -> None:
+    a = parser.add_argument
+    a("--timeline", action="store_true",
+      help="ESTIMATED per-layer step time, MFU and exposed communication on H100/A100 from a "
+           "traced layer (defaults: --models llama-7b,gpt-175b --p 8 --seq-lengths "
+           "32k,128k,512k,1024k --modes tp,metp,wallfacer)")
+    a("--timeline-dir", default="timeline", metavar="DIR",
+      help="where --timeline writes timeline.json/.md, trace_<model>.json, timeline.svg")
+    a("--gpus", default="H100,A100", help=f"GPU models for --timeline: {', '.join(GPUS)}")
+    a("--trace-seq-length", default="128k",
+      help="sequence of the Chrome trace (--timeline; one of --seq-lengths)")
+    a("--gpus-per-node", type=int, default=8,
+      help="groups up to this size run on NVLink, larger ones on InfiniBand (--timeline)")
+    a("--validate", default=None, metavar="BENCH_JSON",
+      help="with --timeline: replay metp bench's layers (its --json) on this machine's measured "
+           "FLOP/s and gloo ring and report the error against its measured step times")
+
+
+def _defaults(args, ints, default_models, default_seqs):
+    """--timeline's own defaults where the user left plan's."""
+    models = TIMELINE_MODELS if args.models == ",".join(default_models) else \
+        tuple(m.strip() for m in args.models.split(",") if m.strip())
+    seqs = ints(TIMELINE_SEQS if args.seq_lengths == default_seqs else args.seq_lengths)
+    ps = [8] if args.p == "2,4,8" else ints(args.p)
+    modes = ("tp", "metp", "wallfacer") if args.modes == "tp,metp" else \
+        tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    return models, seqs, ps, modes
+
+
+def check(args, ints) -> None:
+    gpus = [g.strip() for g in args.gpus.split(",") if g.strip()]
+    bad = [g for g in gpus if g not in GPUS]
+    if bad or not gpus:
+        raise ValueError(f"--gpus {args.gpus!r}: choose from {', '.join(GPUS)} (e.g. H100,A100)")
+    if args.gpus_per_node < 1:
+        raise ValueError(f"--gpus-per-node {args.gpus_per_node}: must be >= 1 (GPUs per node)")
+    ts = ints(args.trace_seq_length)
+    if len(ts) != 1 or ts[0] < 1024 or ts[0] % 1024:
+        raise ValueError(f"--trace-seq-length {args.trace_seq_length}: give one multiple of "
+                         "1024, e.g. 128k")
+    if args.validate and not os.path.isfile(args.validate):
+        raise ValueError(f"--validate {args.validate}: no such file; give the JSON that "
+                         "`metp bench --json PATH` wrote")
+    if os.path.exists(args.timeline_dir) and not os.path.isdir(args.timeline_dir):
+        raise ValueError(f"--timeline-dir {args.timeline_dir}: exists and is not a directory")
+
+
+def _flop_model(cfg):
+    from megatron_metp.flops import FlopModel
+
+    return FlopModel(num_layers=1, hidden_size=cfg.hidden_size,
+                     num_attention_heads=cfg.num_attention_heads,
+                     num_query_groups=cfg.num_query_groups, kv_channels=cfg.kv_channels,
+                     ffn_hidden_size=cfg.ffn_hidden_size, padded_vocab_size=0,
+                     swiglu=cfg.swiglu, causal=cfg.causal)
+
+
+def timeline_rows(cfgs, ps, modes, seqs, gpus, efficiency, gpus_per_node, keep=None):
+    """Every (model, p, s, scenario, GPU) row; ``keep`` collects schedules for the trace:
+    ``{(model, s): {label: Schedule}}``."""
+    from dataclasses import replace
+
+    from megatron_metp.flops import training_flops
+    from megatron_metp.measure.op_trace import summary, trace_layer
+    from megatron_metp.measure.planner import FakeWorld, seq_label
+    from megatron_metp.measure.timeline import tp_comm_overlap
+
+    rows = []
+    for cfg in cfgs:
+        for p in ps:
+            world = FakeWorld(rank=p - 1)
+            for mode in modes:
+                for s in seqs:
+                    t0 = time.time()
+                    ops = trace_layer(cfg, mode, p, s, world=world)
+                    traced_s = time.time() - t0
+                    sm = summary(ops)
+                    model_flops = training_flops(_flop_model(cfg), 1, s) / p
+                    for scen in SCENARIOS[mode]:
+                        trace = tp_comm_overlap(ops) if scen == "tp+overlap" else ops
+                        for g in gpus:
+                            m = replace(GPUS[g], efficiency=efficiency,
+                                        gpus_per_node=gpus_per_node)
+                            sch = simulate(trace, m)
+                            rows.append(dict(
+                                model=cfg.name, p=p, seq_length=s, scenario=scen, gpu=g,
+                                step_s=sch.step, compute_s=sch.compute,
+                                exposed_comm_s=sch.exposed_comm,
+                                comm_busy_s=dict(sch.comm), mfu=model_flops / sch.step /
+                                m.peak_flops, model_flops=model_flops,
+                                executed_flops=sm["flops"], compute_bytes=sm["compute_bytes"],
+                                comm_ops=sm["comm_ops"], trace_s=traced_s))
+                            if keep is not None:
+                                keep.setdefault((cfg.name, g, s), {})[
+                                    f"{cfg.name} p={p} s={seq_label(s)} {scen} {g}"] = sch
+            world.teardown()
+    return rows
+
+
+def markdown(rows) -> str:
+    from megatron_metp.measure.planner import seq_label
+
+    out = ["ESTIMATE: simulated, not measured on a GPU (megatron_metp/measure/timeline.py "
+           "states every input).\n",
+           "| model | p | GPU | s | scenario | step ms (ESTIMATE) | MFU (ESTIMATE) | "
+           "exposed comm ms (ESTIMATE) | exposed / step |",
+           "|---|---:|---|---:|---|---:|---:|---:|---:|"]
+    for r in rows:
+        out.append(f"| {r['model']} | {r['p']} | {r['gpu']} | {seq_label(r['seq_length'])} | "
+                   f"{r['scenario']} | {r['step_s'] * 1e3:,.1f} | {r['mfu']:.1%} | "
+                   f"{r['exposed_comm_s'] * 1e3:,.1f} | {r['exposed_comm_s'] / r['step_s']:.1%} |")
+    return "\n".join(out)
+
+
+def svg(rows, path: str) -> None:
+    """MFU against s per scenario, one panel per (model, GPU): a dependency-free SVG (no
+    matplotlib on these machines), titled ESTIMATE."""
+    import math
+
+    panels = sorted({(r["model"], r["gpu"]) for r in rows})
+    scen = list(dict.fromkeys(r["scenario"] for r in rows))
+    colours = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd"]
+    W, H, m = 360, 240, 45
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W * len(panels)}" '
+             f'height="{H + 60}" font-family="sans-serif" font-size="11">',
+             f'<text x="10" y="16" font-size="14">ESTIMATE (simulated, not measured): MFU per '
+             f'layer vs sequence length</text>']
+    for k, (model, gpu) in enumerate(panels):
+        x0, y0 = k * W + m, 30
+        pr = [r for r in rows if r["model"] == model and r["gpu"] == gpu]
+        seqs = sorted({r["seq_length"] for r in pr})
+        lo, hi = math.log2(seqs[0]), math.log2(seqs[-1]) or 1
+        xs = lambda s: x0 + (W - m - 15) * ((math.log2(s) - lo) / ((hi - lo) or 1))  # noqa
+        ys = lambda v: y0 + (H - 40) * (1 - v / 0.6)  # noqa: E731 - MFU axis 0..60 %
+        parts.append(f'<text x="{x0}" y="{y0 - 2}">ESTIMATE {model}, {gpu}, p={pr[0]["p"]}'
+                     f'</text>')
+        parts.append(f'<rect x="{x0}" y="{y0}" width="{W - m - 15}" height="{H - 40}" '
+                     f'fill="none" stroke="#888"/>')
+        for v in (0.0, 0.2, 0.4, 0.6):
+            parts.append(f'<text x="{x0 - 30}" y="{ys(v) + 4}">{v:.0%}</text>')
+        for s in seqs:
+            parts.append(f'<text x="{xs(s) - 12}" y="{y0 + H - 25}">{s // 1024}k</text>')
+        parts.append(f'<text x="{x0 + 60}" y="{y0 + H - 10}">sequence length s</text>')
+        for j, sc in enumerate(scen):
+            pts = sorted((r["seq_length"], r["mfu"]) for r in pr if r["scenario"] == sc)
+            if not pts:
+                continue
+            c = colours[j % len(colours)]
+            d = " ".join(f"{xs(s):.1f},{ys(v):.1f}" for s, v in pts)
+            parts.append(f'<polyline points="{d}" fill="none" stroke="{c}" stroke-width="2"/>')
+            parts.append(f'<text x="{x0 + 8}" y="{y0 + 14 + 13 * j}" fill="{c}">{sc}</text>')
+    parts.append("</svg>")
+    with open(path, "w") as f:
+        f.write("\n".join(parts))
+
+
+def run(args, ints, default_models, default_seqs) -> int:
+    import warnings
+
+    from megatron_metp.config import load_config
+    from megatron_metp.measure.planner import seq_label
+
+    check(args, ints)
+    warnings.filterwarnings("ignore")
+    os.makedirs(args.timeline_dir, exist_ok=True)
+    if args.validate:
+        from megatron_metp.measure.timeline_validate import validate
+
+        res = validate(args.validate)
+        path = os.path.join(args.timeline_dir, "validation.json")
+        with open(path, "w") as f:
+            json.dump(res, f, indent=1)
+        print(res["markdown"])
+        print(f"[metp plan --timeline --validate] wrote {path}")
+        return 0
+    models, seqs, ps, modes = _defaults(args, ints, default_models, default_seqs)
+    gpus = [g.strip() for g in args.gpus.split(",") if g.strip()]
+    trace_s = ints(args.trace_seq_length)[0]
+    if trace_s not in seqs:
+        raise ValueError(f"--trace-seq-length {args.trace_seq_length}: not one of --seq-lengths "
+                         f"{','.join(seq_label(s) for s in seqs)}")
+    keep: Dict = {}
+    t0 = time.time()
+    rows = timeline_rows([load_config(m) for m in models], ps, modes, seqs, gpus,
+                         args.efficiency, args.gpus_per_node, keep)
+    md = markdown(rows)
+    print(md)
+    print(f"\n(traced and simulated in {time.time() - t0:.0f} s)")
+    d = args.timeline_dir
+    with open(os.path.join(d, "timeline.md"), "w") as f:
+        f.write(md + "\n")
+    with open(os.path.join(d, "timeline.json"), "w") as f:
+        json.dump(dict(label=ESTIMATE, efficiency=args.efficiency,
+                       gpus={g: {"name": GPUS[g].name, "peak_flops": GPUS[g].peak_flops,
+                                 "hbm_bandwidth": GPUS[g].hbm_bandwidth,
+                                 "intra": vars(GPUS[g].intra), "inter": vars(GPUS[g].inter)}
+                             for g in gpus},
+                       rows=rows), f, indent=1)
+    for m in models:
+        scen = keep.get((m, gpus[0], trace_s), {})
+        chrome_trace(scen, os.path.join(d, f"trace_{m}.json"), min_us=20.0,
+                     meta={"model": m, "gpu": gpus[0], "seq_length": trace_s})
+    svg(rows, os.path.join(d, "timeline.svg"))
+    print(f"[metp plan --timeline] wrote {d}/timeline.md, timeline.json, timeline.svg, "
+          f"trace_<model>.json (ESTIMATES; open the traces in https://ui.perfetto.dev)")
+    return 0
+
+
+def _machine_from_bench(res: dict, mem_bw: float, op_overhead: float = 0.0) -> Machine:
+    ov = res["overlap"]
+    ring = ov["ring"]
+    gloo = Link("gloo (measured ring step)", ring["bandwidth"], ring["latency"], efficiency=1.0)
+    return Machine("this CPU (measured)", ov["flops_per_s"], mem_bw, gloo, gloo,
+                   efficiency=1.0, mem_efficiency=1.0, gpus_per_node=1 << 20,
+                   op_overhead=op_overhead)
+
+
+__all__ = ["add_arguments", "run", "timeline_rows", "markdown", "check"]
+

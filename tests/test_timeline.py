@@ -1,0 +1,173 @@
+"""``metp plan --timeline``: the simulator on hand-built traces with hand-computed answers, the
+recorder on a real (fake-tensor) layer, the Chrome trace, and the flags. Single process, cheap."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_metp.measure.op_trace import TraceOp
+from megatron_metp.measure.timeline import (Link, Machine, chrome_trace, comm_time, simulate,
+                                            tp_comm_overlap)
+
+MS = 1e-3
+# 1 TFLOP/s at efficiency 1, memory never the bound, a 1 GB/s link with no latency: a compute op
+# of 1e9 FLOPs takes 1 ms, a send of 1e6 bytes 1 ms.
+LINK = Link("test", 1e9, 0.0, efficiency=1.0)
+M = Machine("test", 1e12, 1e18, LINK, LINK, efficiency=1.0, mem_efficiency=1.0)
+
+
+def comp(ms: float, name: str = "mm") -> TraceOp:
+    return TraceOp("compute", name, flops=ms * 1e9)
+
+
+def comm(cid: int, ms: float, group: str = "g", op: str = "send", p: int = 2) -> TraceOp:
+    return TraceOp("comm", op, bytes=ms * 1e6, group=group, group_size=p, comm_id=cid)
+
+
+def wait(cid: int) -> TraceOp:
+    return TraceOp("wait", "wait", comm_id=cid)
+
+
+def test_comm_hidden_behind_compute():
+    # send 1 ms posted at 0, compute 2 ms, wait (comm ended at 1 ms), compute 1 ms: 3 ms, all
+    # communication hidden.
+    sch = simulate([comm(0, 1), comp(2), wait(0), comp(1)], M)
+    assert sch.step == pytest.approx(3 * MS)
+    assert sch.exposed_comm == pytest.approx(0.0, abs=1e-12)
+
+
+def test_comm_exposed_when_longer_than_compute():
+    # send 3 ms, compute 1 ms, wait until 3 ms, compute 1 ms: step 4 ms, computing 2 ms, so
+    # 2 ms of communication are exposed.
+    sch = simulate([comm(0, 3), comp(1), wait(0), comp(1)], M)
+    assert sch.step == pytest.approx(4 * MS)
+    assert sch.exposed_comm == pytest.approx(2 * MS)
+
+
+def test_fifo_per_communicator_serialises_one_group_and_overlaps_two():
+    # Two 1 ms broadcasts (p = 2: alpha + S/B) posted at 0. One group: the second starts when
+    # the first ends, step 2 ms. Two groups: both run at once, step 1 ms.
+    one = [comm(0, 1, "a", "broadcast"), comm(1, 1, "a", "broadcast"), wait(0), wait(1)]
+    two = [comm(0, 1, "a", "broadcast"), comm(1, 1, "b", "broadcast"), wait(0), wait(1)]
+    assert simulate(one, M).step == pytest.approx(2 * MS)
+    assert simulate(two, M).step == pytest.approx(1 * MS)
+    # The same two on one group but the second waited for before a 1.5 ms compute: the weight
+    # broadcast queued behind the ring (issue 13) ends at 2 ms, then compute: 3.5 ms.
+    queued = [comm(0, 1, "a", "broadcast"), comm(1, 1, "a", "broadcast"), wait(1), comp(1.5)]
+    assert simulate(queued, M).step == pytest.approx(3.5 * MS)
+
+
+def test_send_and_recv_of_one_batch_run_together():
+    # batch_isend_irecv: a 1 ms send and a 1 ms receive posted together end at 1 ms (full
+    # duplex); the next batch on the group (after a compute) starts after them.
+    ops = [comm(0, 1, op="send"), comm(1, 1, op="recv"), comp(0.5), comm(2, 1), wait(0),
+           wait(1), wait(2)]
+    sch = simulate(ops, M)
+    assert sch.step == pytest.approx(2 * MS)
+
+
+def test_alpha_beta_formulas():
+    link = Link("l", 100e9, 10e-6, efficiency=0.5)  # 50 GB/s achievable
+    # all_gather of 8 GB over 8 ranks: 10 us + 7/8 x 8e9 / 50e9 = 0.14001 s
+    assert comm_time("all_gather", 8e9, 8, link) == pytest.approx(10e-6 + 0.14)
+    # all_reduce: twice the volume
+    assert comm_time("all_reduce", 8e9, 8, link) == pytest.approx(10e-6 + 0.28)
+
+
+def test_tp_comm_overlap_pipelines_all_gather_with_its_gemm():
+    # All-gather of S = 4e6 B over p = 4 (3 ms: 3/4 S / 1 GB/s), then a 4 ms GEMM: 7 ms.
+    # Overlapped: 3 ring steps of 1 ms; GEMM chunk i (1 ms) waits for step i: chunk 0 [0, 1],
+    # chunk 1 [1, 2], chunk 2 [2, 3], chunk 3 [3, 4]: 4 ms, 0 exposed.
+    ops = [comm(0, 4, "tp", "all_gather", p=4), wait(0), comp(4)]
+    assert simulate(ops, M).step == pytest.approx(7 * MS)
+    sch = simulate(tp_comm_overlap(ops), M)
+    assert sch.step == pytest.approx(4 * MS)
+    # Reduce-scatter after a 4 ms GEMM: 4 + 3 = 7 ms; pipelined: step k (1 ms) posted after
+    # chunk k-1, the last one after chunk 2 (at 3 ms) ends at 4 ms, with chunk 3: 4 ms.
+    rs = [comp(4), comm(0, 4, "tp", "reduce_scatter", p=4), wait(0)]
+    assert simulate(rs, M).step == pytest.approx(7 * MS)
+    assert simulate(tp_comm_overlap(rs), M).step == pytest.approx(4 * MS)
+
+
+def test_chrome_trace_is_valid_json_labelled_estimate(tmp_path):
+    sch = simulate([comm(0, 1), comp(2), wait(0), comp(1)], M)
+    path = tmp_path / "t.json"
+    chrome_trace({"hand": sch}, str(path))
+    doc = json.loads(path.read_text())
+    assert "ESTIMATE" in doc["metadata"]["label"]
+    xs = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    assert len(xs) == 3 and all({"pid", "tid", "ts", "dur", "name"} <= set(e) for e in xs)
+    names = {e["args"]["name"] for e in doc["traceEvents"] if e["ph"] == "M"}
+    assert "ESTIMATE hand" in names and {"compute", "comm:g"} <= names
+    # the send on the communicator's thread, 0 .. 1000 us
+    send = next(e for e in xs if e["name"] == "send")
+    assert send["tid"] == 1 and send["ts"] == 0 and send["dur"] == pytest.approx(1000)
+
+
+@pytest.fixture(scope="module")
+def traces():
+    """tiny-gpt (h = 64) traced at p = 2, s = 256 in every mode, on rank 1."""
+    import warnings
+
+    from megatron_metp.config import load_config
+    from megatron_metp.measure.op_trace import trace_layer
+    from megatron_metp.measure.planner import FakeWorld
+
+    warnings.filterwarnings("ignore")
+    cfg, world = load_config("tiny-gpt"), FakeWorld(rank=1)
+    try:
+        yield {m: trace_layer(cfg, m, 2, 256, world=world) for m in ("tp", "metp", "wallfacer")}
+    finally:
+        world.teardown()
+
+
+def _comms(ops):
+    return {(o.name, o.group) for o in ops if o.kind == "comm"}
+
+
+def test_recorder_sees_each_mode_on_its_groups(traces):
+    # tp: Megatron's SP all-gathers and reduce-scatters, all on the TP group.
+    assert _comms(traces["tp"]) == {("all_gather", "tp"), ("reduce_scatter", "tp")}
+    # metp: ring P2P on the ring (= TP group), weight broadcasts / reduces on the weight group.
+    assert _comms(traces["metp"]) == {("send", "tp"), ("recv", "tp"),
+                                      ("broadcast", "metp_weight"), ("reduce", "metp_weight")}
+    # wallfacer (C = 1): ring P2P over the context-parallel group.
+    assert {g for _, g in _comms(traces["wallfacer"])} == {"cp"}
+    for ops in traces.values():
+        posted = {o.comm_id for o in ops if o.kind == "comm"}
+        waited = [o.comm_id for o in ops if o.kind == "wait"]
+        assert set(waited) == posted           # every comm waited on exactly once ...
+        assert len(waited) == len(set(waited))
+        first = {}
+        for i, o in enumerate(ops):
+            first.setdefault((o.kind, o.comm_id), i)
+        assert all(first[("comm", c)] < first[("wait", c)] for c in posted)  # ... after posting
+        assert any(o.phase == "bwd" for o in ops)
+
+
+def test_recorder_flops_match_megatron_gemms(traces):
+    # tp at p = 2, s = 256, h = 64, f = 256, b = 1: forward GEMMs per rank = 2 s h (3h + h + 2f)
+    # / p = 2 * 256 * 64 * 768 / 2 = 12,582,912; backward twice that (dgrad + wgrad).
+    fwd = sum(o.flops for o in traces["tp"] if o.kind == "compute" and o.phase == "fwd"
+              and o.name in ("mm", "addmm", "bmm", "baddbmm"))
+    bwd = sum(o.flops for o in traces["tp"] if o.kind == "compute" and o.phase == "bwd"
+              and o.name in ("mm", "addmm", "bmm", "baddbmm"))
+    assert fwd == 2 * 256 * 64 * 768 / 2
+    assert bwd == 2 * fwd
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["plan", "--timeline", "--gpus", "V100"], "--gpus"),
+    (["plan", "--timeline", "--gpus-per-node", "0"], "--gpus-per-node"),
+    (["plan", "--timeline", "--trace-seq-length", "1000"], "--trace-seq-length"),
+    (["plan", "--timeline", "--validate", "/nonexistent.json"], "--validate"),
+    (["plan", "--validate", "/nonexistent.json"], "--validate"),
+])
+def test_timeline_refuses_bad_flag(argv, flag, capsys):
+    from megatron_metp.cli import main
+
+    rc = main(argv)
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert rc == 2 and len(lines) == 1 and flag in lines[0], lines
