@@ -110,7 +110,7 @@ def get_wallfacer_groups() -> Any:
     if _WALLFACER_GROUPS is None:
         raise RuntimeError(
             "WallFacer groups are not initialised: call "
-            "megatron_metp.wallfacer.groups.initialize_wallfacer(...) after Megatron-Core's "
+            "megatron_metp.wallfacer.scheduler.initialize_wallfacer(...) after Megatron-Core's "
             "initialize_model_parallel(context_parallel_size=P)"
         )
     return _WALLFACER_GROUPS

@@ -71,7 +71,7 @@ MODES = ("tp", "metp", "metp_mlp", "wallfacer")
 # Classes owned by other parts of the plugin, imported when a model is built.
 METP_MLP = ("megatron_metp.metp.mlp", "MetpMLP")
 METP_SELF_ATTENTION = ("megatron_metp.metp.attention", "MetpSelfAttention")
-WALLFACER_CORE_ATTENTION = ("megatron_metp.wallfacer.attention", "WallFacerCoreAttention")
+WALLFACER_CORE_ATTENTION = ("megatron_metp.wallfacer.core_attention", "WallFacerCoreAttention")
 
 _Module = Union[type, Tuple[str, str]]
 

@@ -364,7 +364,3 @@ def wallfacer_attention(q, k, v, plan: WallFacerGroups, *, causal: bool,
     out = WallFacerAttnFunc.apply(to_chunk_major(q), to_chunk_major(k), to_chunk_major(v),
                                   plan, causal, softmax_scale)
     return from_chunk_major(out)
-
-
-# The layer spec names ``megatron_metp.wallfacer.attention.WallFacerCoreAttention``.
-from megatron_metp.wallfacer.core_attention import WallFacerCoreAttention  # noqa: E402,F401

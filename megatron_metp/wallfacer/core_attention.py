@@ -9,6 +9,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_metp.wallfacer.attention import wallfacer_attention
 from megatron_metp.wallfacer.groups import WallFacerGroups
 
 
@@ -81,8 +82,6 @@ class WallFacerCoreAttention(MegatronModule):
             raise ValueError("WallFacer attention cannot apply an arbitrary attention_mask; use "
                              "a causal or no_mask attention mask type")
         sq, b, np_, hn = query.shape
-        from megatron_metp.wallfacer.attention import wallfacer_attention
-
         out = wallfacer_attention(query, key, value, self.plan, causal=causal,
                                   softmax_scale=self.softmax_scale)
         return out.reshape(sq, b, np_ * hn)
