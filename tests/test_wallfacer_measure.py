@@ -151,28 +151,28 @@ def test_core_attention_refuses_what_it_cannot_do():
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_metp import parallel_state as ps
     from megatron_metp.wallfacer.core_attention import WallFacerCoreAttention
     from megatron_metp.wallfacer.groups import plan_for
 
     cfg = lambda **kw: TransformerConfig(num_layers=1, hidden_size=16,  # noqa: E731
                                          num_attention_heads=2, **kw)
-    ps.set_wallfacer_groups(plan_for(0, 1, 1, "collective_intra"))
-    try:
-        with pytest.raises(ValueError, match="--attention-dropout"):
-            WallFacerCoreAttention(cfg(attention_dropout=0.1), 1, AttnMaskType.causal, "self")
-        with pytest.raises(ValueError, match="--context-parallel-size"):
-            WallFacerCoreAttention(cfg(attention_dropout=0.0, context_parallel_size=2), 1,
-                                   AttnMaskType.causal, "self")
-        core = WallFacerCoreAttention(cfg(attention_dropout=0.0), 1, AttnMaskType.padding,
-                                      "self")
-        x = torch.randn(4, 1, 2, 8)
-        with pytest.raises(ValueError, match="mask type"):
-            core(x, x, x, None)
-        # With P = 1 it is plain causal attention: compare with PyTorch's SDPA.
-        core = WallFacerCoreAttention(cfg(attention_dropout=0.0), 1, AttnMaskType.causal, "self")
-        ref = torch.nn.functional.scaled_dot_product_attention(
-            *(t.permute(1, 2, 0, 3) for t in (x, x, x)), is_causal=True)
-        torch.testing.assert_close(core(x, x, x, None), ref.permute(2, 0, 1, 3).reshape(4, 1, 16))
-    finally:
-        ps.destroy()
+    groups = plan_for(0, 1, 1, "collective_intra")  # passed in: no global state is read
+    with pytest.raises(ValueError, match="wallfacer_groups"):
+        WallFacerCoreAttention(cfg(attention_dropout=0.0), 1, AttnMaskType.causal, "self")
+    with pytest.raises(ValueError, match="--attention-dropout"):
+        WallFacerCoreAttention(cfg(attention_dropout=0.1), 1, AttnMaskType.causal, "self",
+                               wallfacer_groups=groups)
+    with pytest.raises(ValueError, match="--context-parallel-size"):
+        WallFacerCoreAttention(cfg(attention_dropout=0.0, context_parallel_size=2), 1,
+                               AttnMaskType.causal, "self", wallfacer_groups=groups)
+    core = WallFacerCoreAttention(cfg(attention_dropout=0.0), 1, AttnMaskType.padding,
+                                  "self", wallfacer_groups=groups)
+    x = torch.randn(4, 1, 2, 8)
+    with pytest.raises(ValueError, match="mask type"):
+        core(x, x, x, None)
+    # With P = 1 it is plain causal attention: compare with PyTorch's SDPA.
+    core = WallFacerCoreAttention(cfg(attention_dropout=0.0), 1, AttnMaskType.causal, "self",
+                                  wallfacer_groups=groups)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        *(t.permute(1, 2, 0, 3) for t in (x, x, x)), is_causal=True)
+    torch.testing.assert_close(core(x, x, x, None), ref.permute(2, 0, 1, 3).reshape(4, 1, 16))
