@@ -113,9 +113,11 @@ def select_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return "math"
 
 
-def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
-    # Statistics and merges run in fp32, or fp64 when the data is fp64 (tests' references).
-    return torch.float64 if dtype == torch.float64 else torch.float32
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The accumulator / statistics dtype for data of ``dtype``: fp32, or fp64 for fp64 data
+    (the tests' references). The one such rule of the package: the rings' merges, WallFacer's
+    accumulators, the norms and the cross entropy use it."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> int:
@@ -150,7 +152,7 @@ def _reduce_kv(grad: torch.Tensor, rep: int) -> torch.Tensor:
 
 def _math_probs(q, k, causal, scale, lse=None):
     """Scores in the statistics dtype; returns (probabilities, lse)."""
-    acc = _stat_dtype(q.dtype)
+    acc = acc_dtype(q.dtype)
     scores = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
     if causal:
         s_q, s_k = scores.shape[-2:]
@@ -172,7 +174,7 @@ def _math_forward(q, k, v, causal, scale, rep):
 
 
 def _math_backward(dout, q, k, v, out, lse, causal, scale, rep):
-    acc = _stat_dtype(q.dtype)
+    acc = acc_dtype(q.dtype)
     k_full, v_full = _expand_kv(k, rep), _expand_kv(v, rep)
     probs, _ = _math_probs(q, k_full, causal, scale, lse=lse.to(acc))
     dout_a = dout.to(acc)
@@ -202,7 +204,7 @@ def attention_forward(
     rep = _check(q, k, v, causal)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     backend = select_backend(q, k, v, backend)
-    stat = _stat_dtype(q.dtype)
+    stat = acc_dtype(q.dtype)
     if backend == "torch_flash_cpu":
         # The CPU op handles GQA itself (checked against repeat_interleave in the tests).
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
@@ -255,7 +257,7 @@ def attention_backward(
     backend = select_backend(q, k, v, backend)
     dout, out = dout.to(q.dtype), out.to(q.dtype)
     if backend == "torch_flash_cpu":
-        lse_k = lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+        lse_k = lse.to(acc_dtype(q.dtype))
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse_k, 0.0, causal, scale=scale
         )
@@ -331,7 +333,7 @@ def merge_partial(
     out = 0, lse = -inf, without NaN; a block row with lse = -inf contributes nothing even if
     the kernel left NaN in it. The inputs are not modified.
     """
-    acc = _stat_dtype(block_out.dtype if out is None else out.dtype)
+    acc = acc_dtype(block_out.dtype if out is None else out.dtype)
     if out is None:
         return merge_start(block_out.to(acc, copy=True), block_lse.to(acc, copy=True))
     return merge_partial_(
@@ -344,7 +346,7 @@ def merge_start(block_out: torch.Tensor, block_lse: torch.Tensor):
 
     May modify ``block_out`` in place (rows with lse = -inf are zeroed).
     """
-    acc = _stat_dtype(block_out.dtype)
+    acc = acc_dtype(block_out.dtype)
     out = block_out.to(acc)
     lse = block_lse.to(acc)
     out.masked_fill_(torch.isneginf(lse).unsqueeze(-1), 0.0)

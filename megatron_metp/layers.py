@@ -36,6 +36,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 
+from megatron_metp.kernels import acc_dtype
+
 
 class _RMSNormFn(torch.autograd.Function):
     """RMSNorm that keeps only its input and the per-token rstd for backward, as Transformer
@@ -49,7 +51,7 @@ class _RMSNormFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, eps):
-        acc = torch.promote_types(x.dtype, torch.float32)
+        acc = acc_dtype(x.dtype)
         xf = x.to(acc)
         rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         ctx.save_for_backward(x, w, rstd)

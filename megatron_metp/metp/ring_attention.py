@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from megatron_metp.comm import DoubleBuffer, RingComm
 from megatron_metp.kernels import (
+    acc_dtype,
     attention_backward,
     attention_forward,
     merge_partial_,
@@ -136,7 +137,7 @@ def ring_attention_backward(
     """
     p = dist.get_world_size(group) if group is not None or dist.is_initialized() else 1
     rank = dist.get_rank(group) if p > 1 else 0
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc = acc_dtype(q.dtype)
     kv_comm = RingComm(group) if p > 1 else None
     # A second ring for the gradient accumulators: their transfer overlaps the next block's
     # compute. Every rank issues the two rings' batches in the same program order, so the

@@ -53,21 +53,6 @@ class WallFacerGroups:
         """G = P / C^2 (ring steps per attention)."""
         return self.cp_size // (self.team_size * self.team_size)
 
-    @property
-    def team_group(self) -> int:
-        return self.team // self.ring_length
-
-    def team_ranks(self, team: Optional[int] = None) -> List[int]:
-        """Global ranks of a team in member order."""
-        t = self.team if team is None else team
-        return [self.cp_global_ranks[i]
-                for i in cg.team_members(t, self.cp_size, self.team_size, self.placement)]
-
-    def sub_ring_ranks(self) -> List[int]:
-        """Global ranks of this rank's sub-ring, in ring order."""
-        return [self.cp_global_ranks[i] for i in cg.sub_ring(
-            self.team_group, self.member, self.cp_size, self.team_size, self.placement)]
-
 
 def plan_for(idx: int, cp_size: int, team_size: int, placement: str,
              cp_global_ranks: Optional[Sequence[int]] = None, layout: str = "zigzag",
