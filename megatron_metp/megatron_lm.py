@@ -281,9 +281,8 @@ def layer_spec_provider(args: argparse.Namespace) -> Callable:
     def transformer_layer_spec(model_config, vp_stage: Optional[int] = None):
         validate_args(args)
         config = getattr(model_config, "transformer", model_config)
-        spec = layer_spec_for(args, config, vp_stage)
-        initialize_plugin_groups(args)
-        return spec
+        initialize_plugin_groups(args)  # first: the wallfacer spec carries the groups
+        return layer_spec_for(args, config, vp_stage)
 
     return transformer_layer_spec
 
@@ -312,8 +311,8 @@ def gpt_builder(args, pre_process=True, post_process=True, vp_stage=None, config
 
     if config is None:
         config = _config_from_args(args)
+    initialize_plugin_groups(args)  # first: the wallfacer spec carries the groups
     spec = layer_spec_for(args, config, vp_stage)  # a mode missing from this install fails here
-    initialize_plugin_groups(args)
     return GPTModel(
         config=config,
         transformer_layer_spec=spec,
