@@ -20,7 +20,7 @@ Shapes (heads before sequence, as PyTorch's SDPA ops take them)::
 or skipped by the caller. (flash-attn aligns the mask bottom-right when s_q != s_k, which is
 why the ambiguous case is refused rather than passed through.)
 
-Backends, chosen per call by :func:`select_backend` (and :func:`attention_backend` for a name):
+Backends, chosen per call by :func:`select_backend`:
 
 ==================  ===========================================  ===========================
 name                kernel                                       used when
@@ -37,7 +37,9 @@ name                kernel                                       used when
 
 flash-attn 3 (the Hopper build) is not wired: its private forward/backward signatures changed
 across its beta releases, so on H100 the torch flash op is used unless flash-attn 2 is present.
-:func:`use_backend` forces a backend (tests use it to run the math path). The two CUDA
+``backend=`` names a backend for one call (tests use it to run the math path); callers
+above (the rings, the attention modules) take it as a parameter too, so no switch is read
+inside autograd. The two CUDA
 backends are written against the documented op schemas and flash-attn 2.7/2.8's interface but
 are not exercised by the CPU test suite; ``tests/test_kernels.py`` is the check to run on a GPU.
 
@@ -49,29 +51,14 @@ dK/dV block by block without a second pass.
 
 from __future__ import annotations
 
-import contextlib
 import math
-from typing import Iterator, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 
 BACKENDS = ("flash_attn", "torch_flash_cuda", "torch_flash_cpu", "math")
 
-_FORCED: Optional[str] = None
 _FLASH_ATTN = None  # False once an import/version check failed; the module once it passed.
-
-
-@contextlib.contextmanager
-def use_backend(name: Optional[str]) -> Iterator[None]:
-    """Force ``name`` (one of ``BACKENDS``, or None for automatic) inside the ``with`` block."""
-    global _FORCED
-    if name is not None and name not in BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; choose one of {BACKENDS}")
-    previous, _FORCED = _FORCED, name
-    try:
-        yield
-    finally:
-        _FORCED = previous
 
 
 def _flash_attn_module():
@@ -95,10 +82,14 @@ def _flash_attn_module():
     return _FLASH_ATTN or None
 
 
-def select_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
-    """The backend :func:`attention_forward` / :func:`attention_backward` use for these inputs."""
-    if _FORCED is not None:
-        return _FORCED
+def select_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   backend: Optional[str] = None) -> str:
+    """The backend :func:`attention_forward` / :func:`attention_backward` use for these inputs:
+    ``backend`` if given (one of ``BACKENDS``), else the fastest one that takes them."""
+    if backend is not None:
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
+        return backend
     d = q.shape[-1]
     if not (q.dtype == k.dtype == v.dtype) or v.shape[-1] != d:
         return "math"
@@ -122,14 +113,11 @@ def select_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
     return "math"
 
 
-def attention_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
-    """Name of the backend chosen for ``(q, k, v)`` (an alias of :func:`select_backend`)."""
-    return select_backend(q, k, v)
-
-
-def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
-    # Statistics and merges run in fp32, or fp64 when the data is fp64 (tests' references).
-    return torch.float64 if dtype == torch.float64 else torch.float32
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The accumulator / statistics dtype for data of ``dtype``: fp32, or fp64 for fp64 data
+    (the tests' references). The one such rule of the package: the rings' merges, WallFacer's
+    accumulators, the norms and the cross entropy use it."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> int:
@@ -164,7 +152,7 @@ def _reduce_kv(grad: torch.Tensor, rep: int) -> torch.Tensor:
 
 def _math_probs(q, k, causal, scale, lse=None):
     """Scores in the statistics dtype; returns (probabilities, lse)."""
-    acc = _stat_dtype(q.dtype)
+    acc = acc_dtype(q.dtype)
     scores = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
     if causal:
         s_q, s_k = scores.shape[-2:]
@@ -186,7 +174,7 @@ def _math_forward(q, k, v, causal, scale, rep):
 
 
 def _math_backward(dout, q, k, v, out, lse, causal, scale, rep):
-    acc = _stat_dtype(q.dtype)
+    acc = acc_dtype(q.dtype)
     k_full, v_full = _expand_kv(k, rep), _expand_kv(v, rep)
     probs, _ = _math_probs(q, k_full, causal, scale, lse=lse.to(acc))
     dout_a = dout.to(acc)
@@ -210,12 +198,13 @@ def attention_forward(
     *,
     causal: bool,
     softmax_scale: Optional[float] = None,
+    backend: Optional[str] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """softmax(q k^T * scale [causal]) v for one block; returns ``(out, lse)`` (shapes above)."""
     rep = _check(q, k, v, causal)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    backend = select_backend(q, k, v)
-    stat = _stat_dtype(q.dtype)
+    backend = select_backend(q, k, v, backend)
+    stat = acc_dtype(q.dtype)
     if backend == "torch_flash_cpu":
         # The CPU op handles GQA itself (checked against repeat_interleave in the tests).
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
@@ -257,6 +246,7 @@ def attention_backward(
     *,
     causal: bool,
     softmax_scale: Optional[float] = None,
+    backend: Optional[str] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one block given the row's (merged) ``out`` and ``lse``; dk, dv in n_kv heads.
 
@@ -264,10 +254,10 @@ def attention_backward(
     """
     rep = _check(q, k, v, causal)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    backend = select_backend(q, k, v)
+    backend = select_backend(q, k, v, backend)
     dout, out = dout.to(q.dtype), out.to(q.dtype)
     if backend == "torch_flash_cpu":
-        lse_k = lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+        lse_k = lse.to(acc_dtype(q.dtype))
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse_k, 0.0, causal, scale=scale
         )
@@ -343,7 +333,7 @@ def merge_partial(
     out = 0, lse = -inf, without NaN; a block row with lse = -inf contributes nothing even if
     the kernel left NaN in it. The inputs are not modified.
     """
-    acc = _stat_dtype(block_out.dtype if out is None else out.dtype)
+    acc = acc_dtype(block_out.dtype if out is None else out.dtype)
     if out is None:
         return merge_start(block_out.to(acc, copy=True), block_lse.to(acc, copy=True))
     return merge_partial_(
@@ -356,7 +346,7 @@ def merge_start(block_out: torch.Tensor, block_lse: torch.Tensor):
 
     May modify ``block_out`` in place (rows with lse = -inf are zeroed).
     """
-    acc = _stat_dtype(block_out.dtype)
+    acc = acc_dtype(block_out.dtype)
     out = block_out.to(acc)
     lse = block_lse.to(acc)
     out.masked_fill_(torch.isneginf(lse).unsqueeze(-1), 0.0)

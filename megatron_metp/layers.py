@@ -36,6 +36,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 
+from megatron_metp.kernels import acc_dtype
+
 
 _NORM_CHUNKS = 16
 
@@ -65,7 +67,7 @@ class _RMSNormFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, eps):
-        acc = torch.promote_types(x.dtype, torch.float32)
+        acc = acc_dtype(x.dtype)
         h = x.shape[-1]
         x2 = x.reshape(-1, h)
         y2 = torch.empty_like(x2)

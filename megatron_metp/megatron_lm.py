@@ -228,7 +228,7 @@ def initialize_plugin_groups(args: argparse.Namespace) -> None:
         # The weight groups take the run's timeout, as Megatron's own groups do.
         ps.initialize_metp(timeout=datetime.timedelta(minutes=minutes) if minutes else None)
     if mode == "wallfacer" and not ps.wallfacer_is_initialized():
-        from megatron_metp.wallfacer import groups as wf_groups
+        from megatron_metp.wallfacer import scheduler as wf_scheduler
 
         c = team_size(args)
         placement = getattr(args, "wallfacer_placement", None)
@@ -237,7 +237,7 @@ def initialize_plugin_groups(args: argparse.Namespace) -> None:
             heads = args.num_attention_heads
             groups = getattr(args, "num_query_groups", None) or heads
             local = os.environ.get("LOCAL_WORLD_SIZE")
-            wf_groups.initialize_wallfacer(
+            wf_scheduler.initialize_wallfacer(
                 "auto", groups_placement(placement) if placement else None,
                 shape=dict(b=args.micro_batch_size, s=args.seq_length, n=heads // tp,
                            n_kv=max(groups // tp, 1),
@@ -247,7 +247,7 @@ def initialize_plugin_groups(args: argparse.Namespace) -> None:
             _log(f"--wallfacer-team-size auto picked C = "
                  f"{ps.get_wallfacer_groups().team_size}")
             return
-        wf_groups.initialize_wallfacer(
+        wf_scheduler.initialize_wallfacer(
             team_size=c, placement=groups_placement(placement or PLACEMENTS[0]),
             timeout_minutes=getattr(args, "distributed_timeout_minutes", None))
 
@@ -281,9 +281,8 @@ def layer_spec_provider(args: argparse.Namespace) -> Callable:
     def transformer_layer_spec(model_config, vp_stage: Optional[int] = None):
         validate_args(args)
         config = getattr(model_config, "transformer", model_config)
-        spec = layer_spec_for(args, config, vp_stage)
-        initialize_plugin_groups(args)
-        return spec
+        initialize_plugin_groups(args)  # first: the wallfacer spec carries the groups
+        return layer_spec_for(args, config, vp_stage)
 
     return transformer_layer_spec
 
@@ -312,8 +311,8 @@ def gpt_builder(args, pre_process=True, post_process=True, vp_stage=None, config
 
     if config is None:
         config = _config_from_args(args)
+    initialize_plugin_groups(args)  # first: the wallfacer spec carries the groups
     spec = layer_spec_for(args, config, vp_stage)  # a mode missing from this install fails here
-    initialize_plugin_groups(args)
     model_cls, extra = GPTModel, {}
     if mode == "metp":  # METP's ring LM-head loss; its position table sharded along positions
         from megatron_metp.metp.gpt_model import MetpGPTModel as model_cls

@@ -214,7 +214,7 @@ def initialize_parallel(
     see ``cpu_compat``), then registers the METP ring (= the TP group) for every mode.
 
     ``mode`` is validated here. For ``wallfacer``, the teams and sub-rings are then carved from
-    Megatron's context-parallel group (``megatron_metp.wallfacer.groups.initialize_wallfacer``)
+    Megatron's context-parallel group (``megatron_metp.wallfacer.scheduler.initialize_wallfacer``)
     with ``wallfacer_team_size`` (C, or ``"auto"`` to profile ``wallfacer_shape`` =
     dict(b, s, n, n_kv, d) with the topology scheduler) and ``wallfacer_placement``.
     """
@@ -293,7 +293,7 @@ def _initialize(tensor_model_parallel_size, pipeline_model_parallel_size, contex
         tp_rank_lists=tp_lists,
         timeout=datetime.timedelta(minutes=distributed_timeout_minutes))
     if mode == "wallfacer":
-        from megatron_metp.wallfacer.groups import initialize_wallfacer
+        from megatron_metp.wallfacer.scheduler import initialize_wallfacer
 
         initialize_wallfacer(wallfacer_team_size, wallfacer_placement,
                              shape=wallfacer_shape, gpus_per_node=gpus_per_node,

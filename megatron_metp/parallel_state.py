@@ -78,24 +78,6 @@ def metp_is_initialized() -> bool:
     return _METP_GROUP is not None
 
 
-def get_metp_group() -> dist.ProcessGroup:
-    """The METP ring (= Megatron's tensor-model-parallel group)."""
-    if _METP_GROUP is None:
-        raise RuntimeError(
-            "METP ring is not initialised: call megatron_metp.parallel_state.initialize_metp() "
-            "after Megatron-Core's initialize_model_parallel()"
-        )
-    return _METP_GROUP
-
-
-def get_metp_world_size() -> int:
-    return dist.get_world_size(get_metp_group())
-
-
-def get_metp_rank() -> int:
-    return dist.get_rank(get_metp_group())
-
-
 def set_wallfacer_groups(groups: Any) -> None:
     """Register the WallFacer groups object built by ``megatron_metp.wallfacer.groups``."""
     global _WALLFACER_GROUPS
@@ -110,7 +92,7 @@ def get_wallfacer_groups() -> Any:
     if _WALLFACER_GROUPS is None:
         raise RuntimeError(
             "WallFacer groups are not initialised: call "
-            "megatron_metp.wallfacer.groups.initialize_wallfacer(...) after Megatron-Core's "
+            "megatron_metp.wallfacer.scheduler.initialize_wallfacer(...) after Megatron-Core's "
             "initialize_model_parallel(context_parallel_size=P)"
         )
     return _WALLFACER_GROUPS

@@ -46,7 +46,7 @@ so TE checkpoints load with Megatron's usual TE<->local key mapping, not directl
 from __future__ import annotations
 
 import importlib
-from typing import Tuple, Union
+from typing import Optional, Tuple, Union
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
@@ -71,7 +71,7 @@ MODES = ("tp", "metp", "metp_mlp", "wallfacer")
 # Classes owned by other parts of the plugin, imported when a model is built.
 METP_MLP = ("megatron_metp.metp.mlp", "MetpMLP")
 METP_SELF_ATTENTION = ("megatron_metp.metp.attention", "MetpSelfAttention")
-WALLFACER_CORE_ATTENTION = ("megatron_metp.wallfacer.attention", "WallFacerCoreAttention")
+WALLFACER_CORE_ATTENTION = ("megatron_metp.wallfacer.core_attention", "WallFacerCoreAttention")
 
 _Module = Union[type, Tuple[str, str]]
 
@@ -86,9 +86,10 @@ def _mlp(module: _Module, backend: Backend) -> ModuleSpec:
 
 
 def _self_attention(module: _Module, core_attention: _Module, qk_layernorm: bool,
-                    backend: Backend) -> ModuleSpec:
+                    backend: Backend, core_params: Optional[dict] = None) -> ModuleSpec:
     qk_norm = backend.qk_norm if qk_layernorm else IdentityOp
-    core = core_attention if isinstance(core_attention, type) else ModuleSpec(module=core_attention)
+    core = (core_attention if isinstance(core_attention, type)
+            else ModuleSpec(module=core_attention, params=core_params or {}))
     return ModuleSpec(
         module=module,
         params={"attn_mask_type": AttnMaskType.causal},
@@ -117,12 +118,14 @@ def _layer(mlp: ModuleSpec, self_attention: ModuleSpec, backend: Backend) -> Mod
 
 
 def get_gpt_layer_spec(mode: str, *, qk_layernorm: bool = False,
-                       backend: Backend = LOCAL) -> ModuleSpec:
+                       backend: Backend = LOCAL, wallfacer_groups=None) -> ModuleSpec:
     """A fresh ``TransformerLayer`` spec for ``mode`` in ``MODES`` (see the module docstring).
 
     ``qk_layernorm`` adds Megatron's per-head query/key norm (``--qk-layernorm``), of the type
     ``config.normalization`` names. ``backend`` (``megatron_metp.te_backend``) supplies the norm
     and linear classes: the local ones by default, Transformer Engine's where a config asks.
+    ``wallfacer_groups`` (``wallfacer`` mode) go to ``WallFacerCoreAttention``'s constructor;
+    by default the ones ``initialize_wallfacer`` registered, if it has run.
     """
     if mode not in MODES:
         raise ValueError(
@@ -131,8 +134,15 @@ def get_gpt_layer_spec(mode: str, *, qk_layernorm: bool = False,
     mlp_module = METP_MLP if mode in ("metp", "metp_mlp") else MLP
     attn_module = METP_SELF_ATTENTION if mode == "metp" else SelfAttention
     core = WALLFACER_CORE_ATTENTION if mode == "wallfacer" else SDPACoreAttention
+    core_params = None
+    if mode == "wallfacer":
+        from megatron_metp import parallel_state as ps
+
+        if wallfacer_groups is None and ps.wallfacer_is_initialized():
+            wallfacer_groups = ps.get_wallfacer_groups()
+        core_params = {"wallfacer_groups": wallfacer_groups}
     return _layer(_mlp(mlp_module, backend),
-                  _self_attention(attn_module, core, qk_layernorm, backend), backend)
+                  _self_attention(attn_module, core, qk_layernorm, backend, core_params), backend)
 
 
 def get_gpt_block_spec(config, mode: str, *, vp_stage=None) -> TransformerBlockSubmodules:

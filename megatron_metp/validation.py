@@ -48,6 +48,8 @@ from argparse import Namespace
 from types import SimpleNamespace
 from typing import Callable, Optional
 
+from megatron_metp.errors import MetpConfigError
+
 MODES = ("tp", "metp", "metp_mlp", "wallfacer")
 CLI_MODES = ("tp", "metp", "wallfacer")
 # --wallfacer-placement values, and the names megatron_metp.wallfacer.config_generator uses.
@@ -85,10 +87,6 @@ _UNSUPPORTED = {
     ],
 }
 _UNSUPPORTED["metp_mlp"] = _UNSUPPORTED["metp"]
-
-
-class MetpConfigError(ValueError):
-    """A configuration the plugin refuses at start-up; the message names the flag and the fix."""
 
 
 def _fail(msg: str) -> None:

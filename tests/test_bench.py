@@ -63,6 +63,18 @@ def test_comm_modes():
         assert gathered == [1.0] * 4 + [2.0] * 4
 
 
+def test_eq5_threshold_by_hand():
+    # The METP paper's own example (Sec. 3.3): per ring step a rank computes
+    # 2 m k1 k2/p^2 + 2 m k2 n/p^2 FLOPs and sends 2 (k1 k2 + k2 n)/p bytes in FP16, so the
+    # intensity is m/p FLOP/byte (Eq. 5). An A100 gives 312e12 FLOP/s over 300e9 B/s of
+    # NVLink = 1040 FLOP/byte; overlap needs m/p > 1040, so with p = 8 and batch 1 the
+    # sequence must exceed 1040 * 8 = 8320 tokens.
+    assert bench.eq5_threshold(8, 312e12, 300e9, 2) == pytest.approx(8320)
+    # fp32 (4 bytes) halves the intensity to m/(2p); p = 4, b = 2, 1e12 FLOP/s over 1e11 B/s:
+    # m/8 > 10 -> m = b s > 80 -> s > 40.
+    assert bench.eq5_threshold(4, 1e12, 1e11, 4, micro_batch=2) == pytest.approx(40)
+
+
 def _bench(json_path):
     args = _args("--modes", "tp,metp,wallfacer,ring", "--json", json_path)
     bench._rank_entry(args)  # rank 0 prints the tables and writes the JSON

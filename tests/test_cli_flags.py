@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_metp import cli
+from megatron_metp import cli, launch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,7 +29,7 @@ def no_launch(monkeypatch):
     def trap(cmd, env, *a, **k):
         raise AssertionError(f"ranks were launched: {cmd}")
 
-    monkeypatch.setattr(cli, "run_process_group", trap)
+    monkeypatch.setattr(launch, "run_process_group", trap)
     for k in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
         monkeypatch.delenv(k, raising=False)
 

@@ -166,12 +166,12 @@ def test_data_path_feeds_the_same_stream(tmp_path):
 
 
 def test_cli_refuses_bad_data_before_launch(tmp_path, capsys, monkeypatch):
-    from megatron_metp import cli
+    from megatron_metp import cli, launch
 
     for k in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
         monkeypatch.delenv(k, raising=False)
     launched = []
-    monkeypatch.setattr(cli.subprocess, "call", lambda *a, **k: launched.append(a) or 0)
+    monkeypatch.setattr(launch, "run_process_group", lambda cmd, env: launched.append(cmd) or 0)
     prefix = str(tmp_path / "d")
     write_indexed_dataset(prefix, DOCS, dtype=np.uint16)
     raw = open(prefix + ".bin", "rb").read()

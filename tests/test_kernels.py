@@ -46,12 +46,12 @@ def _close(actual, expected, dtype):
 def test_forward_backward_match_fp64(backend, dtype, causal, n_kv, report):
     q, k, v, dout = _inputs(dtype, n_kv=n_kv)
     scale = 0.3  # not 1/sqrt(d): the scale must be honoured
-    with kernels.use_backend(backend):
-        assert kernels.attention_backend(q, k, v) == backend
-        out, lse = kernels.attention_forward(q, k, v, causal=causal, softmax_scale=scale)
-        dq, dk, dv = kernels.attention_backward(
-            dout, q, k, v, out, lse, causal=causal, softmax_scale=scale
-        )
+    assert kernels.select_backend(q, k, v, backend) == backend
+    out, lse = kernels.attention_forward(q, k, v, causal=causal, softmax_scale=scale,
+                                         backend=backend)
+    dq, dk, dv = kernels.attention_backward(
+        dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, backend=backend
+    )
     assert out.dtype == dtype and out.shape == q.shape
     assert lse.shape == q.shape[:3] and lse.dtype == (
         torch.float64 if dtype == torch.float64 else torch.float32
@@ -68,7 +68,7 @@ def test_forward_backward_match_fp64(backend, dtype, causal, n_kv, report):
 
 def test_default_scale_and_auto_backend():
     q, k, v, _ = _inputs(torch.float32)
-    assert kernels.attention_backend(q, k, v) == "torch_flash_cpu"
+    assert kernels.select_backend(q, k, v) == "torch_flash_cpu"
     out, lse = kernels.attention_forward(q, k, v, causal=False)
     _, _, _, ref_out, ref_lse = _reference(q, k, v, False, 1 / math.sqrt(q.shape[-1]))
     _close(out, ref_out.detach(), torch.float32)
@@ -82,11 +82,10 @@ def test_merge_of_key_blocks_equals_full_attention(backend):
     s_blk = 4
     q_blk = q[:, :, 2 * s_blk :]  # last query block: sees blocks 0, 1 fully, block 2 causally
     out = lse = None
-    with kernels.use_backend(backend):
-        for j in range(3):
-            kb, vb = k[:, :, j * s_blk : (j + 1) * s_blk], v[:, :, j * s_blk : (j + 1) * s_blk]
-            o, l = kernels.attention_forward(q_blk, kb, vb, causal=(j == 2))
-            out, lse = kernels.merge_partial(out, lse, o, l)
+    for j in range(3):
+        kb, vb = k[:, :, j * s_blk : (j + 1) * s_blk], v[:, :, j * s_blk : (j + 1) * s_blk]
+        o, l = kernels.attention_forward(q_blk, kb, vb, causal=(j == 2), backend=backend)
+        out, lse = kernels.merge_partial(out, lse, o, l)
     assert out.dtype == torch.float32
     _, _, _, ref_out, ref_lse = _reference(q, k, v, True, 1 / 4.0)
     _close(out, ref_out.detach()[:, :, 2 * s_blk :], torch.float32)
@@ -125,9 +124,10 @@ def test_merge_handles_fully_masked_rows_and_huge_lse():
 def test_large_logits_are_finite(backend):
     # |scores| ~ 1e4: q, k entries ~ 25 with d = 16 give q.k up to ~1e4.
     q, k, v, dout = _inputs(torch.float32, amp=25.0)
-    with kernels.use_backend(backend):
-        out, lse = kernels.attention_forward(q, k, v, causal=True, softmax_scale=1.0)
-        grads = kernels.attention_backward(dout, q, k, v, out, lse, causal=True, softmax_scale=1.0)
+    out, lse = kernels.attention_forward(q, k, v, causal=True, softmax_scale=1.0,
+                                         backend=backend)
+    grads = kernels.attention_backward(dout, q, k, v, out, lse, causal=True, softmax_scale=1.0,
+                                       backend=backend)
     assert lse.abs().max() > 1e3
     for t in (out, lse, *grads):
         assert torch.isfinite(t).all()
@@ -145,8 +145,7 @@ def test_bad_shapes_are_refused():
     with pytest.raises(ValueError, match="diagonal"):
         kernels.attention_forward(q[:, :, :4], k, v, causal=True)
     with pytest.raises(ValueError, match="unknown attention backend"):
-        with kernels.use_backend("cudnn"):
-            pass
+        kernels.attention_forward(q, k, v, causal=False, backend="cudnn")
 
 
 def _cuda_backends():
@@ -170,9 +169,9 @@ def test_cuda_backends_match_fp64(causal, n_kv, report):
     q, k, v, dout = (t.cuda() for t in _inputs(torch.bfloat16, n_kv=n_kv, d=64))
     tol = 2.5e-2 if n_kv == 4 else 3.5e-2
     for backend in _cuda_backends():
-        with kernels.use_backend(backend):
-            out, lse = kernels.attention_forward(q, k, v, causal=causal)
-            dq, dk, dv = kernels.attention_backward(dout, q, k, v, out, lse, causal=causal)
+        out, lse = kernels.attention_forward(q, k, v, causal=causal, backend=backend)
+        dq, dk, dv = kernels.attention_backward(dout, q, k, v, out, lse, causal=causal,
+                                                backend=backend)
         q64, k64, v64, ref_out, ref_lse = _reference(q.cpu(), k.cpu(), v.cpu(), causal, 0.125)
         ref_out.backward(dout.cpu().double())
         for name, got, ref in (("out", out, ref_out), ("lse", lse, ref_lse), ("dq", dq, q64.grad),

@@ -29,7 +29,7 @@ def _cfg(p, kind):
     raise ValueError(kind)
 
 
-def _build(config, mode, causal=True):
+def _build(config, mode, causal=True, **kwargs):
     import dataclasses
 
     from megatron.core.transformer.enums import AttnMaskType
@@ -41,7 +41,7 @@ def _build(config, mode, causal=True):
     attn_spec = spec.submodules.self_attention
     if not causal:
         attn_spec = dataclasses.replace(attn_spec, params={"attn_mask_type": AttnMaskType.no_mask})
-    return build_module(attn_spec, config=config, layer_number=1)
+    return build_module(attn_spec, config=config, layer_number=1, **kwargs)
 
 
 def _freqs(config, rope):
@@ -273,7 +273,6 @@ def test_metp_attention_communication(world, report):
 
 
 def _mem_case(s, h, heads):
-    from megatron_metp import kernels
     from megatron_metp.measure.memory import PeakMemory
     from megatron_metp.model import make_config
     from tests._models import setup
@@ -287,15 +286,14 @@ def _mem_case(s, h, heads):
     for mode, backend, causal in (("tp", None, True), ("metp", None, True),
                                   ("metp", "math", False), ("metp", None, False)):
         torch.manual_seed(0)
-        attn = _build(config, mode, causal)
+        attn = _build(config, mode, causal, **({"kernel_backend": backend} if backend else {}))
         x = torch.randn(s // p, 1, h, requires_grad=True)
-        with kernels.use_backend(backend):
-            # Baseline: parameters and the input; the peak increase is what the sublayer's
-            # forward allocates (activations kept for backward, temporaries, its output).
-            with PeakMemory(attn, x) as fwd:
-                y, _ = attn(x, None)
-            with PeakMemory(attn, x, y) as bwd:
-                y.backward(torch.ones_like(y))
+        # Baseline: parameters and the input; the peak increase is what the sublayer's
+        # forward allocates (activations kept for backward, temporaries, its output).
+        with PeakMemory(attn, x) as fwd:
+            y, _ = attn(x, None)
+        with PeakMemory(attn, x, y) as bwd:
+            y.backward(torch.ones_like(y))
         res[(mode, backend or "flash", causal)] = (fwd.peak_increase, bwd.peak_increase)
         del y
     return res

@@ -136,7 +136,7 @@ _RATIO_SCRIPT = textwrap.dedent(
     from megatron_metp.config import load_config
     from megatron_metp.measure import layer_probe
     from megatron_metp.measure.planner import FakeWorld, transformer_config
-    from megatron_metp.kernels import attention_backend
+    from megatron_metp.kernels import select_backend
     cfg = load_config("{model}")
     world, out = FakeWorld(), {{}}
     for p in (2, 4, 8):
@@ -150,7 +150,7 @@ _RATIO_SCRIPT = textwrap.dedent(
     with FakeTensorMode():
         import torch
         q = torch.empty(1, 8, {s}, 64, dtype=torch.bfloat16)
-        out["backend"] = attention_backend(q, q, q)
+        out["backend"] = select_backend(q, q, q)
     world.teardown()
     print("RESULT", json.dumps(out))
     """

@@ -213,7 +213,7 @@ def _masked_rank_task():
     from tests import _models as M
 
     from megatron_metp.model import initialize_parallel
-    from megatron_metp.wallfacer.groups import initialize_wallfacer
+    from megatron_metp.wallfacer.scheduler import initialize_wallfacer
 
     initialize_parallel(context_parallel_size=P, mode="wallfacer")
     initialize_wallfacer(1)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_metp import cli
+from megatron_metp import cli, launch
 from megatron_metp.train_report import Reporter
 from tests._harness import run_ranks
 
@@ -96,7 +96,7 @@ def test_bad_configuration_fails_before_launch(argv, match, capsys, monkeypatch)
         if torch.cuda.is_available():
             pytest.skip("allowed on GPU")
     launched = []
-    monkeypatch.setattr(cli.subprocess, "call", lambda *a, **k: launched.append(a) or 0)
+    monkeypatch.setattr(launch, "run_process_group", lambda cmd, env: launched.append(cmd) or 0)
     assert cli.main(["train", "--nproc-per-node", "4", *argv]) == 2
     assert launched == []
     assert match in capsys.readouterr().err
@@ -107,26 +107,26 @@ def test_launcher_detection(monkeypatch):
               "SLURM_LOCALID", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.setenv(k, "")  # recorded, so that whatever the launcher sets is undone
         monkeypatch.delenv(k)
-    assert not cli.under_launcher()
+    assert not launch.under_launcher()
     monkeypatch.setenv("SLURM_PROCID", "0")
     monkeypatch.setenv("SLURM_NTASKS", "1")  # one task per node: it starts torchrun itself
-    assert not cli.under_launcher()
+    assert not launch.under_launcher()
     monkeypatch.setenv("SLURM_NTASKS", "4")
     with pytest.raises(ValueError, match="MASTER_ADDR"):
-        cli.under_launcher()
+        launch.under_launcher()
     monkeypatch.setenv("MASTER_ADDR", "node1")
     monkeypatch.setenv("MASTER_PORT", "29500")
     monkeypatch.setenv("SLURM_PROCID", "3")
     monkeypatch.setenv("SLURM_LOCALID", "1")
-    assert cli.under_launcher()
+    assert launch.under_launcher()
     env = os.environ
     assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"]) == ("3", "4", "1")
     # torchrun is started with this interpreter and the same subcommand
     monkeypatch.delenv("RANK")
     monkeypatch.delenv("SLURM_PROCID")
     calls = []
-    monkeypatch.setattr(cli, "run_process_group", lambda cmd, env: calls.append(cmd) or 0)
-    assert cli.launch_or_run(["train", "--lr", "1"], 2, lambda: 1) == 0
+    monkeypatch.setattr(launch, "run_process_group", lambda cmd, env: calls.append(cmd) or 0)
+    assert launch.launch_or_run(["train", "--lr", "1"], 2, lambda: 1) == 0
     assert calls[0][:4] == [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     assert calls[0][-5:] == ["-m", "megatron_metp.cli", "train", "--lr", "1"]
 

@@ -112,15 +112,21 @@ def test_zigzag_causal_work_is_balanced(P, C, placement):
         assert max(totals) > min(totals)
 
 
-def test_positions_match_megatron_slicing():
-    from megatron.core.utils import get_batch_on_this_cp_rank  # noqa: F401  (layout reference)
+def test_positions_match_megatron_slicing(monkeypatch):
+    from megatron.core import utils as mcore_utils
 
     s, P = 16, 4
     full = torch.arange(s)
     shards = [zigzag.shard_sequence(full, r, P) for r in range(P)]
-    # Megatron: view as 2P chunks, take chunks r and 2P-1-r.
     for r in range(P):
-        ref = full.view(2 * P, -1)[[r, 2 * P - 1 - r]].reshape(-1)
+        # Megatron's own slicing of a [b, s] batch as context-parallel rank r of P (its rank and
+        # size come from parallel_state, set here without a process group).
+        monkeypatch.setattr(mcore_utils.parallel_state, "get_context_parallel_world_size",
+                            lambda: P)
+        monkeypatch.setattr(mcore_utils.parallel_state, "get_context_parallel_rank", lambda: r)
+        ref = mcore_utils.get_batch_on_this_cp_rank({"tokens": full[None].clone()})["tokens"][0]
+        # ... which is chunks r and 2P-1-r of 2P, written out: the layout the code relies on.
+        assert ref.tolist() == full.view(2 * P, -1)[[r, 2 * P - 1 - r]].reshape(-1).tolist()
         assert torch.equal(shards[r], ref)
         assert torch.equal(zigzag.position_ids(s, r, P), ref)
     assert torch.equal(zigzag.unshard_sequence(shards), full)

@@ -31,7 +31,7 @@ def _compare_models(style, team_size, placement, tp=1):
     from megatron.core import parallel_state as mpu
 
     from megatron_metp.model import destroy_parallel
-    from megatron_metp.wallfacer.groups import initialize_wallfacer
+    from megatron_metp.wallfacer.scheduler import initialize_wallfacer
 
     b = _models.batch(seed=3, s=SEQ)
     n_tokens = b["tokens"].numel()

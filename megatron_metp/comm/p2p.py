@@ -26,32 +26,10 @@ before they are posted (gloo rejects non-contiguous views). Nothing here synchro
 
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator, List, Optional
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
-
-# Benchmark switch, off by default: ``metp bench``'s serialised timing (the METP paper's Fig. 7
-# "synchronous" setting) needs every ring step to finish its transfer before any computation
-# starts. Set it only through :func:`serialised_p2p`; nothing else reads it.
-_SERIALISE = False
-
-
-@contextlib.contextmanager
-def serialised_p2p() -> Iterator[None]:
-    """Within this block ``commit()`` completes its batch before returning (no overlap).
-
-    Safe for the same reason as the overlapped order: the whole batch is launched first, then
-    waited for, so a send never waits on a receive that has not been posted yet.
-    """
-    global _SERIALISE
-    previous, _SERIALISE = _SERIALISE, True
-    try:
-        yield
-    finally:
-        _SERIALISE = previous
-
 
 class P2PComm:
     """Sends to one fixed peer and receives from another, in steps.
@@ -106,10 +84,6 @@ class P2PComm:
             raise RuntimeError("P2PComm.commit: previous batch not waited for")
         self._reqs = dist.batch_isend_irecv(self._ops) if self._ops else []
         self._ops = []
-        if _SERIALISE:  # benchmark only (see serialised_p2p): complete now, wait() then only
-            for req in self._reqs:  # does the local copies
-                req.wait()
-            self._reqs = []
 
     def wait(self) -> None:
         """Complete the committed batch (and the local copies)."""

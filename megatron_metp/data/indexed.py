@@ -44,11 +44,6 @@ class IndexedDataError(ValueError):
     """A ``.bin``/``.idx`` pair that cannot be used; the message names the file and the fix."""
 
 
-def optimal_dtype(vocab_size: int) -> type:
-    """uint16 when every token id fits (as Megatron's preprocessing picks), else int32."""
-    return np.uint16 if vocab_size <= 65536 else np.int32
-
-
 def write_indexed_dataset(prefix: str, documents: Iterable[Sequence[int]],
                           dtype: type = np.uint16, vocab_size: Optional[int] = None) -> int:
     """Write ``prefix.bin`` / ``prefix.idx`` with one sequence per document; return the token count.

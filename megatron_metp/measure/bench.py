@@ -45,7 +45,7 @@ from typing import Callable, Dict, List
 import torch
 import torch.distributed as dist
 
-from megatron_metp.cli import mode_list
+from megatron_metp.launch import mode_list
 from megatron_metp.measure.bench_report import markdown, plot
 from megatron_metp.measure.bench_setup import (layer_step, model_flops, model_step, setup,
                                                team_size, teardown)
@@ -305,8 +305,9 @@ def _rank_entry(args: argparse.Namespace) -> int:
 
 
 def main(args: argparse.Namespace, argv: List[str]) -> int:
-    """``metp bench``: run in place under torchrun/srun, else launch the ranks (see cli)."""
-    from megatron_metp.cli import launch_or_run
+    """``metp bench``: run in place under torchrun/srun, else launch the ranks
+    (``megatron_metp.launch``)."""
+    from megatron_metp.launch import launch_or_run
 
     return launch_or_run(argv, args.nproc_per_node, lambda: _rank_entry(args),
                          lambda world: preflight(args, world))

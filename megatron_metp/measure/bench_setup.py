@@ -41,7 +41,7 @@ def setup(mode: str, args, p: int):
     if mode in ("tp", "metp"):
         initialize_parallel(tensor_model_parallel_size=p, mode=mode)
         return mode, make_config(args.style, **kw), mode
-    from megatron_metp.wallfacer.groups import initialize_wallfacer
+    from megatron_metp.wallfacer.scheduler import initialize_wallfacer
 
     c = 1 if mode == "ring" else team_size(args, p)
     initialize_parallel(tensor_model_parallel_size=1, context_parallel_size=p, mode="wallfacer")

@@ -5,10 +5,10 @@
 =====================  ==========================================================================
 overlapped             the normal code: ring transfers and async collectives run while the
                        layer computes (double buffering)
-``serialised_comm()``  every communication completes before the next computation starts: P2P
-                       batches through ``megatron_metp.comm.p2p.serialised_p2p`` (the ring's
-                       ``commit`` waits), collectives by waiting on their ``Work`` right after
-                       launch (a dispatch mode over the ``c10d`` ops)
+``serialised_comm()``  every communication completes before the next computation starts (a
+                       dispatch mode over the ``c10d`` ops, ``_Serialise``): collectives are
+                       waited for at launch, a ring step's P2P batch before the next kernel;
+                       the communication code itself has no switch for it
 ``stubbed_comm()``     the same computation with no communication at all: every ``c10d`` op
                        returns an already completed ``Work`` without moving data (receive
                        buffers keep whatever they held), so the numbers computed are wrong but
@@ -35,7 +35,6 @@ from torch._C._distributed_c10d import _create_work_from_future
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_metp.comm import RingComm
-from megatron_metp.comm.p2p import serialised_p2p
 
 __all__ = ["serialised_comm", "stubbed_comm", "matmul_flops", "ring_bandwidth", "sync"]
 
@@ -49,18 +48,55 @@ def _work_of(out):
     return out[-1] if isinstance(out, tuple) else out
 
 
-class _WaitCollectives(TorchDispatchMode):
-    """Waits on every c10d collective right after launching it (P2P: see serialised_p2p)."""
+class _Serialise(TorchDispatchMode):
+    """Completes every communication before the next operation that is not a P2P launch.
+
+    Collectives are waited for right after their launch. Every rank issues its collectives in
+    the same order (SPMD), so completing each one before issuing the next cannot deadlock; the
+    later ``handle.wait()`` is then a no-op.
+
+    P2P sends and receives are waited for at the next other operation (a kernel, a copy, a
+    collective), not at their own launch: ``batch_isend_irecv`` launches a ring step's sends and
+    receives back to back, and waiting for a send before its step's receives are posted would
+    deadlock the ring. So a ring's block is in its receive buffer before anything computes on
+    the next line after ``commit()``: the METP paper's Fig. 7 "synchronous" setting.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self._p2p: list = []
+
+    def _drain(self) -> None:
+        pending, self._p2p = self._p2p, []
+        for work in pending:
+            work.wait()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        p2p = func.namespace == "c10d" and func._schema.name in _P2P
+        if not p2p:
+            self._drain()
         out = func(*args, **(kwargs or {}))
-        if func.namespace == "c10d" and func._schema.name not in _P2P:
-            # Every rank issues its collectives in the same order (SPMD), so completing each one
-            # before issuing the next cannot deadlock; the later handle.wait() is then a no-op.
+        if func.namespace == "c10d":
             work = _work_of(out)
             if work is not None:
+                if p2p:
+                    # The caller gets a completed stand-in: a gloo send or receive must be
+                    # waited for exactly once (a second wait blocks for another message).
+                    self._p2p.append(dist.distributed_c10d.Work.unbox(work))
+                    return _done_work()
                 dist.distributed_c10d.Work.unbox(work).wait()
         return out
+
+    def __exit__(self, *exc):
+        self._drain()
+        return super().__exit__(*exc)
+
+
+def _done_work():
+    """A boxed ``Work`` that has already completed."""
+    fut = torch.futures.Future()
+    fut.set_result([])
+    return _create_work_from_future(fut).boxed()
 
 
 class _Stub(TorchDispatchMode):
@@ -75,9 +111,7 @@ class _Stub(TorchDispatchMode):
         if func.namespace != "c10d" or func._schema.name in _NOT_STUBBED:
             return func(*args, **kwargs)
         self.stubbed_calls += 1
-        fut = torch.futures.Future()
-        fut.set_result([])
-        work = _create_work_from_future(fut).boxed()
+        work = _done_work()
         if len(func._schema.returns) == 1:
             return work  # send, recv_, alltoall_base_, ...: Work only
         # (tensors, Work): the first argument is always the op's output tensor(s).
@@ -90,7 +124,7 @@ class _Stub(TorchDispatchMode):
 @contextlib.contextmanager
 def serialised_comm() -> Iterator[None]:
     """No overlap: each communication finishes before the computation after it starts."""
-    with serialised_p2p(), _WaitCollectives():
+    with _Serialise():
         yield
 
 

@@ -32,12 +32,6 @@ def metp_mlp_comm(h: int, ffn: int, p: int, *, gated: bool = False, bias: bool =
     return 3 * (p - 1) / p * travelling
 
 
-def metp_mlp_comm_forward(h: int, ffn: int, p: int, *, gated: bool = False,
-                          bias: bool = False) -> float:
-    """METP MLP forward only: (p-1)/p of the travelling weights, elements sent per rank."""
-    return metp_mlp_comm(h, ffn, p, gated=gated, bias=bias) / 3
-
-
 def tp_sp_mlp_comm(b: int, s: int, h: int, p: int) -> float:
     """Megatron TP+SP MLP, one forward + backward: elements sent per rank (Sec. 3.2.2).
 
@@ -48,38 +42,9 @@ def tp_sp_mlp_comm(b: int, s: int, h: int, p: int) -> float:
     return 5 * (p - 1) / p * b * s * h
 
 
-def metp_mlp_peak_activation(b: int, s: int, h: int, p: int, ffn: int | None = None) -> float:
-    """METP MLP peak activation elements per rank during forward (Table 1 "peak" minus weights).
-
-    bsh/p (the input X_i) + bs F / p^2 (one ring step's X_i W_in_r); Table 1 writes 4bsh/p^2.
-    """
-    ffn = 4 * h if ffn is None else ffn
-    return b * s * h / p + b * s * ffn / p**2
-
-
-def tp_sp_mlp_peak_activation(b: int, s: int, h: int, p: int, ffn: int | None = None) -> float:
-    """Megatron TP+SP MLP peak activation elements per rank during forward (Table 1).
-
-    bsh (the all-gathered X) + bs F / p (X W_in on this rank's columns); Table 1 writes 4bsh/p.
-    """
-    ffn = 4 * h if ffn is None else ffn
-    return b * s * h + b * s * ffn / p
-
-
 def metp_mlp_activation_ratio(p: int) -> float:
     """METP / TP+SP peak activation ratio of the MLP: exactly 1/p for F = 4h (Table 1).
 
     (bsh/p + 4bsh/p^2) / (bsh + 4bsh/p) = 1/p; with any F it is also 1/p.
     """
     return 1.0 / p
-
-
-def metp_mlp_memory_after_forward(b: int, s: int, h: int, p: int) -> float:
-    """Table 1 "Memory" of METP (elements per rank after forward, weights with their gradients
-    and Adam states: 32h^2/p, plus the saved input bsh/p)."""
-    return 32 * h * h / p + b * s * h / p
-
-
-def tp_sp_mlp_memory_after_forward(b: int, s: int, h: int, p: int) -> float:
-    """Table 1 "Memory" of Megatron TP+SP: 32h^2/p + 5bsh/p elements per rank."""
-    return 32 * h * h / p + 5 * b * s * h / p

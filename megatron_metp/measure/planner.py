@@ -53,7 +53,6 @@ max(compute, comm) + comm / p.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional
 
@@ -387,7 +386,3 @@ def memory_table(points: List[PlanPoint]) -> str:
             cells.append(fmt_gib(pt.total_bytes) + ("" if pt.fits else "*") + ratio)
         lines.append(f"| {model} | {p} | {mode} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
-
-
-def ratio_of(a: float, b: float) -> float:
-    return a / b if b else math.nan

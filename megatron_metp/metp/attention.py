@@ -115,6 +115,7 @@ class _Plan:
         self.mscale = _yarn_get_concentration_factor_from_config(module.config)
         self.causal = causal
         self.scale = module._softmax_scale
+        self.backend = module.kernel_backend
 
     def row_blocks(self, w_qkv, b_qkv):
         """Head group j's q / k / v row blocks of ``w_qkv`` (and its bias), as
@@ -232,7 +233,7 @@ class _MetpMHAFunction(torch.autograd.Function):
             if plan.has_post:
                 q, k = plan.post(q, k)
             a_j, lse_j = ring_attention_forward(
-                plan.group, _bnsd(q), _bnsd(k), _bnsd(v), plan.causal, plan.scale
+                plan.group, _bnsd(q), _bnsd(k), _bnsd(v), plan.causal, plan.scale, plan.backend
             )
             del q, k, v
             out.addmm_(_flat(a_j), w_proj_j.t())  # O_i += A_ij W_proj_j, no [s/p, b, h] temp
@@ -283,7 +284,7 @@ class _MetpMHAFunction(torch.autograd.Function):
                 q, k = plan.post(q_lin, k_lin) if plan.has_post else (q_lin, k_lin)
             dq, dk, dv = ring_attention_backward(
                 plan.group, da_j, _bnsd(q.detach()), _bnsd(k.detach()), _bnsd(v), a_j, lse_j,
-                plan.causal, plan.scale,
+                plan.causal, plan.scale, plan.backend,
             )
             del da_j
             dq, dk, dv = _sbnd(dq), _sbnd(dk), _sbnd(dv)
@@ -356,6 +357,7 @@ class MetpSelfAttention(SelfAttention):
         attn_mask_type: AttnMaskType = AttnMaskType.padding,
         cp_comm_type: Optional[str] = None,
         pg_collection=None,
+        kernel_backend: Optional[str] = None,
     ):
         if pg_collection is None:
             from megatron.core.process_groups_config import ProcessGroupCollection
@@ -365,6 +367,8 @@ class MetpSelfAttention(SelfAttention):
         check_metp_attention_config(config, p)
         super().__init__(config, submodules, layer_number, attn_mask_type=attn_mask_type,
                          cp_comm_type=cp_comm_type, pg_collection=pg_collection)
+        # The attention kernel (megatron_metp.kernels.BACKENDS); None chooses per block.
+        self.kernel_backend = kernel_backend
         if isinstance(self.q_layernorm, IdentityOp):
             self.q_layernorm = None
         if isinstance(self.k_layernorm, IdentityOp):

@@ -34,6 +34,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron_metp.kernels import acc_dtype
 from megatron_metp.metp.weight_ring import (
     _ring_size,
     circulate_for_backward,
@@ -54,10 +55,9 @@ def _owner_range(step: int, rank: int, p: int, v_shard: int):
     return owner * v_shard, (owner + 1) * v_shard
 
 
-def _math_dtype(dtype: torch.dtype) -> torch.dtype:
-    # The softmax math in fp32 (as Megatron's vocab-parallel cross entropy, which casts the
-    # logits to fp32); fp64 data stays fp64 (the tests' reference precision).
-    return torch.promote_types(dtype, torch.float32)
+# The softmax math in fp32 (as Megatron's vocab-parallel cross entropy, which casts the
+# logits to fp32); fp64 data stays fp64 (the tests' reference precision).
+_math_dtype = acc_dtype
 
 
 def _chunk_logits(x_c: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -37,7 +37,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_tensor_model_parallel_group_if_none
 
 from megatron_metp.metp.weight_ring import MetpMLPFunction
-from megatron_metp.validation import MetpConfigError
+from megatron_metp.errors import MetpConfigError
 
 __all__ = ["MetpMLP", "validate_metp_mlp", "make_activation"]
 

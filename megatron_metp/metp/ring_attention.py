@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from megatron_metp.comm import DoubleBuffer, RingComm
 from megatron_metp.kernels import (
+    acc_dtype,
     attention_backward,
     attention_forward,
     merge_partial_,
@@ -78,8 +79,10 @@ def ring_attention_forward(
     v: torch.Tensor,
     causal: bool,
     softmax_scale: Optional[float] = None,
+    backend: Optional[str] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Attention of this rank's queries to every rank's keys; returns ``(out, lse)``."""
+    """Attention of this rank's queries to every rank's keys; returns ``(out, lse)``.
+    ``backend``: the kernel (``megatron_metp.kernels.BACKENDS``), None to choose per block."""
     p = dist.get_world_size(group) if group is not None or dist.is_initialized() else 1
     rank = dist.get_rank(group) if p > 1 else 0
     comm = RingComm(group) if p > 1 else None
@@ -100,7 +103,7 @@ def ring_attention_forward(
         if mode is not None:
             blk_out, blk_lse = attention_forward(
                 q, k_buf.current.permute(k_back), v_buf.current.permute(v_back),
-                causal=mode, softmax_scale=softmax_scale,
+                causal=mode, softmax_scale=softmax_scale, backend=backend,
             )
             if out is None:
                 out, lse = merge_start(blk_out, blk_lse)
@@ -125,6 +128,7 @@ def ring_attention_backward(
     lse: torch.Tensor,
     causal: bool,
     softmax_scale: Optional[float] = None,
+    backend: Optional[str] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of :func:`ring_attention_forward`: ``(dq, dk, dv)`` for this rank's shards.
 
@@ -133,7 +137,7 @@ def ring_attention_backward(
     """
     p = dist.get_world_size(group) if group is not None or dist.is_initialized() else 1
     rank = dist.get_rank(group) if p > 1 else 0
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc = acc_dtype(q.dtype)
     kv_comm = RingComm(group) if p > 1 else None
     # A second ring for the gradient accumulators: their transfer overlaps the next block's
     # compute. Every rank issues the two rings' batches in the same program order, so the
@@ -157,7 +161,7 @@ def ring_attention_backward(
         if mode is not None:
             dq_b, dk_b, dv_b = attention_backward(
                 dout, q, k_buf.current.permute(k_back), v_buf.current.permute(v_back), out, lse,
-                causal=mode, softmax_scale=softmax_scale,
+                causal=mode, softmax_scale=softmax_scale, backend=backend,
             )
             dq += dq_b
             del dq_b
@@ -203,19 +207,20 @@ class RingAttentionFunction(torch.autograd.Function):
     """Autograd wrapper: fills ``ctx`` and delegates to the stateless functions above."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, softmax_scale):
-        out, lse = ring_attention_forward(group, q, k, v, causal, softmax_scale)
+    def forward(ctx, q, k, v, group, causal, softmax_scale, backend):
+        out, lse = ring_attention_forward(group, q, k, v, causal, softmax_scale, backend)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.causal, ctx.softmax_scale = group, causal, softmax_scale
+        ctx.backend = backend
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = ring_attention_backward(
-            ctx.group, dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale
+            ctx.group, dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale, ctx.backend
         )
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
 def ring_attention(
@@ -225,6 +230,7 @@ def ring_attention(
     group: Optional[dist.ProcessGroup],
     causal: bool = True,
     softmax_scale: Optional[float] = None,
+    backend: Optional[str] = None,
 ) -> torch.Tensor:
     """Differentiable ring attention over ``group`` (shapes in the module docstring)."""
-    return RingAttentionFunction.apply(q, k, v, group, causal, softmax_scale)
+    return RingAttentionFunction.apply(q, k, v, group, causal, softmax_scale, backend)

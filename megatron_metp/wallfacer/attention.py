@@ -59,10 +59,6 @@ from megatron_metp.wallfacer import zigzag
 from megatron_metp.wallfacer.groups import WallFacerGroups
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _team_chunks(plan: WallFacerGroups, team: int) -> List[int]:
     """Chunk ids of a team's tokens in member-major order: index a * 2 + h."""
     pairs = zigzag.team_chunk_ids(team, plan.cp_size, plan.team_size, plan.placement, plan.layout)
@@ -147,7 +143,7 @@ def wallfacer_forward(q, k, v, plan: WallFacerGroups, *, causal: bool,
     accumulator is allocated after the initial send.
     """
     C, G = plan.team_size, plan.ring_length
-    acc = _acc_dtype(q.dtype)
+    acc = kernels.acc_dtype(q.dtype)
     # 1. Team all-gather. K/V first: the init send waits on it; the q gather overlaps the send.
     kv_team, kv_work = _gather_shards(torch.stack([k, v]), plan)
     q_team, q_work = _gather_shards(q, plan)        # q_team[a]: member a's queries
@@ -187,9 +183,7 @@ def wallfacer_forward(q, k, v, plan: WallFacerGroups, *, causal: bool,
                 a, h = divmod(qi, 2)
                 blk_out, blk_lse = kernels.attention_forward(
                     q_team[a][h], kv[0, h2], kv[1, h2], causal=diag, softmax_scale=softmax_scale)
-                o, l_ = kernels.merge_partial(out_acc[a, h], lse_acc[a, h], blk_out, blk_lse)
-                out_acc[a, h].copy_(o)
-                lse_acc[a, h].copy_(l_)
+                kernels.merge_partial_(out_acc[a, h], lse_acc[a, h], blk_out, blk_lse)
                 units += 0.5 if diag else 1.0
             if step + 1 < G:
                 ring.wait()
@@ -224,7 +218,7 @@ def wallfacer_backward(dout, q, k, v, out, lse, plan: WallFacerGroups, *, causal
     (member-major: [dq | dk | dv] per member), so the final reduce-scatter needs no copy.
     """
     C, G = plan.team_size, plan.ring_length
-    acc = _acc_dtype(q.dtype)
+    acc = kernels.acc_dtype(q.dtype)
     kv_team, kv_work = _gather_shards(torch.stack([k, v]), plan)
     # The query package [q | dout | out] and lse, as member shards (own slot = a fresh copy,
     # since received shards will be written into it).
@@ -364,7 +358,3 @@ def wallfacer_attention(q, k, v, plan: WallFacerGroups, *, causal: bool,
     out = WallFacerAttnFunc.apply(to_chunk_major(q), to_chunk_major(k), to_chunk_major(v),
                                   plan, causal, softmax_scale)
     return from_chunk_major(out)
-
-
-# The layer spec names ``megatron_metp.wallfacer.attention.WallFacerCoreAttention``.
-from megatron_metp.wallfacer.core_attention import WallFacerCoreAttention  # noqa: E402,F401

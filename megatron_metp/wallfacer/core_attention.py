@@ -9,6 +9,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_metp.wallfacer.attention import wallfacer_attention
 from megatron_metp.wallfacer.groups import WallFacerGroups
 
 
@@ -23,9 +24,9 @@ class WallFacerCoreAttention(MegatronModule):
         key, value   [s/P, b, ng, hn]    GQA: ng query groups (K/V travel with ng heads)
         returns      [s/P, b, np * hn]
 
-    The groups come from ``megatron_metp.parallel_state.get_wallfacer_groups()`` at
-    construction (call ``initialize_wallfacer`` after Megatron's ``initialize_model_parallel``)
-    and are passed explicitly to the autograd Function. Tensor parallelism composes: each TP
+    The groups are a constructor argument, ``wallfacer_groups`` (the layer spec passes those
+    ``initialize_wallfacer`` built, ``megatron_metp.specs``), handed on to the autograd
+    Function; nothing here reads global state. Tensor parallelism composes: each TP
     rank runs WallFacer on its own heads over its own CP group (tested: TP = 2 + SP x CP = 4).
     ``causal`` uses the chunk-pair causal mask (an explicit ``attention_mask`` is ignored, as
     Transformer Engine's CP path does); ``no_mask`` is full attention (DiT-style); other mask
@@ -36,11 +37,14 @@ class WallFacerCoreAttention(MegatronModule):
                  attn_mask_type: AttnMaskType, attention_type: str,
                  attention_dropout: Optional[float] = None,
                  softmax_scale: Optional[float] = None, cp_comm_type: Optional[str] = None,
-                 pg_collection=None):
+                 pg_collection=None, wallfacer_groups: Optional[WallFacerGroups] = None):
         super().__init__(config=config)
-        from megatron_metp import parallel_state as ps
-
-        self.plan: WallFacerGroups = ps.get_wallfacer_groups()
+        if wallfacer_groups is None:
+            raise ValueError(
+                "WallFacerCoreAttention needs its wallfacer_groups: call initialize_wallfacer "
+                "(megatron_metp.wallfacer.scheduler) before building the layer spec "
+                "(megatron_metp.specs.get_gpt_layer_spec('wallfacer'))")
+        self.plan: WallFacerGroups = wallfacer_groups
         if config.context_parallel_size != self.plan.cp_size:
             raise ValueError(
                 f"--context-parallel-size {config.context_parallel_size} differs from the "
@@ -81,8 +85,6 @@ class WallFacerCoreAttention(MegatronModule):
             raise ValueError("WallFacer attention cannot apply an arbitrary attention_mask; use "
                              "a causal or no_mask attention mask type")
         sq, b, np_, hn = query.shape
-        from megatron_metp.wallfacer.attention import wallfacer_attention
-
         out = wallfacer_attention(query, key, value, self.plan, causal=causal,
                                   softmax_scale=self.softmax_scale)
         return out.reshape(sq, b, np_ * hn)

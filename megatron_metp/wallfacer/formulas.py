@@ -68,19 +68,6 @@ def wallfacer_p2p_volume(N: int, H: int, P: int, C: int, B: int = 1,
     return P / (C * C) * 2 * C * B * N * H / P * bytes_per_element
 
 
-def ring_comm_time(N, H, P, W, L, B=1, bytes_per_element=2) -> float:
-    """Eq. 2: P (2BNH/(PW) + L) seconds, W in bytes/s."""
-    return P * (2 * B * N * H * bytes_per_element / (P * W) + L)
-
-
-def wallfacer_comm_time(N, H, P, C, W, L, B=1, bytes_per_element=2) -> Dict[str, float]:
-    """Eq. 3 and Eq. 4, seconds (collective without latency, as printed)."""
-    return {
-        "collective": 4 * B * N * H * (C - 1) * bytes_per_element / (P * W),
-        "p2p": P / (C * C) * (2 * C * B * N * H * bytes_per_element / (P * W) + L),
-    }
-
-
 def activation_elements(B: int, N: int, H: int, P: int) -> float:
     """Eq. 5: A = BNH/P, one activation of a sub-sequence on one GPU."""
     return B * N * H / P

@@ -3,7 +3,7 @@
 The WallFacer group *is* Megatron-Core's context-parallel group (weights are replicated across
 it; Megatron's DDP already reduces gradients over data x context ranks), so WallFacer composes
 with TP, DP and PP exactly as Megatron's own context parallelism does. Megatron has no hook for
-extra groups, so :func:`initialize_wallfacer` builds them beside Megatron's: it learns every
+extra groups, so ``scheduler.initialize_wallfacer`` builds them beside Megatron's: it learns every
 context-parallel group (one ``all_gather_object`` of each rank's
 ``get_context_parallel_global_ranks()``), then every rank creates every team's process group in
 the same order (``new_group`` is collective over the world). Sub-rings need no process group:
@@ -52,21 +52,6 @@ class WallFacerGroups:
     def ring_length(self) -> int:
         """G = P / C^2 (ring steps per attention)."""
         return self.cp_size // (self.team_size * self.team_size)
-
-    @property
-    def team_group(self) -> int:
-        return self.team // self.ring_length
-
-    def team_ranks(self, team: Optional[int] = None) -> List[int]:
-        """Global ranks of a team in member order."""
-        t = self.team if team is None else team
-        return [self.cp_global_ranks[i]
-                for i in cg.team_members(t, self.cp_size, self.team_size, self.placement)]
-
-    def sub_ring_ranks(self) -> List[int]:
-        """Global ranks of this rank's sub-ring, in ring order."""
-        return [self.cp_global_ranks[i] for i in cg.sub_ring(
-            self.team_group, self.member, self.cp_size, self.team_size, self.placement)]
 
 
 def plan_for(idx: int, cp_size: int, team_size: int, placement: str,
@@ -141,46 +126,4 @@ def build_wallfacer_groups(all_cp_groups: Sequence[Sequence[int]], my_cp_ranks: 
     _warm_up(cp_group, my_team_pg)
     if my_team_pg is not None and dist.get_rank(my_team_pg) != plan.member:
         raise RuntimeError("team process group rank differs from the member index")
-    return plan
-
-
-def initialize_wallfacer(team_size=1, placement: Optional[str] = "collective_intra",
-                         layout: str = "zigzag", *, shape: Optional[dict] = None,
-                         gpus_per_node: Optional[int] = None,
-                         timeout_minutes: Optional[float] = None) -> WallFacerGroups:
-    """Build the WallFacer groups from Megatron's context-parallel group and register them.
-
-    Call on every rank after ``megatron.core.parallel_state.initialize_model_parallel(
-    context_parallel_size=P, ...)``. Returns this rank's :class:`WallFacerGroups`.
-    ``team_size="auto"`` (``--wallfacer-team-size auto``) runs the topology scheduler on an
-    attention step of ``shape`` (b, s, n, n_kv, d) first; ``placement=None`` lets it choose.
-    """
-    if team_size == "auto":
-        from megatron_metp.wallfacer.scheduler import resolve_team_size
-
-        if shape is None:
-            raise ValueError("--wallfacer-team-size auto needs the attention shape to profile "
-                             "(initialize_wallfacer(..., shape=dict(b=, s=, n=, n_kv=, d=)))")
-        team_size, placement = resolve_team_size("auto", placement, shape, gpus_per_node)
-    placement = placement or "collective_intra"
-    from megatron.core import parallel_state as mpu
-
-    from megatron_metp import parallel_state as ps
-
-    if not mpu.model_parallel_is_initialized():
-        raise RuntimeError(
-            "initialize_wallfacer: call megatron.core.parallel_state.initialize_model_parallel("
-            "context_parallel_size=P, ...) first"
-        )
-    my_cp = list(mpu.get_context_parallel_global_ranks())
-    gathered: List[List[int]] = [None] * dist.get_world_size()  # type: ignore[list-item]
-    dist.all_gather_object(gathered, sorted(my_cp))
-    unique = sorted({tuple(g) for g in gathered})
-    plan = build_wallfacer_groups([list(g) for g in unique], my_cp,
-                                  mpu.get_context_parallel_group(), team_size, placement, layout,
-                                  timeout=datetime.timedelta(minutes=timeout_minutes)
-                                  if timeout_minutes else None)
-    if plan.idx != mpu.get_context_parallel_rank():
-        raise RuntimeError("WallFacer CP index differs from Megatron's context-parallel rank")
-    ps.set_wallfacer_groups(plan)
     return plan

@@ -6,7 +6,8 @@ node; ``p2p_intra``: sub-rings on consecutive ranks, so the ring P2P stays insid
 candidate's groups are built, a few steps are profiled, the slowest rank's time is taken (the
 step waits for it), and the fastest candidate wins; every rank reaches the same choice because
 the times are all-reduced (MAX) before comparing. This is what ``--wallfacer-team-size auto``
-runs.
+runs; :func:`initialize_wallfacer` (resolve the team size, build the groups, register them)
+is the package's entry point.
 
     best = auto_select(shape=dict(b=1, s=65536, n=32, n_kv=8, d=128), gpus_per_node=8)
     best.team_size, best.placement, best.table
@@ -14,6 +15,7 @@ runs.
 
 from __future__ import annotations
 
+import datetime
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -23,6 +25,8 @@ import torch.distributed as dist
 
 from megatron_metp import parallel_state as ps
 from megatron_metp.wallfacer import config_generator as cg
+from megatron_metp.wallfacer.attention import WallFacerAttnFunc
+from megatron_metp.wallfacer.groups import WallFacerGroups, build_wallfacer_groups
 
 Candidate = Tuple[int, str]
 
@@ -109,8 +113,6 @@ def attention_step_factory(shape: dict, causal: bool = True, dtype=None,
     device = _comm_device() if device is None else device
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    from megatron_metp.wallfacer.attention import WallFacerAttnFunc
-
     def factory(plan):
         c = shape["s"] // (2 * plan.cp_size)
         g = torch.Generator().manual_seed(0)
@@ -137,8 +139,6 @@ def auto_select(step_factory: Optional[Callable] = None, *, shape: Optional[dict
     (default: :func:`attention_step_factory` of ``shape``). The CP groups default to
     Megatron's (as ``initialize_wallfacer`` finds them); all ranks of the world must call this.
     """
-    from megatron_metp.wallfacer.groups import build_wallfacer_groups
-
     if step_factory is None:
         if shape is None:
             raise ValueError("auto_select: give step_factory or shape")
@@ -195,3 +195,41 @@ def resolve_team_size(team_size, placement: Optional[str], shape: dict,
         c, pl = pick_fastest(c_times)
         return c, placement
     return sched.team_size, sched.placement
+
+
+def initialize_wallfacer(team_size=1, placement: Optional[str] = "collective_intra",
+                         layout: str = "zigzag", *, shape: Optional[dict] = None,
+                         gpus_per_node: Optional[int] = None,
+                         timeout_minutes: Optional[float] = None) -> WallFacerGroups:
+    """Build the WallFacer groups from Megatron's context-parallel group and register them.
+
+    Call on every rank after ``megatron.core.parallel_state.initialize_model_parallel(
+    context_parallel_size=P, ...)``. Returns this rank's :class:`WallFacerGroups`.
+    ``team_size="auto"`` (``--wallfacer-team-size auto``) runs the topology scheduler on an
+    attention step of ``shape`` (b, s, n, n_kv, d) first; ``placement=None`` lets it choose.
+    """
+    if team_size == "auto":
+        if shape is None:
+            raise ValueError("--wallfacer-team-size auto needs the attention shape to profile "
+                             "(initialize_wallfacer(..., shape=dict(b=, s=, n=, n_kv=, d=)))")
+        team_size, placement = resolve_team_size("auto", placement, shape, gpus_per_node)
+    placement = placement or "collective_intra"
+    from megatron.core import parallel_state as mpu
+
+    if not mpu.model_parallel_is_initialized():
+        raise RuntimeError(
+            "initialize_wallfacer: call megatron.core.parallel_state.initialize_model_parallel("
+            "context_parallel_size=P, ...) first"
+        )
+    my_cp = list(mpu.get_context_parallel_global_ranks())
+    gathered: List[List[int]] = [None] * dist.get_world_size()  # type: ignore[list-item]
+    dist.all_gather_object(gathered, sorted(my_cp))
+    unique = sorted({tuple(g) for g in gathered})
+    plan = build_wallfacer_groups([list(g) for g in unique], my_cp,
+                                  mpu.get_context_parallel_group(), team_size, placement, layout,
+                                  timeout=datetime.timedelta(minutes=timeout_minutes)
+                                  if timeout_minutes else None)
+    if plan.idx != mpu.get_context_parallel_rank():
+        raise RuntimeError("WallFacer CP index differs from Megatron's context-parallel rank")
+    ps.set_wallfacer_groups(plan)
+    return plan

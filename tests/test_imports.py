@@ -1,0 +1,129 @@
+"""The package's import graph: no circles, and no layer imports a layer above it.
+
+Read from the source with ``ast`` (one process, nothing imported), every ``import`` counted,
+also those inside functions: a lazy import still ties the two modules together.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import Dict, List, Set
+
+PACKAGE = Path(__file__).resolve().parent.parent / "megatron_metp"
+
+# Lowest first. A module may import its own layer and the layers below it, never one above.
+# Longest prefix wins (``measure.flops`` before ``measure``).
+LAYERS = [
+    ("core", ["comm", "kernels", "parallel_state", "errors"]),
+    ("algorithms", ["metp", "wallfacer"]),
+    ("integration", ["layers", "te_backend", "cpu_compat", "specs", "model", "validation",
+                     "megatron_lm", "megatron_lm_hooks", "config", "flops", "launch"]),
+    ("measure", ["measure"]),
+    ("trainer", ["cli", "train", "train_checkpoint", "train_report", "lifetime", "data"]),
+]
+
+
+def _modules() -> Dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def _imports(name: str, path: Path, known: Set[str]) -> Set[str]:
+    """The package modules ``name`` imports (a ``from pkg import mod`` names ``pkg.mod``)."""
+    found = set()
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                base = ".".join(up + ([base] if base else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base
+                       for a in node.names]
+        else:
+            continue
+        for t in targets:
+            while t and t not in known:  # an attribute of a module: the module
+                t = t.rpartition(".")[0]
+            if t.startswith("megatron_metp") and t != name:
+                found.add(t)
+    return found
+
+
+def _layer(module: str) -> int:
+    rel = module.split(".")[1:]
+    best = None
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for p in prefixes:
+            n = len(p.split("."))
+            if rel[:n] == p.split(".") and (best is None or n > best[1]):
+                best = (i, n)
+    assert best is not None, f"{module} is in no layer: add it to LAYERS"
+    return best[0]
+
+
+def _graph() -> Dict[str, Set[str]]:
+    mods = _modules()
+    return {m: _imports(m, p, set(mods)) for m, p in mods.items()}
+
+
+def _cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: Dict[str, int] = {}
+    low: Dict[str, int] = {}
+    stack: List[str] = []
+    on: Set[str] = set()
+    out = []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_cycle_finder_finds_a_cycle():
+    # The checker itself: a known three-module circle and a chain.
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+
+
+def test_no_import_circles():
+    assert _cycles(_graph()) == []
+
+
+def test_no_upward_imports():
+    graph = _graph()
+    assert "megatron_metp.wallfacer.attention" in graph and len(graph) > 40  # the walk found it
+    upward = sorted(f"{a} ({LAYERS[_layer(a)][0]}) imports {b} ({LAYERS[_layer(b)][0]})"
+                    for a, targets in graph.items() for b in targets
+                    if a != "megatron_metp" and _layer(b) > _layer(a))
+    assert upward == []
