@@ -18,7 +18,7 @@ import os
 import time
 from typing import Dict
 
-from megatron_metp.measure.timeline import ESTIMATE, GPUS, Link, Machine, chrome_trace, simulate
+from megatron_metp.measure.timeline import ESTIMATE, GPUS, chrome_trace, simulate
 
 TIMELINE_MODELS = ("llama-7b", "gpt-175b")
 TIMELINE_SEQS = "32k,128k,512k,1024k"
@@ -231,15 +231,6 @@ def run(args, ints, default_models, default_seqs) -> int:
     print(f"[metp plan --timeline] wrote {d}/timeline.md, timeline.json, timeline.svg, "
           f"trace_<model>.json (ESTIMATES; open the traces in https://ui.perfetto.dev)")
     return 0
-
-
-def _machine_from_bench(res: dict, mem_bw: float, op_overhead: float = 0.0) -> Machine:
-    ov = res["overlap"]
-    ring = ov["ring"]
-    gloo = Link("gloo (measured ring step)", ring["bandwidth"], ring["latency"], efficiency=1.0)
-    return Machine("this CPU (measured)", ov["flops_per_s"], mem_bw, gloo, gloo,
-                   efficiency=1.0, mem_efficiency=1.0, gpus_per_node=1 << 20,
-                   op_overhead=op_overhead)
 
 
 __all__ = ["add_arguments", "run", "timeline_rows", "markdown", "check"]

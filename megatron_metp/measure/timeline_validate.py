@@ -18,7 +18,7 @@ from typing import Dict, List
 import torch
 
 from megatron_metp.measure.op_trace import TraceOp
-from megatron_metp.measure.timeline import simulate
+from megatron_metp.measure.timeline import Link, Machine, simulate
 
 
 def copy_bandwidth(threads: int, nbytes: int = 64 << 20, iters: int = 5) -> float:
@@ -91,7 +91,6 @@ def validate(bench_json: str) -> Dict:
 
     from megatron_metp.measure.op_trace import trace_layer
     from megatron_metp.measure.planner import FakeWorld
-    from megatron_metp.measure.timeline_report import _machine_from_bench
 
     with open(bench_json) as f:
         res = json.load(f)
@@ -147,3 +146,12 @@ def validate(bench_json: str) -> Dict:
         flops_per_s=machine.peak_flops, copy_bytes_per_s=mem_bw, op_overhead_s=overhead,
         ring_bandwidth=machine.intra.bandwidth, ring_latency_s=machine.intra.alpha),
         points=points, mean_abs_error=summary, markdown="\n".join(lines))
+
+
+def _machine_from_bench(res: dict, mem_bw: float, op_overhead: float = 0.0) -> Machine:
+    ov = res["overlap"]
+    ring = ov["ring"]
+    gloo = Link("gloo (measured ring step)", ring["bandwidth"], ring["latency"], efficiency=1.0)
+    return Machine("this CPU (measured)", ov["flops_per_s"], mem_bw, gloo, gloo,
+                   efficiency=1.0, mem_efficiency=1.0, gpus_per_node=1 << 20,
+                   op_overhead=op_overhead)
