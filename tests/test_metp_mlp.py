@@ -350,12 +350,17 @@ def test_metp_mlp_peak_memory_below_tp(p, report):
     assert s >= 16 * h
     r = run_ranks(p, _memory, p)[0]
     metp, tp = r["MetpMLP"], r["MLP"]
-    # METP's forward, by hand (fp32 bytes): the output accumulator [bs/p, h], one ring step's
-    # T and f(T) [bs/p, F/p] alive together, and the receive buffers of (W_in, W_out) shards:
+    # METP's forward, by hand (fp32 bytes): the output accumulator [bs/p, h], one token chunk's
+    # T and f(T) [rows, F/p] alive together (a ring step runs ceil(4 (F/p) / h) chunks of the
+    # bs/p tokens: weight_ring.token_chunks), and the receive buffers of (W_in, W_out) shards:
     # two (double buffering) when more than one shard arrives, one at p = 2.
     w_shard = 2 * h * ffn // p
     recv_bufs = min(2, p - 1)
-    assert metp["fwd"] == 4 * (b * s * h // p + 2 * b * s * ffn // p**2 + recv_bufs * w_shard)
+    n, f_shard = b * s // p, ffn // p
+    chunks = min(n, -(-4 * f_shard // h))
+    rows = -(-n // chunks)
+    assert chunks > 1  # the shapes exercise the chunked path
+    assert metp["fwd"] == 4 * (n * h + 2 * rows * f_shard + recv_bufs * w_shard)
     assert metp["total"] < tp["total"]
     ratio = metp["fwd"] / tp["fwd"]
     # Table 1 predicts exactly 1/p for the activations (METP bsh/p + 4bsh/p^2 vs TP's
@@ -500,11 +505,15 @@ def test_metp_mlp_at_paper_scale_under_fake_tensors(report):
     metp, tp = r["MetpMLP"], r["MLP"]
     assert metp["sent"] == pytest.approx(24 * (p - 1) / p * h * h)
     assert tp["sent"] == pytest.approx(5 * (p - 1) / p * b * s * h)
-    # METP's forward by hand (bf16 bytes): the output accumulator [bs/p, h], one ring step's T
-    # and f(T) [bs/p, F/p] alive together, and two receive buffers of the (W_in, W_out) shards.
+    # METP's forward by hand (bf16 bytes): the output accumulator [bs/p, h], one token chunk's
+    # T and f(T) [rows, F/p] alive together (ceil(4 (F/p) / h) = 2 chunks here), and two
+    # receive buffers of the (W_in, W_out) shards.
     bf16 = 2
     w_shard = 2 * h * ffn // p
-    assert metp["fwd"] == bf16 * (b * s * h // p + 2 * b * s * ffn // p**2 + 2 * w_shard)
+    n, f_shard = b * s // p, ffn // p
+    rows = -(-n // -(-4 * f_shard // h))
+    assert rows == n // 2
+    assert metp["fwd"] == bf16 * (n * h + 2 * rows * f_shard + 2 * w_shard)
     assert metp["total"] < tp["total"]
     ratio = metp["fwd"] / tp["fwd"]
     report(f"MLP at h=8192 s=131072 p=8 bf16 (fake tensors, fake PG): fwd+bwd peak METP "

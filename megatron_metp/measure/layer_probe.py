@@ -34,8 +34,9 @@ the planner adds (``planner.optimizer_bytes_per_param``).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Dict, Iterator, Optional
 
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
@@ -101,6 +102,27 @@ def _buffer_bytes(gbuf) -> int:
     return sum(t.numel() * t.element_size() for t in gbuf.buffer.values())
 
 
+@contextlib.contextmanager
+def _fake_storage_copy(fake: bool) -> Iterator[None]:
+    """Under FakeTensorMode, make ``UntypedStorage.copy_`` a no-op for the region.
+
+    Megatron's selective recompute (``CheckpointWithoutOutput``) frees a norm's output with
+    ``storage.resize_(0)`` and restores it in backward with ``resize_`` + ``storage.copy_``. On
+    fake storages that ``copy_`` keeps both storages counted for the rest of the step (measured:
+    a real run frees them when the tensors die, a fake one never does), so the planner would
+    read one recomputed output too many at a later peak. Fake data has no values to copy.
+    """
+    if not fake:
+        yield
+        return
+    orig = torch.UntypedStorage.copy_
+    torch.UntypedStorage.copy_ = lambda self, src, non_blocking=None: self
+    try:
+        yield
+    finally:
+        torch.UntypedStorage.copy_ = orig
+
+
 def _measure(module: torch.nn.Module, x: torch.Tensor, run_forward, extra=()) -> LayerMeasure:
     """fwd (``run_forward(x) -> output``), then bwd with a gradient of the output's shape."""
     hooks = _drop_param_grads(module)
@@ -115,7 +137,9 @@ def _measure(module: torch.nn.Module, x: torch.Tensor, run_forward, extra=()) ->
     tracker = MemTracker()
     tracker.track_external(module, x, *extra, *main_grads)
     try:
-        with tracker, CommCounter() as cc:
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        with tracker, CommCounter() as cc, _fake_storage_copy(isinstance(x, FakeTensor)):
             base = _total(tracker.get_tracker_snapshot("current"))
             out = run_forward(x)
             retained = _total(tracker.get_tracker_snapshot("current")) - base
