@@ -40,11 +40,13 @@ from megatron_metp.kernels import acc_dtype
 
 
 _NORM_CHUNKS = 16
+_NORM_MIN_ROWS = 1024  # below this a chunk's temporaries are negligible; fewer, larger ops
 
 
 def _token_chunks(n: int):
-    """Slices covering ``n`` tokens in at most ``_NORM_CHUNKS`` pieces."""
-    step = max(1, -(-n // _NORM_CHUNKS))
+    """Slices covering ``n`` tokens in at most ``_NORM_CHUNKS`` pieces of at least
+    ``_NORM_MIN_ROWS`` tokens (one piece for short inputs)."""
+    step = max(_NORM_MIN_ROWS, -(-n // _NORM_CHUNKS))
     return [slice(i, min(i + step, n)) for i in range(0, n, step)]
 
 

@@ -235,3 +235,24 @@ def test_spec_objects_and_errors():
     missing = ModuleSpec(module=("megatron_metp.no_such_module", "Nothing"))
     with pytest.raises(ImportError, match="megatron_metp.no_such_module.Nothing"):
         specs.check_spec_importable(missing)
+
+
+def test_chunked_rms_norm_equals_whole_tensor_fp64():
+    """``layers.rms_norm`` runs in token chunks (4 of 1024 here) against the whole-tensor
+    formula under autograd, fp64: per-token values are the same expression (agreement to
+    ~1e-16 relative), only dw's sum over tokens is regrouped; 1e-12 leaves margin while a
+    skipped or doubled chunk is an O(1) error."""
+    from megatron_metp.layers import _token_chunks, rms_norm
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4096, 1, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(8, generator=g, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(4096, 1, 8, generator=g, dtype=torch.float64)
+    assert len(_token_chunks(4096)) == 4
+    y = rms_norm(x, w, 1e-5)
+    dx, dw = torch.autograd.grad(y, (x, w), dy)
+    xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    yr = xr * torch.rsqrt(xr.pow(2).mean(-1, keepdim=True) + 1e-5) * wr
+    dxr, dwr = torch.autograd.grad(yr, (xr, wr), dy)
+    for got, want in ((y, yr), (dx, dxr), (dw, dwr)):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

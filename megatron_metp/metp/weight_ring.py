@@ -75,6 +75,9 @@ def _fc1(x: torch.Tensor, w_in: torch.Tensor, b_in: Optional[torch.Tensor]) -> t
     return torch.addmm(b_in, x, w_in.t()) if b_in is not None else torch.mm(x, w_in.t())
 
 
+MLP_MIN_ROWS = 256
+
+
 def token_chunks(n: int, f_cols: int, h: int) -> List[slice]:
     """Row slices of this rank's ``n`` tokens for one ring step's MLP work.
 
@@ -85,7 +88,9 @@ def token_chunks(n: int, f_cols: int, h: int) -> List[slice]:
     take the MLP backward's working set from 3.5 to about 0.9 ``bsh/p``. The GEMMs stay large
     (n/4 rows) and every result is the same per-token computation.
     """
-    k = max(1, min(n, -(-4 * f_cols // max(1, h))))
+    # At least MLP_MIN_ROWS tokens per chunk: short inputs run whole (their temporaries are
+    # small), which keeps the GEMMs large and the Python overhead of tiny runs unchanged.
+    k = max(1, min(-(-4 * f_cols // max(1, h)), n // MLP_MIN_ROWS))
     step = -(-n // k)
     return [slice(i, min(i + step, n)) for i in range(0, n, step)]
 
