@@ -59,7 +59,7 @@ def launch_or_run(argv: List[str], nproc: Optional[int], run: Callable[[], int],
     if preflight is not None:
         preflight(n)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={n}", "-m", "megatron_metp.cli", *argv]
+           f"--nproc-per-node={n}", "-m", "megatron_metp.training.cli", *argv]
     env = dict(os.environ)
     # Several CPU ranks share the cores: one intra-op thread each avoids oversubscription.
     env.setdefault("OMP_NUM_THREADS", "1")

@@ -356,7 +356,7 @@ def make_gpt_builder(fallback: Optional[Callable] = None) -> Callable:
 def config_flags(name_or_path: str, *, training: bool = True) -> List[str]:
     """Megatron-LM flags for a ``configs/<model>.yaml`` (the model, then its training defaults),
     for ``pretrain_gpt.py``; flags given later on the command line override these."""
-    from megatron_metp.config import load_config
+    from megatron_metp.training.config import load_config
 
     cfg = load_config(name_or_path)
     out = ["--num-layers", str(cfg.num_layers), "--hidden-size", str(cfg.hidden_size),
@@ -385,7 +385,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     config; ``vocab-size CONFIG`` prints its vocabulary size (for ``--vocab-size``)."""
     import shlex
 
-    from megatron_metp.config import load_config
+    from megatron_metp.training.config import load_config
 
     p = argparse.ArgumentParser(prog="python -m megatron_metp.megatron_lm")
     p.add_argument("command", choices=("flags", "vocab-size"))

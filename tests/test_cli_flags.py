@@ -1,7 +1,7 @@
 """Every bad flag of ``metp train`` (and a few of ``bench`` / ``plan``) is refused at start-up,
 through the command-line entry point as a user runs it (issue 11, item 4).
 
-Each case runs ``megatron_metp.cli.main(argv)`` (what the ``metp`` console script calls) with
+Each case runs ``megatron_metp.training.cli.main(argv)`` (what the ``metp`` console script calls) with
 the launcher replaced by a trap: a case passes only if the command returns (or exits with) 2,
 prints exactly one line on stderr that names the flag, prints no traceback, and never reaches
 the point where torchrun or a rank would start. A few cases also run as a real process, to time
@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_metp import cli, launch
+from megatron_metp import launch
+from megatron_metp.training import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -186,7 +187,7 @@ def test_bad_flag_fails_fast_as_a_process(args, report):
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS")}
     t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "megatron_metp.cli", "train", *args], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "megatron_metp.training.cli", "train", *args], cwd=ROOT,
                        env=env, capture_output=True, text=True, timeout=60)
     elapsed = time.perf_counter() - t0
     assert r.returncode == 2, r.stderr

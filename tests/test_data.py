@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_metp.data import (
+from megatron_metp.training.data import (
     ByteTokenizer,
     GPTSamples,
     IndexedDataError,
@@ -153,7 +153,7 @@ def test_samples_independent_of_dp_size():
 def test_data_path_feeds_the_same_stream(tmp_path):
     """The shipped corpus written as a Megatron indexed dataset and read back through
     ``--data-path`` gives the same token stream (what ``metp train --data-path`` trains on)."""
-    from megatron_metp.data import load_tokens
+    from megatron_metp.training.data import load_tokens
 
     tokens = corpus_tokens()
     eod = np.nonzero(tokens == ByteTokenizer.EOD)[0]
@@ -166,7 +166,8 @@ def test_data_path_feeds_the_same_stream(tmp_path):
 
 
 def test_cli_refuses_bad_data_before_launch(tmp_path, capsys, monkeypatch):
-    from megatron_metp import cli, launch
+    from megatron_metp import launch
+    from megatron_metp.training import cli
 
     for k in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
         monkeypatch.delenv(k, raising=False)

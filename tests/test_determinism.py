@@ -1,7 +1,7 @@
 """Determinism on CPU (issue 7, item 3): the same seed, data and configuration give
 bit-identical losses across two runs; another seed does not.
 
-Through ``metp train``'s own code (``megatron_metp.train.run`` on 4 gloo ranks, METP with
+Through ``metp train``'s own code (``megatron_metp.training.train.run`` on 4 gloo ranks, METP with
 TP 2 x DP 2, hidden dropout 0.1 so that the random streams are exercised), comparing the
 per-iteration losses with ``==``: no tolerance. The other half of the item, a resumed run
 equal to the uninterrupted one bit for bit, is tests/test_train.py::
@@ -18,7 +18,7 @@ ITERS = 3
 
 
 def _runs():
-    from megatron_metp import train
+    from megatron_metp.training import train
 
     common = ["--tensor-parallel-mode", "metp", "--tensor-model-parallel-size", "2",
               "--hidden-dropout", "0.1", "--train-iters", str(ITERS)]

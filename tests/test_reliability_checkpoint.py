@@ -13,7 +13,7 @@ every parameter and every Adam moment (gathered to its full TP = 1 shape) equals
 the source's in-memory state at the moment it saved; and the target's losses for iterations 3-4
 equal the uninterrupted source run's within the cross-mode parity tolerance.
 
-The states are captured by wrapping ``megatron_metp.train_checkpoint.save`` / ``load`` inside
+The states are captured by wrapping ``megatron_metp.training.train_checkpoint.save`` / ``load`` inside
 the ranks (the training loop looks them up through the module at call time), so the real
 ``metp train`` code path saves and loads.
 """
@@ -46,7 +46,7 @@ LOSS_TOL = 1e-4
 
 
 def train_args(*argv):
-    from megatron_metp import cli
+    from megatron_metp.training import cli
 
     parser, _ = cli.build_parser()
     full = ["train", *BASE, *argv]
@@ -85,7 +85,7 @@ def capture_checkpoints(saved: Dict[int, dict], loaded: List[dict]):
 
     Also lets the daemonic harness rank start dist_checkpointing's writer processes.
     """
-    from megatron_metp import train_checkpoint as ckpt
+    from megatron_metp.training import train_checkpoint as ckpt
 
     orig_save, orig_load = ckpt.save, ckpt.load
 
@@ -116,7 +116,7 @@ def capture_checkpoints(saved: Dict[int, dict], loaded: List[dict]):
 
 def point_tracker_at(root: str, iteration: int) -> None:
     """Make ``iteration`` the newest complete checkpoint (as if the run had stopped there)."""
-    from megatron_metp.train_checkpoint import TRACKER
+    from megatron_metp.training.train_checkpoint import TRACKER
 
     dist.barrier()
     if dist.get_rank() == 0:
@@ -139,7 +139,7 @@ def mismatches(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> List[s
 def _source_then_targets(tmp: str, sources: List[tuple]) -> List[dict]:
     """For each (mode, p, target_modes, target_p): train the source with --save, then load its
     iteration 2 under every target mode at target_p in one --compare run."""
-    from megatron_metp import train
+    from megatron_metp.training import train
 
     results = []
     for mode, p, targets, tp in sources:

@@ -1,6 +1,6 @@
 """No hangs when a rank dies (issue 7, item 4), and bad data refused before training (item 6).
 
-A real ``metp train`` run (the console command's own launcher: ``python -m megatron_metp.cli
+A real ``metp train`` run (the console command's own launcher: ``python -m megatron_metp.training.cli
 train`` starts ``torchrun`` with 4 gloo ranks, METP TP 2 x DP 2, ``--distributed-timeout-minutes
 1``) saves every 5 iterations; once iteration 7 is logged, rank 1 is killed (SIGKILL: no
 exception handler, no atexit, as an OOM kill or a lost node). Asserted:
@@ -103,7 +103,7 @@ def _start(tmp: Path, sig: int, iters: int):
     env[_procs.MARKER] = _run_marker(tmp)
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"):
         env.pop(k, None)
-    argv = [sys.executable, "-m", "megatron_metp.cli", "train", "--nproc-per-node", "4", *TINY,
+    argv = [sys.executable, "-m", "megatron_metp.training.cli", "train", "--nproc-per-node", "4", *TINY,
             "--train-iters", str(iters), "--save", str(tmp / "ckpt"), "--save-interval", "5",
             "--log-json", str(log)]
     fh = open(out, "w")
@@ -146,8 +146,8 @@ def _wait_all_gone(proc, tmp: Path, deadline_s: float) -> float:
 
 
 def _resume_task(ckpt: str, iters: int):
-    from megatron_metp import train
-    from megatron_metp.train_checkpoint import latest_iteration
+    from megatron_metp.training import train
+    from megatron_metp.training.train_checkpoint import latest_iteration
 
     start = latest_iteration(ckpt)
     argv = [*TINY[:-2], "--train-iters", str(start + 1), "--load", ckpt]
@@ -204,8 +204,8 @@ def test_hung_rank_times_out(tmp_path, report):
 
 
 def _bad_data_task(cases):
-    from megatron_metp import train
-    from megatron_metp.data.indexed import IndexedDataError
+    from megatron_metp.training import train
+    from megatron_metp.training.data.indexed import IndexedDataError
 
     msgs = {}
     for name, (prefix, vocab, _) in cases.items():
@@ -222,7 +222,7 @@ def _bad_data_task(cases):
 def test_trainer_refuses_bad_data(tmp_path):
     import struct
 
-    from megatron_metp.data.indexed import write_indexed_dataset
+    from megatron_metp.training.data.indexed import write_indexed_dataset
 
     docs = [list(range(1, 40)), list(range(40, 90)), list(range(90, 120))]
     cases = {}

@@ -209,7 +209,7 @@ def _masked_rank_task():
     import functools
     from megatron.core import parallel_state as mpu
 
-    from megatron_metp import train
+    from megatron_metp.training import train
     from tests import _models as M
 
     from megatron_metp.model import initialize_parallel

@@ -5,7 +5,7 @@ Debian's slurm-wlm and starts slurmctld + slurmd on localhost; it needs root and
 ``sbatch`` on PATH or an idle node, that test is skipped with the reason; it installs nothing.
 
 The job runs ``scripts/slurm/metp_train.sbatch`` on CPU with 2 ranks (srun -> torchrun -> c10d
-rendezvous -> gloo): ``metp train`` on the tiny config when ``megatron_metp.cli`` is present,
+rendezvous -> gloo): ``metp train`` on the tiny config when ``megatron_metp.training.cli`` is present,
 else ``scripts/slurm/smoke_train.py``, a data-parallel fit whose loss only falls if the two
 ranks exchange gradients.
 """
@@ -46,7 +46,7 @@ def test_metp_train_dry_run_prints_the_launch():
     out = _dry_run("metp_train.sbatch", MODE="metp", TP="8", CLUSTER="h100")
     cmd = _command(out)
     for part in ("--ntasks-per-node=1", "-m torch.distributed.run", "--rdzv-backend=c10d",
-                 "--nproc-per-node=8", "--max-restarts=0", "-m megatron_metp.cli train",
+                 "--nproc-per-node=8", "--max-restarts=0", "-m megatron_metp.training.cli train",
                  "--config llama-7b", "--tensor-parallel-mode metp",
                  "--tensor-model-parallel-size 8", "--sequence-parallel", "--bf16"):
         assert part in cmd, (part, cmd)
@@ -124,9 +124,9 @@ def _free_port() -> int:
 
 
 def _metp_train_ready() -> bool:
-    if importlib.util.find_spec("megatron_metp.cli") is None:
+    if importlib.util.find_spec("megatron_metp.training.cli") is None:
         return False
-    r = subprocess.run([sys.executable, "-m", "megatron_metp.cli", "train", "--help"],
+    r = subprocess.run([sys.executable, "-m", "megatron_metp.training.cli", "train", "--help"],
                        capture_output=True, text=True, timeout=120, cwd=ROOT)
     return r.returncode == 0 and "--tensor-parallel-mode" in r.stdout
 
@@ -143,7 +143,7 @@ def test_sbatch_runs_a_two_rank_cpu_training(tmp_path, report):
     env.update(CLUSTER="cpu", NPROC_PER_NODE="2", MODE="metp", TP="2", CONFIG="tiny-gpt",
                TRAIN_ITERS="8", BF16="0", PYTHON=sys.executable, METP_ROOT=str(ROOT),
                MASTER_PORT=str(_free_port()), TIMEOUT_MINUTES="2",
-               ENTRY="-m megatron_metp.cli train" if use_cli else "scripts/slurm/smoke_train.py")
+               ENTRY="-m megatron_metp.training.cli train" if use_cli else "scripts/slurm/smoke_train.py")
     out_file = tmp_path / "job.out"
     proc = subprocess.Popen(
         ["sbatch", "--wait", "--parsable", "--nodes=1", "--gpus-per-node=0",

@@ -111,7 +111,7 @@ def traces():
     """tiny-gpt (h = 64) traced at p = 2, s = 256 in every mode, on rank 1."""
     import warnings
 
-    from megatron_metp.config import load_config
+    from megatron_metp.training.config import load_config
     from megatron_metp.measure.op_trace import trace_layer
     from megatron_metp.measure.planner import FakeWorld
 
@@ -166,7 +166,7 @@ def test_recorder_flops_match_megatron_gemms(traces):
     (["plan", "--validate", "/nonexistent.json"], "--validate"),
 ])
 def test_timeline_refuses_bad_flag(argv, flag, capsys):
-    from megatron_metp.cli import main
+    from megatron_metp.training.cli import main
 
     rc = main(argv)
     lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron_metp import cli, launch
-from megatron_metp.train_report import Reporter
+from megatron_metp import launch
+from megatron_metp.training import cli
+from megatron_metp.training.train_report import Reporter
 from tests._harness import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,7 +34,7 @@ def test_default_main_job_loss_falls(tmp_path, report):
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"):
         env.pop(k, None)
     proc = subprocess.run(
-        [sys.executable, "-m", "megatron_metp.cli", "train", "--no-progress", "--log-json",
+        [sys.executable, "-m", "megatron_metp.training.cli", "train", "--no-progress", "--log-json",
          str(log)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     recs = [json.loads(line) for line in log.read_text().splitlines()]
@@ -50,7 +51,7 @@ def test_default_main_job_loss_falls(tmp_path, report):
 
 
 def _compare_task(argv):
-    from megatron_metp import train
+    from megatron_metp.training import train
 
     args, explicit = _args(*argv)
     res = train.run(args, explicit)
@@ -128,7 +129,7 @@ def test_launcher_detection(monkeypatch):
     monkeypatch.setattr(launch, "run_process_group", lambda cmd, env: calls.append(cmd) or 0)
     assert launch.launch_or_run(["train", "--lr", "1"], 2, lambda: 1) == 0
     assert calls[0][:4] == [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    assert calls[0][-5:] == ["-m", "megatron_metp.cli", "train", "--lr", "1"]
+    assert calls[0][-5:] == ["-m", "megatron_metp.training.cli", "train", "--lr", "1"]
 
 
 def test_progress_bar_and_tables():
@@ -152,7 +153,7 @@ def test_progress_bar_and_tables():
 
 
 def _save_resume_task(ckpt, load):
-    from megatron_metp import train
+    from megatron_metp.training import train
 
     argv = ["--train-iters", "6", "--save", ckpt, "--save-interval", "4", "--no-progress"]
     args, explicit = _args(*(argv + (["--load", ckpt] if load else [])))
@@ -180,7 +181,7 @@ def _losses_task(argv, init_ckpt=None):
     """Train; with ``init_ckpt``, first save the initial weights there (--train-iters 0) and
     start the measured run from them, so that layouts that draw different initial weights
     (Megatron seeds each pipeline stage with seed + 100 * stage) start from the same model."""
-    from megatron_metp import train
+    from megatron_metp.training import train
     from tests._models import child_processes_allowed
 
     with child_processes_allowed():  # dist_checkpointing's writer starts processes

@@ -29,8 +29,8 @@ from typing import Dict, Iterator, Optional
 import numpy as np
 import torch
 
-from megatron_metp.data.indexed import IndexedTokens
-from megatron_metp.data.tokenizer import ByteTokenizer
+from megatron_metp.training.data.indexed import IndexedTokens
+from megatron_metp.training.data.tokenizer import ByteTokenizer
 
 CORPUS_PATH = Path(__file__).with_name("corpus.txt")
 

@@ -43,7 +43,7 @@ from typing import Any, Dict, Optional, Union
 
 import yaml
 
-PACKAGE_CONFIGS = Path(__file__).resolve().parent / "configs"
+PACKAGE_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_CONFIG = "tiny-gpt"
 
 _MODEL_KEYS: Dict[str, tuple] = {

@@ -92,7 +92,7 @@ def _sharded_state_dict(model_chunks: List, optimizer, iteration: int,
 def save(root: str, iteration: int, model_chunks: List, optimizer, scheduler) -> str:
     from megatron.core import dist_checkpointing
 
-    from megatron_metp.lifetime import own_checkpoint_helpers
+    from megatron_metp.training.lifetime import own_checkpoint_helpers
 
     own_checkpoint_helpers()  # the writer's helper process dies with this rank
     path = _ckpt_dir(root, iteration)

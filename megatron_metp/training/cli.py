@@ -43,7 +43,7 @@ MODES = ("tp", "metp", "wallfacer")
 @subcommand("train", "train a GPT model with Megatron-Core under tp, metp or wallfacer")
 def _train_parser(p: argparse.ArgumentParser) -> Callable:
     # Every default is None so that the model config's training defaults apply unless a flag is
-    # given (megatron_metp.train.DEFAULTS holds the rest).
+    # given (megatron_metp.training.train.DEFAULTS holds the rest).
     a = p.add_argument
     a("--config", default="tiny-gpt",
       help="configs/<name>.yaml or a path (default tiny-gpt)")
@@ -108,13 +108,13 @@ def _train_parser(p: argparse.ArgumentParser) -> Callable:
         check_paths(args)
 
         def in_rank() -> int:
-            from megatron_metp import train
+            from megatron_metp.training import train
 
             train.run(args, explicit)
             return 0
 
         def check(world_size: int) -> None:
-            from megatron_metp import train
+            from megatron_metp.training import train
 
             train.preflight(args, explicit, world_size)
 
@@ -175,7 +175,7 @@ def _config_hint(command: str, unknown: List[str]) -> str:
     """Model-shape flags of Megatron-LM are config keys in ``metp train``: say so."""
     if command != "train":
         return ""
-    from megatron_metp.config import ALL_KEYS
+    from megatron_metp.training.config import ALL_KEYS
 
     keys = [k for k in (u.split("=", 1)[0].lstrip("-").replace("-", "_") for u in unknown
                         if u.startswith("--")) if k in ALL_KEYS]

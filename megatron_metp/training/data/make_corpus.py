@@ -10,7 +10,7 @@ Only running prose is kept: paragraphs that are not indented (indented blocks ar
 productions and code examples), re-wrapped into one line each, documents separated by a blank
 line. The result is deterministic for a given CPython release (3.11.7 was used).
 
-    python -m megatron_metp.data.make_corpus [OUT]
+    python -m megatron_metp.training.data.make_corpus [OUT]
 """
 
 from __future__ import annotations

@@ -28,17 +28,18 @@ import resource
 import sys
 import time
 from argparse import Namespace
-from typing import Dict, List, Optional
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron_metp.config import ModelConfig, load_config
-from megatron_metp.data import GPTSamples, load_tokens, padded_vocab_size
-from megatron_metp.data.tokenizer import ByteTokenizer
-from megatron_metp.flops import FlopModel, gpu_peak_tflops, throughput, training_flops
-from megatron_metp.train_report import Reporter
+from megatron_metp.training.config import ModelConfig, load_config
+from megatron_metp.training.data import GPTSamples, load_tokens, padded_vocab_size
+from megatron_metp.training.data.tokenizer import ByteTokenizer
+from megatron_metp.training.flops import FlopModel, gpu_peak_tflops, throughput, training_flops
+from megatron_metp.training.train_report import Reporter
 
 # Hard defaults, used when neither a flag nor the config gives a value (Megatron-LM's where it
 # has one: dropout 0.1, seed 1234, timeout 10 min, vocab padding 128).
@@ -228,18 +229,184 @@ def _peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
-def train_one_mode(args: Namespace, cfg: ModelConfig, mode: str, explicit: set,
-                   device: torch.device, reporter: Reporter) -> Dict:
-    """Train ``cfg`` under ``mode``; return {'losses': [...], 'summary': {...}} (rank 0 prints)."""
+@dataclass
+class _ModeRun:
+    """What one mode's training holds between its steps (built by :func:`_build`)."""
+    ns: Namespace
+    cfg: ModelConfig
+    device: torch.device
+    ddp: Any
+    optimizer: Any
+    scheduler: Any
+    vocab: int
+
+
+def _build_model(ns: Namespace, cfg: ModelConfig, mode: str, device: torch.device):
+    """Megatron-Core's GPTModel for this pipeline stage and mode, (Float16Module,) DDP."""
     from megatron.core import parallel_state as mpu
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from megatron_metp.model import build_gpt_model
+
+    vocab = padded_vocab_size(ns.vocab_size, ns.vocab_padding_tp, ns.make_vocab_size_divisible_by)
+    tconf = _transformer_config(ns, cfg)
+    model = build_gpt_model(
+        tconf, mode, vocab_size=vocab, max_sequence_length=ns.max_position_embeddings,
+        seq_length=ns.seq_length, position_embedding_type=cfg.position_embedding_type,
+        pre_process=mpu.is_pipeline_first_stage(), post_process=mpu.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=not cfg.untie_embeddings_and_output_weights,
+    ).to(device)
+    if ns.bf16:  # as Megatron-LM: bf16 parameters, fp32 loss, inputs cast at the boundary
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(tconf, model)
+    ddp = DistributedDataParallel(
+        config=tconf, module=model,
+        ddp_config=DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=ns.use_distributed_optimizer))
+    return tconf, ddp, vocab
+
+
+def _build_optimizer(ns: Namespace, tconf, ddp):
+    """Megatron's optimizer and its lr / weight-decay scheduler; wires them into ``tconf``."""
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    opt_config = OptimizerConfig(
+        optimizer="adam", lr=ns.lr, min_lr=ns.min_lr if ns.min_lr is not None else ns.lr / 10,
+        weight_decay=ns.weight_decay, adam_beta1=0.9, adam_beta2=0.95,
+        clip_grad=ns.clip_grad, bf16=ns.bf16, params_dtype=tconf.params_dtype,
+        use_distributed_optimizer=ns.use_distributed_optimizer)
+    # gloo copies of the DP groups are not built (initialize_parallel passes
+    # create_gloo_process_groups=False); the non-distributed optimizer does not need them.
+    optimizer = get_megatron_optimizer(opt_config, [ddp], use_gloo_process_groups=False)
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=ns.lr, min_lr=opt_config.min_lr,
+        lr_warmup_steps=ns.lr_warmup_iters,
+        lr_decay_steps=max(ns.train_iters, ns.lr_warmup_iters + 1),
+        lr_decay_style="cosine", start_wd=ns.weight_decay, end_wd=ns.weight_decay,
+        wd_incr_steps=max(ns.train_iters, 1), wd_incr_style="constant",
+        # On --load the schedule comes from this command line and only the step count from
+        # the checkpoint (Megatron-LM's --override-opt_param-scheduler).
+        use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True)
+    tconf.finalize_model_grads_func = finalize_model_grads
+    tconf.grad_scale_func = optimizer.scale_loss
+    tconf.no_sync_func = ddp.no_sync
+    return optimizer, scheduler
+
+
+def _build(args: Namespace, ns: Namespace, cfg: ModelConfig, mode: str,
+           device: torch.device) -> _ModeRun:
+    ns.use_distributed_optimizer = bool(args.use_distributed_optimizer)
+    tconf, ddp, vocab = _build_model(ns, cfg, mode, device)
+    optimizer, scheduler = _build_optimizer(ns, tconf, ddp)
+    return _ModeRun(ns, cfg, device, ddp, optimizer, scheduler, vocab)
+
+
+def _resume(args: Namespace, run: _ModeRun) -> int:
+    """The iteration to start from: a complete checkpoint under ``--load``, else 0."""
+    from megatron_metp.training import train_checkpoint as checkpoint_io
+
+    if args.load and checkpoint_io.has_checkpoint(args.load):
+        start = checkpoint_io.load(args.load, [run.ddp], run.optimizer, run.scheduler)
+        _print0(f"[metp] resumed from {args.load} at iteration {start}")
+        return start
+    if args.load:
+        # As Megatron-LM does (--load and --save often name the same directory): no complete
+        # checkpoint there yet means a fresh start, said once.
+        _print0(f"[metp] warning: --load {args.load} holds no complete checkpoint "
+                f"(no {checkpoint_io.TRACKER}); starting from --seed")
+    return 0
+
+
+def _flops_per_iteration(run: _ModeRun) -> float:
+    ns, cfg = run.ns, run.cfg
+    flop_model = FlopModel(
+        num_layers=ns.num_layers, hidden_size=ns.hidden_size,
+        num_attention_heads=ns.num_attention_heads, num_query_groups=ns.num_query_groups,
+        kv_channels=ns.kv_channels, ffn_hidden_size=ns.ffn_hidden_size,
+        padded_vocab_size=run.vocab, swiglu=cfg.swiglu, causal=cfg.causal)
+    return training_flops(flop_model, ns.global_batch_size, ns.seq_length)
+
+
+def _train_step(run: _ModeRun, it: int, samples: GPTSamples, is_reporter: bool):
+    """One iteration: forward-backward over the micro-batches, optimizer and lr step.
+
+    Returns (data-parallel mean loss, lr used, grad norm, peak memory of the slowest rank).
+    """
+    from megatron.core import parallel_state as mpu
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_metp import train_checkpoint as checkpoint_io
-    from megatron_metp.model import build_gpt_model
+    ns, device = run.ns, run.device
+    dp = mpu.get_data_parallel_world_size()
+    num_micro = ns.global_batch_size // (ns.micro_batch_size * dp)
+    run.ddp.zero_grad_buffer()
+    run.optimizer.zero_grad()
+    data = samples.iterate(it, num_micro, global_batch_size=ns.global_batch_size,
+                           micro_batch_size=ns.micro_batch_size,
+                           dp_rank=mpu.get_data_parallel_rank(), dp_size=dp)
+    out = get_forward_backward_func()(
+        forward_step_func=functools.partial(_forward_step, ns.context_parallel_size, device),
+        data_iterator=data, model=[run.ddp], num_microbatches=num_micro,
+        seq_length=ns.seq_length, micro_batch_size=ns.micro_batch_size, forward_only=False)
+    lr_used = float(run.optimizer.param_groups[0]["lr"])  # set by the last scheduler step
+    _, grad_norm, _ = run.optimizer.step()
+    run.scheduler.step(increment=1)
+    # One world all-reduce brings the data-parallel mean loss to rank 0 (and syncs).
+    local = (torch.stack([d["lm loss"].float() for d in out]).mean()
+             if is_reporter and out else torch.zeros((), device=device))
+    stat = torch.stack([local.to(device), torch.tensor(float(is_reporter), device=device)])
+    dist.all_reduce(stat)
+    mem = torch.tensor([_peak_memory_bytes(device)], dtype=torch.float64, device=device)
+    dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+    return (float(stat[0] / stat[1]), lr_used, None if grad_norm is None else float(grad_norm),
+            int(mem.item()))
+
+
+def _save(args: Namespace, run: _ModeRun, iteration: int) -> None:
+    from megatron_metp.training import train_checkpoint as checkpoint_io
+
+    checkpoint_io.save(args.save, iteration, [run.ddp], run.optimizer, run.scheduler)
+
+
+def _train_loop(args: Namespace, run: _ModeRun, mode: str, start: int,
+                reporter: Reporter) -> None:
+    from megatron.core import parallel_state as mpu
+
+    ns, device = run.ns, run.device
+    samples = GPTSamples(load_tokens(ns.data_path, ns.vocab_size), ns.seq_length, ns.seed)
+    flops = _flops_per_iteration(run)
+    peak = gpu_peak_tflops() if device.type == "cuda" else None
+    is_reporter = (mpu.is_pipeline_last_stage() and mpu.get_tensor_model_parallel_rank() == 0
+                   and mpu.get_context_parallel_rank() == 0)
+    world = dist.get_world_size()
+    for it in range(start, ns.train_iters):
+        t0 = time.perf_counter()
+        loss, lr_used, grad_norm, mem = _train_step(run, it, samples, is_reporter)
+        seconds = time.perf_counter() - t0
+        tflops, mfu = throughput(flops, seconds, world, peak)
+        reporter.iteration(dict(
+            mode=mode, iteration=it + 1, loss=loss, lr=lr_used, grad_norm=grad_norm,
+            iter_time_s=seconds, tokens_per_s=ns.global_batch_size * ns.seq_length / seconds,
+            tflops_per_device=tflops, mfu=mfu, peak_mem_bytes=mem,
+            peak_mem_kind="allocated" if device.type == "cuda" else "rss"))
+        if args.save and ns.save_interval and (it + 1) % ns.save_interval == 0:
+            _save(args, run, it + 1)
+    if args.save and (not ns.save_interval or ns.train_iters % ns.save_interval):
+        _save(args, run, ns.train_iters)
+
+
+def train_one_mode(args: Namespace, cfg: ModelConfig, mode: str, explicit: set,
+                   device: torch.device, reporter: Reporter) -> Dict:
+    """Train ``cfg`` under ``mode``; return {'losses': [...], 'summary': {...}} (rank 0 prints).
+
+    Steps: resolve the namespace, initialise the groups, build model and optimizer, resume,
+    loop over iterations (:func:`_train_step`), save; the groups are destroyed whatever happens.
+    """
+    from megatron.core import parallel_state as mpu
+
+    from megatron_metp.model import destroy_parallel
 
     if device.type == "cuda":  # each mode's peak is its own (--compare runs modes in turn)
         gc.collect()
@@ -249,110 +416,14 @@ def train_one_mode(args: Namespace, cfg: ModelConfig, mode: str, explicit: set,
     ns = _parallel_setup(resolve_namespace(args, cfg, mode), explicit)
     _initialize(ns)
     try:
-        tp, cp = ns.tensor_model_parallel_size, ns.context_parallel_size
-        vocab = padded_vocab_size(ns.vocab_size, ns.vocab_padding_tp,
-                                  ns.make_vocab_size_divisible_by)
-        tconf = _transformer_config(ns, cfg)
-        model = build_gpt_model(
-            tconf, mode, vocab_size=vocab, max_sequence_length=ns.max_position_embeddings,
-            seq_length=ns.seq_length, position_embedding_type=cfg.position_embedding_type,
-            pre_process=mpu.is_pipeline_first_stage(), post_process=mpu.is_pipeline_last_stage(),
-            share_embeddings_and_output_weights=not cfg.untie_embeddings_and_output_weights,
-        ).to(device)
-        if ns.bf16:  # as Megatron-LM: bf16 parameters, fp32 loss, inputs cast at the boundary
-            from megatron.core.transformer.module import Float16Module
-
-            model = Float16Module(tconf, model)
-        use_dist_opt = bool(args.use_distributed_optimizer)
-        ddp = DistributedDataParallel(
-            config=tconf, module=model,
-            ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True,
-                                                     use_distributed_optimizer=use_dist_opt))
-        opt_config = OptimizerConfig(
-            optimizer="adam", lr=ns.lr, min_lr=ns.min_lr if ns.min_lr is not None else ns.lr / 10,
-            weight_decay=ns.weight_decay, adam_beta1=0.9, adam_beta2=0.95,
-            clip_grad=ns.clip_grad, bf16=ns.bf16, params_dtype=tconf.params_dtype,
-            use_distributed_optimizer=use_dist_opt)
-        # gloo copies of the DP groups are not built (initialize_parallel passes
-        # create_gloo_process_groups=False); the non-distributed optimizer does not need them.
-        optimizer = get_megatron_optimizer(opt_config, [ddp], use_gloo_process_groups=False)
-        scheduler = OptimizerParamScheduler(
-            optimizer, init_lr=0.0, max_lr=ns.lr, min_lr=opt_config.min_lr,
-            lr_warmup_steps=ns.lr_warmup_iters,
-            lr_decay_steps=max(ns.train_iters, ns.lr_warmup_iters + 1),
-            lr_decay_style="cosine", start_wd=ns.weight_decay, end_wd=ns.weight_decay,
-            wd_incr_steps=max(ns.train_iters, 1), wd_incr_style="constant",
-            # On --load the schedule comes from this command line and only the step count from
-            # the checkpoint (Megatron-LM's --override-opt_param-scheduler).
-            use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True)
-        tconf.finalize_model_grads_func = finalize_model_grads
-        tconf.grad_scale_func = optimizer.scale_loss
-        tconf.no_sync_func = ddp.no_sync
-
-        start_iter = 0
-        if args.load and checkpoint_io.has_checkpoint(args.load):
-            start_iter = checkpoint_io.load(args.load, [ddp], optimizer, scheduler)
-            _print0(f"[metp] resumed from {args.load} at iteration {start_iter}")
-        elif args.load:
-            # As Megatron-LM does (--load and --save often name the same directory): no
-            # complete checkpoint there yet means a fresh start, said once.
-            _print0(f"[metp] warning: --load {args.load} holds no complete checkpoint "
-                    f"(no {checkpoint_io.TRACKER}); starting from --seed")
-        dp = mpu.get_data_parallel_world_size()
-        dp_rank = mpu.get_data_parallel_rank()
-        num_micro = ns.global_batch_size // (ns.micro_batch_size * dp)
-        samples = GPTSamples(load_tokens(ns.data_path, ns.vocab_size), ns.seq_length, ns.seed)
-        flop_model = FlopModel(
-            num_layers=ns.num_layers, hidden_size=ns.hidden_size,
-            num_attention_heads=ns.num_attention_heads, num_query_groups=ns.num_query_groups,
-            kv_channels=ns.kv_channels, ffn_hidden_size=ns.ffn_hidden_size,
-            padded_vocab_size=vocab, swiglu=cfg.swiglu, causal=cfg.causal)
-        flops = training_flops(flop_model, ns.global_batch_size, ns.seq_length)
-        peak = gpu_peak_tflops() if device.type == "cuda" else None
-        reporter.start_mode(mode, ns, total=ns.train_iters, start=start_iter,
-                            layout=dict(dp=dp, tp=tp, cp=cp, pp=ns.pipeline_model_parallel_size))
-        is_reporter = (mpu.is_pipeline_last_stage() and mpu.get_tensor_model_parallel_rank() == 0
-                       and mpu.get_context_parallel_rank() == 0)
-        fwd_bwd = get_forward_backward_func()
-        world = dist.get_world_size()
-        for it in range(start_iter, ns.train_iters):
-            t0 = time.perf_counter()
-            ddp.zero_grad_buffer()
-            optimizer.zero_grad()
-            data = samples.iterate(it, num_micro, global_batch_size=ns.global_batch_size,
-                                   micro_batch_size=ns.micro_batch_size, dp_rank=dp_rank,
-                                   dp_size=dp)
-            out = fwd_bwd(forward_step_func=functools.partial(_forward_step, cp, device),
-                          data_iterator=data, model=[ddp], num_microbatches=num_micro,
-                          seq_length=ns.seq_length, micro_batch_size=ns.micro_batch_size,
-                          forward_only=False)
-            lr_used = float(optimizer.param_groups[0]["lr"])  # set by the last scheduler step
-            _, grad_norm, _ = optimizer.step()
-            scheduler.step(increment=1)
-            # One world all-reduce brings the data-parallel mean loss to rank 0 (and syncs).
-            local = (torch.stack([d["lm loss"].float() for d in out]).mean()
-                     if is_reporter and out else torch.zeros((), device=device))
-            stat = torch.stack([local.to(device), torch.tensor(float(is_reporter), device=device)])
-            dist.all_reduce(stat)
-            mem = torch.tensor([_peak_memory_bytes(device)], dtype=torch.float64, device=device)
-            dist.all_reduce(mem, op=dist.ReduceOp.MAX)
-            seconds = time.perf_counter() - t0
-            tflops, mfu = throughput(flops, seconds, world, peak)
-            reporter.iteration(dict(
-                mode=mode, iteration=it + 1, loss=float(stat[0] / stat[1]),
-                lr=lr_used,
-                grad_norm=None if grad_norm is None else float(grad_norm),
-                iter_time_s=seconds, tokens_per_s=ns.global_batch_size * ns.seq_length / seconds,
-                tflops_per_device=tflops, mfu=mfu, peak_mem_bytes=int(mem.item()),
-                peak_mem_kind="allocated" if device.type == "cuda" else "rss"))
-            if args.save and ns.save_interval and (it + 1) % ns.save_interval == 0:
-                checkpoint_io.save(args.save, it + 1, [ddp], optimizer, scheduler)
-        if args.save and (not ns.save_interval or ns.train_iters % ns.save_interval):
-            checkpoint_io.save(args.save, ns.train_iters, [ddp], optimizer, scheduler)
+        run = _build(args, ns, cfg, mode, device)
+        start = _resume(args, run)
+        reporter.start_mode(mode, ns, total=ns.train_iters, start=start, layout=dict(
+            dp=mpu.get_data_parallel_world_size(), tp=ns.tensor_model_parallel_size,
+            cp=ns.context_parallel_size, pp=ns.pipeline_model_parallel_size))
+        _train_loop(args, run, mode, start, reporter)
         return reporter.end_mode()
     finally:
-        from megatron_metp.model import destroy_parallel
-
         destroy_parallel()
 
 

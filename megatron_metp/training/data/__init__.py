@@ -8,9 +8,9 @@ corpus.txt          ~260 KB of English prose (see make_corpus.py, CORPUS_LICENSE
 ==================  ==================================================================
 """
 
-from megatron_metp.data.dataset import GPTSamples, corpus_tokens, load_tokens
-from megatron_metp.data.indexed import IndexedDataError, IndexedTokens, write_indexed_dataset
-from megatron_metp.data.tokenizer import ByteTokenizer, padded_vocab_size
+from megatron_metp.training.data.dataset import GPTSamples, corpus_tokens, load_tokens
+from megatron_metp.training.data.indexed import IndexedDataError, IndexedTokens, write_indexed_dataset
+from megatron_metp.training.data.tokenizer import ByteTokenizer, padded_vocab_size
 
 __all__ = [
     "ByteTokenizer", "GPTSamples", "IndexedDataError", "IndexedTokens", "corpus_tokens",
