@@ -15,7 +15,6 @@ Run inside a rank of ``tests._harness.run_ranks`` (torch.distributed up, cpu_com
 
 from __future__ import annotations
 
-import math
 import multiprocessing
 from contextlib import contextmanager
 from typing import Dict, Optional
@@ -235,78 +234,3 @@ def child_processes_allowed():
         yield
     finally:
         proc.daemon = was
-
-
-# --------------------------------------------------------------------------------------------
-# An independent single-process reference of a GPT / LLaMA-style model (any dtype, e.g. fp64).
-
-
-def _ref_norm(x, w, b, kind: str, eps: float):
-    if kind == "LayerNorm":
-        mu = x.mean(-1, keepdim=True)
-        var = ((x - mu) ** 2).mean(-1, keepdim=True)
-        return (x - mu) / torch.sqrt(var + eps) * w + b
-    return x / torch.sqrt((x**2).mean(-1, keepdim=True) + eps) * w
-
-
-def _ref_rope(x_bshd, positions):
-    """Rotary embedding, non-interleaved halves: x * cos + rotate_half(x) * sin.
-
-    The angle table is built in fp32 (cos/sin of fp32 angles, then cast), because that is the
-    precision Megatron's RotaryEmbedding defines it at; everything else runs in x's dtype.
-    """
-    d = x_bshd.shape[-1]
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
-    ang = torch.outer(positions.float(), inv_freq)  # [s, d/2]
-    ang = torch.cat([ang, ang], dim=-1)[None, :, None, :]
-    cos, sin = ang.cos().to(x_bshd.dtype), ang.sin().to(x_bshd.dtype)
-    x1, x2 = x_bshd.chunk(2, dim=-1)
-    return x_bshd * cos + torch.cat([-x2, x1], dim=-1) * sin
-
-
-def reference_gpt_loss(params: Dict[str, torch.Tensor], config, b: dict, rope: bool):
-    """Mean next-token loss and logits [b, s, V] of a GPT with TP = 1 weights ``params``.
-
-    Written from the model's definition, not from Megatron's code: pre-norm layers,
-    ``linear_qkv`` in Megatron's per-query-group layout ([q heads of the group | k | v] for each
-    group), causal softmax attention with GQA, GeLU MLP or SwiGLU (``linear_fc1`` = [gate | up]).
-    """
-    P = lambda n: params[n]  # noqa: E731
-    h_heads, ng = config.num_attention_heads, config.num_query_groups
-    hn, eps, kind = config.kv_channels, config.layernorm_epsilon, config.normalization
-    tokens = b["tokens"]
-    bsz, s = tokens.shape
-    x = P("embedding.word_embeddings.weight")[tokens]
-    if not rope:
-        x = x + P("embedding.position_embeddings.weight")[b["position_ids"]]
-    causal = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)
-    for i in range(config.num_layers):
-        pre = f"decoder.layers.{i}."
-        bias = lambda n: params.get(pre + n, 0.0)  # noqa: E731
-        y = _ref_norm(x, P(pre + "input_layernorm.weight"), bias("input_layernorm.bias"), kind, eps)
-        qkv = (y @ P(pre + "self_attention.linear_qkv.weight").T + bias("self_attention.linear_qkv.bias"))
-        qkv = qkv.view(bsz, s, ng, (h_heads // ng + 2) * hn)
-        q = qkv[..., : h_heads // ng * hn].reshape(bsz, s, h_heads, hn)
-        k = qkv[..., h_heads // ng * hn : (h_heads // ng + 1) * hn]
-        v = qkv[..., (h_heads // ng + 1) * hn :]
-        if rope:
-            pos = torch.arange(s)
-            q, k = _ref_rope(q, pos), _ref_rope(k, pos)
-        k = k.repeat_interleave(h_heads // ng, dim=2)
-        v = v.repeat_interleave(h_heads // ng, dim=2)
-        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(hn)
-        probs = scores.masked_fill(causal, float("-inf")).softmax(-1)
-        ctx = torch.einsum("bhqk,bkhd->bqhd", probs, v).reshape(bsz, s, h_heads * hn)
-        x = x + ctx @ P(pre + "self_attention.linear_proj.weight").T + bias("self_attention.linear_proj.bias")
-        y = _ref_norm(x, P(pre + "pre_mlp_layernorm.weight"), bias("pre_mlp_layernorm.bias"), kind, eps)
-        z = y @ P(pre + "mlp.linear_fc1.weight").T + bias("mlp.linear_fc1.bias")
-        if config.gated_linear_unit:
-            gate, up = z.chunk(2, dim=-1)
-            z = config.activation_func(gate) * up
-        else:
-            z = config.activation_func(z)
-        x = x + z @ P(pre + "mlp.linear_fc2.weight").T + bias("mlp.linear_fc2.bias")
-    x = _ref_norm(x, P("decoder.final_layernorm.weight"), params.get("decoder.final_layernorm.bias", 0.0), kind, eps)
-    logits = x @ P("output_layer.weight").T
-    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), b["labels"].flatten())
-    return loss, logits

@@ -216,7 +216,6 @@ def _float16_optimizer():
 
 def _pipeline_losses_and_grads(pp: int, full=None):
     """Two micro-batches through Megatron's schedule for PP = ``pp`` (no pipelining at PP = 1)."""
-    import functools
 
     from megatron.core import parallel_state as mpu
     from megatron.core.distributed import finalize_model_grads

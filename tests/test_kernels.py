@@ -7,19 +7,7 @@ import pytest
 import torch
 
 from megatron_metp import kernels
-
-
-def _reference(q, k, v, causal, scale):
-    """fp64 softmax attention by autograd; GQA by repeating each K/V head over its group."""
-    rep = q.shape[1] // k.shape[1]
-    q64, k64, v64 = (t.detach().double().requires_grad_(True) for t in (q, k, v))
-    kx, vx = k64.repeat_interleave(rep, 1), v64.repeat_interleave(rep, 1)
-    s = q64 @ kx.transpose(-1, -2) * scale
-    if causal:
-        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
-    lse = torch.logsumexp(s, -1)
-    out = torch.softmax(s, -1) @ vx
-    return q64, k64, v64, out, lse
+from tests import _reference as R
 
 
 def _inputs(dtype, b=2, n_q=4, n_kv=2, s=8, d=16, seed=0, amp=1.0):
@@ -57,12 +45,12 @@ def test_forward_backward_match_fp64(backend, dtype, causal, n_kv, report):
         torch.float64 if dtype == torch.float64 else torch.float32
     )
     assert dk.shape == k.shape and dv.shape == v.shape
-    q64, k64, v64, ref_out, ref_lse = _reference(q, k, v, causal, scale)
-    ref_out.backward(dout.double())
-    for got, ref in ((out, ref_out), (lse, ref_lse), (dq, q64.grad), (dk, k64.grad), (dv, v64.grad)):
+    ref_out, ref_lse, ref_dq, ref_dk, ref_dv = R.attention_grads(q, k, v, dout, scale=scale,
+                                                                 causal=causal)
+    for got, ref in ((out, ref_out), (lse, ref_lse), (dq, ref_dq), (dk, ref_dk), (dv, ref_dv)):
         _close(got, ref.detach(), dtype)
     if dtype == torch.float32 and n_kv == 2:
-        err = (dq.double() - q64.grad).abs()
+        err = (dq.double() - ref_dq).abs()
         report(f"kernels {backend} causal={causal} fp32 dq: max {err.max():.2e} mean {err.mean():.2e}")
 
 
@@ -70,7 +58,8 @@ def test_default_scale_and_auto_backend():
     q, k, v, _ = _inputs(torch.float32)
     assert kernels.select_backend(q, k, v) == "torch_flash_cpu"
     out, lse = kernels.attention_forward(q, k, v, causal=False)
-    _, _, _, ref_out, ref_lse = _reference(q, k, v, False, 1 / math.sqrt(q.shape[-1]))
+    ref_out, ref_lse = R.attention(q.double(), k.double(), v.double(),
+                                   scale=1 / math.sqrt(q.shape[-1]))
     _close(out, ref_out.detach(), torch.float32)
     _close(lse, ref_lse.detach(), torch.float32)
 
@@ -87,7 +76,8 @@ def test_merge_of_key_blocks_equals_full_attention(backend):
         o, l = kernels.attention_forward(q_blk, kb, vb, causal=(j == 2), backend=backend)
         out, lse = kernels.merge_partial(out, lse, o, l)
     assert out.dtype == torch.float32
-    _, _, _, ref_out, ref_lse = _reference(q, k, v, True, 1 / 4.0)
+    ref_out, ref_lse = R.attention(q.double(), k.double(), v.double(), scale=1 / 4.0,
+                                   causal=True)
     _close(out, ref_out.detach()[:, :, 2 * s_blk :], torch.float32)
     _close(lse, ref_lse.detach()[:, :, 2 * s_blk :], torch.float32)
 
@@ -131,7 +121,7 @@ def test_large_logits_are_finite(backend):
     assert lse.abs().max() > 1e3
     for t in (out, lse, *grads):
         assert torch.isfinite(t).all()
-    _, _, _, ref_out, _ = _reference(q, k, v, True, 1.0)
+    ref_out, _ = R.attention(q.double(), k.double(), v.double(), scale=1.0, causal=True)
     # Near-one-hot softmax: out is a copy of one v row; rounding of the 1e4-sized logits in fp32
     # (spacing ~1e-3) may shift weights by ~1e-3 relative where two logits nearly tie.
     torch.testing.assert_close(out.double(), ref_out.detach(), rtol=0, atol=5e-3)
@@ -172,10 +162,10 @@ def test_cuda_backends_match_fp64(causal, n_kv, report):
         out, lse = kernels.attention_forward(q, k, v, causal=causal, backend=backend)
         dq, dk, dv = kernels.attention_backward(dout, q, k, v, out, lse, causal=causal,
                                                 backend=backend)
-        q64, k64, v64, ref_out, ref_lse = _reference(q.cpu(), k.cpu(), v.cpu(), causal, 0.125)
-        ref_out.backward(dout.cpu().double())
-        for name, got, ref in (("out", out, ref_out), ("lse", lse, ref_lse), ("dq", dq, q64.grad),
-                               ("dk", dk, k64.grad), ("dv", dv, v64.grad)):
+        ref_out, ref_lse, ref_dq, ref_dk, ref_dv = R.attention_grads(
+            q.cpu(), k.cpu(), v.cpu(), dout.cpu(), scale=0.125, causal=causal)
+        for name, got, ref in (("out", out, ref_out), ("lse", lse, ref_lse), ("dq", dq, ref_dq),
+                               ("dk", dk, ref_dk), ("dv", dv, ref_dv)):
             ref = ref.detach()
             torch.testing.assert_close(got.cpu().double(), ref, rtol=tol,
                                        atol=tol * ref.abs().max().item(),

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests import _models as M
+from tests import _reference as R
 from tests._harness import run_ranks
 
 
@@ -78,17 +79,6 @@ def test_norm_matches_formulas():
     assert all(run_ranks(1, _norm_checks))
 
 
-def _reference_attention(q, k, v, mask, scale):
-    """fp64 softmax(q k^T * scale, masked) v; q [s, b, np, d], k/v [s, b, ng, d]."""
-    rep = q.shape[2] // k.shape[2]
-    k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
-    scores = torch.einsum("qbhd,kbhd->bhqk", q, k) * scale
-    if mask is not None:
-        scores = scores.masked_fill(mask, float("-inf"))
-    ctx = torch.einsum("bhqk,kbhd->qbhd", scores.softmax(-1), v)
-    return ctx.reshape(q.shape[0], q.shape[1], -1)
-
-
 def _attention_checks():
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
@@ -120,9 +110,8 @@ def _attention_checks():
         for mask_type, given, effective, scale in cases:
             attn = SDPACoreAttention(cfg, 1, mask_type, "self", softmax_scale=scale)
             out = attn(q, k, v, given)
-            ref = _reference_attention(
-                q.double(), k.double(), v.double(), effective, scale or 1 / math.sqrt(d)
-            )
+            ref = R.attention(q.double(), k.double(), v.double(), mask=effective,
+                              scale=scale or 1 / math.sqrt(d), layout="sbhd")[0].flatten(2)
             dy = torch.randn(out.shape, generator=g, dtype=dtype)
             got = torch.autograd.grad(out, (q, k, v), dy)
             want = torch.autograd.grad(ref, (q, k, v), dy.double())

@@ -5,12 +5,12 @@ One rank task runs every configuration (MHA with biases and learned positions, G
 q/k layernorm) so the pools are spun up once per world size.
 """
 
-import math
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from tests import _reference as R
 from tests._harness import run_ranks
 
 S, B = 16, 2
@@ -50,32 +50,6 @@ def _freqs(config, rope):
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
     return RotaryEmbedding(config.kv_channels, rotary_percent=1.0)(S)  # [S, 1, 1, d], full seq
-
-
-def _reference(full, config, x, g, rope):
-    """fp64 attention sublayer from the TP = 1 weights, written from the definition."""
-    from tests._models import _ref_rope
-
-    w = {n: t.double().requires_grad_(True) for n, t in full.items()}
-    x = x.double().requires_grad_(True)
-    n, ng, d = config.num_attention_heads, config.num_query_groups, config.kv_channels
-    qkv = x @ w["linear_qkv.weight"].T
-    if "linear_qkv.bias" in w:
-        qkv = qkv + w["linear_qkv.bias"]
-    qkv = qkv.view(S, B, ng, (n // ng + 2) * d).transpose(0, 1)  # [b, s, ng, ...]
-    q = qkv[..., : n // ng * d].reshape(B, S, n, d)
-    k, v = qkv[..., n // ng * d : (n // ng + 1) * d], qkv[..., (n // ng + 1) * d :]
-    if rope:
-        q, k = _ref_rope(q, torch.arange(S)), _ref_rope(k, torch.arange(S))
-    k, v = k.repeat_interleave(n // ng, 2), v.repeat_interleave(n // ng, 2)
-    sc = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d)
-    sc = sc.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
-    ctx = torch.einsum("bhqk,bkhd->bqhd", sc.softmax(-1), v).reshape(B, S, n * d).transpose(0, 1)
-    out = ctx @ w["linear_proj.weight"].T
-    if "linear_proj.bias" in w:
-        out = out + w["linear_proj.bias"]
-    (out * g.double()).sum().backward()
-    return out.detach(), x.grad, {k_: t.grad for k_, t in w.items()}
 
 
 def _run(module, x_shard, g_shard, freqs):
@@ -152,7 +126,7 @@ def _mha_cases(kinds):
             continue  # the fp64 reference below has no q/k norm; TP covers this case
         # (2) against the fp64 reference from the full (TP = 1) weights.
         full = {n: gather_full(prm.detach(), prm) for n, prm in metp_attn.named_parameters()}
-        ref_out, ref_dx, ref_dw = _reference(full, config, x, g, rope)
+        ref_out, ref_dx, ref_dw = R.attention_sublayer(full, config, x, g, rope)
         close("out vs fp64", got[0], ref_out[sl])
         close("dx vs fp64", got[1], ref_dx[sl])
         for n, prm in metp_attn.named_parameters():
@@ -349,7 +323,7 @@ def _mha_bf16(kinds):
         sl = slice(r * S // p, (r + 1) * S // p)
         freqs = _freqs(config, rope)
         full = {n: gather_full(prm.detach().float(), prm) for n, prm in tp_attn.named_parameters()}
-        ref_out, ref_dx, ref_dw = _reference(full, config, x, g, rope)
+        ref_out, ref_dx, ref_dw = R.attention_sublayer(full, config, x, g, rope)
         for mode, module in (("tp", tp_attn), ("metp", metp_attn)):
             res = _run(module, x[sl], g[sl], freqs)
             pairs = [("out", res[0], ref_out[sl]), ("dx", res[1], ref_dx[sl])]

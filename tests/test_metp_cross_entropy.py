@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests import _reference as R
 from tests._harness import run_ranks
 
 N_LOCAL, B, H, V_SHARD = 6, 2, 16, 24  # tokens per rank per sequence, batch, hidden, V/p
@@ -25,15 +26,6 @@ def _data(p: int, dtype):
     return x_full.to(dtype), w_full.to(dtype), labels, grad
 
 
-def _reference(x_full, w_full, labels, grad):
-    x = x_full.double().clone().requires_grad_()
-    w = w_full.double().clone().requires_grad_()
-    logits = torch.einsum("sbh,vh->sbv", x, w)
-    loss = torch.logsumexp(logits, -1) - logits.gather(-1, labels[..., None])[..., 0]
-    loss.backward(grad)
-    return loss.detach(), x.grad, w.grad
-
-
 def _ranks_task(dtype, chunk):
     from megatron_metp.metp.cross_entropy import metp_cross_entropy
 
@@ -45,7 +37,7 @@ def _ranks_task(dtype, chunk):
     w = w_full[r * V_SHARD:(r + 1) * V_SHARD].clone().requires_grad_()
     loss = metp_cross_entropy(x, w, labels[mine], group, chunk_tokens=chunk)
     loss.backward(grad[mine].to(loss.dtype))
-    ref_loss, ref_dx, ref_dw = _reference(x_full, w_full, labels, grad)
+    ref_loss, ref_dx, ref_dw = R.vocab_cross_entropy(x_full, w_full, labels, grad)
     return dict(loss=(loss.detach().double(), ref_loss[mine]),
                 dx=(x.grad.double(), ref_dx[mine]),
                 dw=(w.grad.double(), ref_dw[r * V_SHARD:(r + 1) * V_SHARD]),

@@ -14,6 +14,7 @@ from megatron_metp.measure.comm_counter import CommCounter
 from megatron_metp.measure.memory import PeakMemory
 from megatron_metp.metp.weight_ring import MLP_MIN_ROWS
 from megatron_metp.validation import MetpConfigError
+from tests import _reference as R
 from tests._harness import run_ranks
 from tests._models import max_errors, shard_like
 
@@ -69,24 +70,6 @@ def _full_tensors(gated, bias, hidden=H, ffn=FFN, s=S, b=B, seed=7):
     return t
 
 
-def _reference(t, gated, act):
-    """out = f(x W1^T + b1) W2^T + b2 in fp64 autograd; returns out and grads by name."""
-    leaves = {k: v.clone().requires_grad_(True) for k, v in t.items() if k != "g"}
-    z = leaves["x"] @ leaves["linear_fc1.weight"].T
-    if "linear_fc1.bias" in leaves:
-        z = z + leaves["linear_fc1.bias"]
-    if gated:
-        gate, up = z.chunk(2, dim=-1)
-        z = act(gate) * up
-    else:
-        z = act(z)
-    out = z @ leaves["linear_fc2.weight"].T
-    if "linear_fc2.bias" in leaves:
-        out = out + leaves["linear_fc2.bias"]
-    (out * t["g"]).sum().backward()
-    return out.detach(), {k: v.grad for k, v in leaves.items()}
-
-
 def _run_local(mlp, t, dtype):
     """Load this rank's shards, run fwd+bwd on this rank's tokens; return out and grads."""
     from megatron.core import parallel_state as mpu
@@ -123,7 +106,7 @@ def _against_fp64(p):
             for dtype in (torch.float32, torch.float64):
                 # The reference sees the weights the layer holds (rounded to dtype), in fp64.
                 tq = {k: v.to(dtype).double() for k, v in t.items()}
-                ref_out, ref_grads = _reference(tq, gated, act)
+                ref_out, ref_grads = R.mlp(tq, gated, act)
                 mlp = _build(MetpMLP, _config(p, gated=gated, bias=bias, dtype=dtype))
                 y, grads, sl = _run_local(mlp, tq, dtype)
                 tol = TOL[dtype]
@@ -242,7 +225,7 @@ def _bf16_errors():
     res = {}
     for gated, act in ((False, F.gelu), (True, F.silu)):
         t = {k: v.bfloat16().double() for k, v in _full_tensors(gated, True).items()}
-        ref_out, ref_g = _reference(t, gated, act)
+        ref_out, ref_g = R.mlp(t, gated, act)
         for cls in (MLP, MetpMLP):
             cfg = _config(p, gated=gated, bias=True, dtype=torch.bfloat16, bf16=True)
             mlp = _build(cls, cfg)

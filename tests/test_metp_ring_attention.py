@@ -10,18 +10,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_metp.metp.ring_attention import ring_attention
+from tests import _reference as R
 from tests._harness import run_ranks
-
-
-def _reference(q, k, v, dout, causal, scale):
-    rep = q.shape[1] // k.shape[1]
-    q64, k64, v64 = (t.detach().double().requires_grad_(True) for t in (q, k, v))
-    s = q64 @ k64.repeat_interleave(rep, 1).transpose(-1, -2) * scale
-    if causal:
-        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
-    out = torch.softmax(s, -1) @ v64.repeat_interleave(rep, 1)
-    out.backward(dout.double())
-    return out.detach(), q64.grad, k64.grad, v64.grad
 
 
 def _check(name, got, ref, dtype, errs, atol_floor=0.0):
@@ -48,7 +38,8 @@ def _ring_cases(cases):
         v = torch.randn(b, n_kv, s, d, generator=g, dtype=torch.float64)
         dout = torch.randn(b, n, s, d, generator=g, dtype=torch.float64)
         scale = d ** -0.5
-        ref = _reference(q, k, v, dout, causal, scale)
+        out64, _, *grads64 = R.attention_grads(q, k, v, dout, scale=scale, causal=causal)
+        ref = (out64, *grads64)
         sl = slice(rank * s // p, (rank + 1) * s // p)
         q_s, k_s, v_s = (t[:, :, sl].to(dtype).requires_grad_(True) for t in (q, k, v))
         out_s = ring_attention(q_s, k_s, v_s, group, causal=causal, softmax_scale=scale,
@@ -119,7 +110,7 @@ def _large_fp32():
     # Against fp64 attention of the same (fp32-valued) inputs: fp32 rounds logits of ~1e4 to
     # ~1e-3 (spacing 2^-10 at 1e4), which can move a softmax weight by ~1e-3 where two logits
     # nearly tie, so the output is held to 5e-3 * max|v| absolute.
-    ref, _, _, _ = _reference(q, k, v, torch.ones_like(q), True, 8 ** -0.5)
+    ref = R.attention(q.double(), k.double(), v.double(), scale=8 ** -0.5, causal=True)[0]
     torch.testing.assert_close(out.detach().double(), ref[:, :, sl], rtol=0,
                                atol=5e-3 * v.abs().max().item())
 

@@ -22,20 +22,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from tests import _reference as R
 from tests._harness import run_ranks
 
 P = 4
 TE_TOL = {"mha": 2.5e-2, "gqa": 3.5e-2}
-
-
-def _fp64_attention(q, k, v, scale):
-    """q [b, n, s, d], k/v [b, n_kv, s, d] -> out [b, n, s, d], lse [b, n, s]; causal, fp64."""
-    rep = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    s = q.shape[2]
-    scores = (q @ k.transpose(-1, -2)) * scale
-    scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
-    return scores.softmax(-1) @ v, scores.logsumexp(-1)
 
 
 def _inputs(seed, s, n_kv, dtype, amp=1.0, b=1, n=4, d=16):
@@ -97,10 +88,8 @@ def _tp_bf16(q, k, v, dout, scale):
 
 
 def _fp64(q, k, v, dout, scale):
-    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
-    out, lse = _fp64_attention(q64, k64, v64, scale)
-    out.backward(dout.double())
-    return [out.detach(), q64.grad, k64.grad, v64.grad], lse.detach()
+    out, lse, dq, dk, dv = R.attention_grads(q, k, v, dout, scale=scale, causal=True)
+    return [out, dq, dk, dv], lse
 
 
 def _err(a, b):
@@ -206,7 +195,6 @@ def test_large_logits_no_overflow(report):
 
 def _masked_rank_task():
     """WallFacer CP = 4 GPT; rank 0's tokens (zigzag chunks 0 and 7) have loss mask 0."""
-    import functools
     from megatron.core import parallel_state as mpu
 
     from megatron_metp.training import train

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests import _models as M
+from tests import _reference as R
 from tests._harness import run_ranks
 
 STYLES = ("gpt", "llama")
@@ -162,7 +163,7 @@ def test_bf16_tp2_trains(tp1_reference, report):
 
 
 def _tp1_against_fp64_reference():
-    """Megatron's GPTModel (TP = 1, fp64) against tests._models.reference_gpt_loss (fp64)."""
+    """Megatron's GPTModel (TP = 1, fp64) against tests._reference.gpt_loss (fp64)."""
     M.setup(tp=1)
     out = {}
     for style in STYLES:
@@ -182,7 +183,7 @@ def _tp1_against_fp64_reference():
         loss = torch.nn.functional.cross_entropy(logits_bsv.flatten(0, 1), b["labels"].flatten())
         loss.backward()
         ref_params = {n: p.detach().clone().requires_grad_() for n, p in model.named_parameters()}
-        ref_loss, ref_logits = M.reference_gpt_loss(ref_params, model.config, b, rope=style == "llama")
+        ref_loss, ref_logits = R.gpt_loss(ref_params, model.config, b, rope_on=style == "llama")
         ref_loss.backward()
         assert mcore_loss.item() == pytest.approx(ref_loss.item(), rel=1e-6)
         # fp64 (eps 1.1e-16): the two computations differ only in operation order, a few hundred

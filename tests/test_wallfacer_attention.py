@@ -13,18 +13,8 @@ import torch.distributed as dist
 from megatron_metp.wallfacer import scheduler, zigzag
 from megatron_metp.wallfacer.attention import wallfacer_attention
 from megatron_metp.wallfacer.groups import build_wallfacer_groups
+from tests import _reference as R
 from tests._harness import run_ranks
-
-
-def reference_attention(q, k, v, causal, scale):
-    """Plain fp64 softmax attention on [s, b, n, d] (GQA: k/v heads repeated)."""
-    rep = q.shape[2] // k.shape[2]
-    k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
-    scores = torch.einsum("sbnd,tbnd->bnst", q, k) * scale
-    if causal:
-        s = q.shape[0]
-        scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
-    return torch.einsum("bnst,tbnd->sbnd", scores.softmax(-1), v)
 
 
 def _compare(got, ref):
@@ -40,7 +30,7 @@ def _compare(got, ref):
 
 
 def _run_configs(configs, seq_per_rank=4, b=2, n=4, d=8):
-    P, me = dist.get_world_size(), dist.get_rank()
+    P = dist.get_world_size()
     results = []
     for C, placement, causal, n_kv in configs:
         plan = build_wallfacer_groups([list(range(P))], list(range(P)), None, C, placement)
@@ -52,7 +42,7 @@ def _run_configs(configs, seq_per_rank=4, b=2, n=4, d=8):
         dout = torch.randn(s, b, n, d, generator=g, dtype=torch.float64)
         scale = d ** -0.5
         qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
-        out_ref = reference_attention(qr, kr, vr, causal, scale)
+        out_ref = R.attention(qr, kr, vr, scale=scale, causal=causal, layout="sbhd")[0]
         out_ref.backward(dout)
         shard = lambda t: zigzag.shard_sequence(t, plan.idx, P)  # noqa: E731
         ql, kl, vl = (shard(t).float().requires_grad_() for t in (q, k, v))
