@@ -191,6 +191,12 @@ def _math_backward(dout, q, k, v, out, lse, causal, scale, rep):
 # public API
 
 
+# flash-attn 2's arguments for plain attention: no dropout, no sliding window, no softcap, no
+# ALiBi (the same in its forward and backward).
+_FLASH_ATTN_PLAIN = dict(dropout_p=0.0, window_size_left=-1, window_size_right=-1, softcap=0.0,
+                         alibi_slopes=None)
+
+
 def attention_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -223,14 +229,7 @@ def attention_forward(
             q.transpose(1, 2).contiguous(),
             k.transpose(1, 2).contiguous(),
             v.transpose(1, 2).contiguous(),
-            dropout_p=0.0,
-            softmax_scale=scale,
-            causal=causal,
-            window_size_left=-1,
-            window_size_right=-1,
-            softcap=0.0,
-            alibi_slopes=None,
-            return_softmax=False,
+            softmax_scale=scale, causal=causal, return_softmax=False, **_FLASH_ATTN_PLAIN,
         )
         return out.transpose(1, 2), lse.to(stat)
     return _math_forward(q, k, v, causal, scale, rep)
@@ -299,15 +298,8 @@ def attention_backward(
             dq,
             dk,
             dv,
-            dropout_p=0.0,
-            softmax_scale=scale,
-            causal=causal,
-            window_size_left=-1,
-            window_size_right=-1,
-            softcap=0.0,
-            alibi_slopes=None,
-            deterministic=False,
-            rng_state=None,
+            softmax_scale=scale, causal=causal, deterministic=False, rng_state=None,
+            **_FLASH_ATTN_PLAIN,
         )
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
     return _math_backward(dout, q, k, v, out, lse, causal, scale, rep)

@@ -186,6 +186,10 @@ def tp_comm_overlap(ops: List[TraceOp], group: str = "tp", window: int = 12) -> 
     gemm = lambda o: o.kind == "compute" and o.name in GEMMS and o.flops > 0  # noqa: E731
     plan: Dict[int, tuple] = {}               # op index -> replacement list
     drop: set = set()
+
+    def free_gemm(indices):  # the first GEMM among ``indices`` no other rewrite took
+        return next((j for j in indices if gemm(ops[j]) and j not in plan), None)
+
     for i, c in enumerate(ops):
         if c.kind != "comm" or c.group != group or c.name not in ("all_gather", "reduce_scatter"):
             continue
@@ -198,27 +202,19 @@ def tp_comm_overlap(ops: List[TraceOp], group: str = "tp", window: int = 12) -> 
             w = wait_at.get(c.comm_id)
             if w is None:
                 continue
-            g = next((j for j in range(w + 1, min(w + 1 + window, len(ops))) if gemm(ops[j])
-                      and j not in plan), None)
+            g = free_gemm(range(w + 1, min(w + 1 + window, len(ops))))
             if g is None:
                 continue
-            chunks = _split(ops[g], p)
-            repl = [chunks[0]]
-            for k in range(1, p):
-                repl += [TraceOp("wait", "wait", c.phase, comm_id=step[k - 1].comm_id),
-                         chunks[k]]
-            plan[i], plan[g] = step, repl
+            # chunk k consumes the block that step k - 1 brought
+            plan[i], plan[g] = step, _interleave(ops[g], p, lambda k: TraceOp(
+                "wait", "wait", c.phase, comm_id=step[k - 1].comm_id))
             drop.add(w)
         else:
-            g = next((j for j in range(i - 1, max(i - 1 - window, -1), -1) if gemm(ops[j])
-                      and j not in plan), None)
+            g = free_gemm(range(i - 1, max(i - 1 - window, -1), -1))
             if g is None:
                 continue
-            chunks = _split(ops[g], p)
-            repl = [chunks[0]]
-            for k in range(1, p):
-                repl += [step[k - 1], chunks[k]]
-            plan[g], plan[i] = repl, []
+            # step k - 1 sends what chunk k - 1 produced
+            plan[g], plan[i] = _interleave(ops[g], p, lambda k: step[k - 1]), []
             w = wait_at.get(c.comm_id)
             if w is not None:
                 plan[w] = [TraceOp("wait", "wait", c.phase, comm_id=step[-1].comm_id)]
@@ -233,6 +229,15 @@ def tp_comm_overlap(ops: List[TraceOp], group: str = "tp", window: int = 12) -> 
 
 def _split(op: TraceOp, p: int) -> List[TraceOp]:
     return [replace(op, flops=op.flops / p, bytes=op.bytes / p) for _ in range(p)]
+
+
+def _interleave(op: TraceOp, p: int, between) -> List[TraceOp]:
+    """GEMM ``op`` in ``p`` chunks, ``between(k)`` placed before chunk k (k = 1 .. p - 1)."""
+    chunks = _split(op, p)
+    out = [chunks[0]]
+    for k in range(1, p):
+        out += [between(k), chunks[k]]
+    return out
 
 
 def chrome_trace(scenarios: Dict[str, Schedule], path: Optional[str] = None,

@@ -72,6 +72,14 @@ def _block_mode(causal: bool, rank: int, src: int) -> Optional[bool]:
     return False if src < rank else None
 
 
+def _post_next_kv(comm: RingComm, k_buf: DoubleBuffer, v_buf: DoubleBuffer) -> None:
+    """Post the K/V blocks in hand to the next rank, receiving the previous rank's into the other
+    buffers (never the ones the kernel reads)."""
+    comm.send_recv(k_buf.current, k_buf.recv_buffer())
+    comm.send_recv(v_buf.current, v_buf.recv_buffer())
+    comm.commit()
+
+
 def ring_attention_forward(
     group: Optional[dist.ProcessGroup],
     q: torch.Tensor,
@@ -96,9 +104,7 @@ def ring_attention_forward(
             # transfer never writes what the kernel reads. That buffer was last read by the
             # previous step's kernel; on NCCL the batch is ordered after kernels already queued
             # on the compute stream, so it cannot overwrite them early.
-            comm.send_recv(k_buf.current, k_buf.recv_buffer())
-            comm.send_recv(v_buf.current, v_buf.recv_buffer())
-            comm.commit()
+            _post_next_kv(comm, k_buf, v_buf)
         mode = _block_mode(causal, rank, src)
         if mode is not None:
             blk_out, blk_lse = attention_forward(
@@ -154,9 +160,7 @@ def ring_attention_backward(
     for j in range(p):
         src = (rank - j) % p
         if j < p - 1:
-            kv_comm.send_recv(k_buf.current, k_buf.recv_buffer())
-            kv_comm.send_recv(v_buf.current, v_buf.recv_buffer())
-            kv_comm.commit()
+            _post_next_kv(kv_comm, k_buf, v_buf)
         mode = _block_mode(causal, rank, src)
         if mode is not None:
             dq_b, dk_b, dv_b = attention_backward(
