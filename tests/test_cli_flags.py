@@ -63,6 +63,12 @@ TRAIN_BAD = [
     ("nproc-negative", ["--nproc-per-node", "-2"], "--nproc-per-node", ">= 1"),
     ("vocab-0", ["--vocab-size", "0"], "--vocab-size", ">= 1"),
     ("save-interval-0", ["--save-interval", "0"], "--save-interval", ">= 1"),
+    ("exit-interval-0", ["--exit-interval", "0"], "--exit-interval", ">= 1"),
+    ("exit-duration-0", ["--exit-duration-in-mins", "0"], "--exit-duration-in-mins", "above 0"),
+    ("decay-not-after-warmup", ["--lr-warmup-iters", "8", "--lr-decay-iters", "8"],
+     "--lr-warmup-iters", "--lr-decay-iters"),
+    ("decay-style-unknown", ["--lr-decay-style", "step"], "--lr-decay-style", "invalid choice"),
+    ("exit-signal-unknown", ["--exit-signal", "SIGKILL"], "--exit-signal", "invalid choice"),
     # The rest of metp train's flags: ranges.
     ("min-lr-negative", ["--min-lr", "-0.1"], "--min-lr", ">= 0"),
     ("min-lr-above-lr", ["--lr", "0.001", "--min-lr", "0.01"], "--min-lr", "<= 0.001"),

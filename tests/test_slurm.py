@@ -51,9 +51,20 @@ def test_metp_train_dry_run_prints_the_launch():
                  "--tensor-model-parallel-size 8", "--sequence-parallel", "--bf16"):
         assert part in cmd, (part, cmd)
     assert "--wallfacer-team-size" not in cmd
+    # SIGTERM (what the batch shell sends the ranks at the time limit's USR1) = save and stop.
+    assert "--exit-signal-handler" in cmd and "--load" not in cmd
     assert "export CUDA_DEVICE_MAX_CONNECTIONS=1" in out
     assert "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1" in out
     assert "export NCCL_NVLS_ENABLE=1" in out
+
+
+def test_requeue_resumes_from_save():
+    # With SAVE, REQUEUE defaults to 1 and the job loads its own newest checkpoint.
+    cmd = _command(_dry_run("metp_train.sbatch", MODE="metp", TP="8", SAVE="/ckpt/run1"))
+    assert "--save /ckpt/run1 --load /ckpt/run1 --exit-signal-handler" in cmd
+    header = (SLURM / "metp_train.sbatch").read_text()
+    for line in ("#SBATCH --requeue", "#SBATCH --signal=B:USR1@300", "#SBATCH --open-mode=append"):
+        assert line in header
 
 
 def test_wallfacer_dry_run_on_a100():
@@ -117,6 +128,13 @@ def _slurm_unavailable() -> str:
     return ""
 
 
+def _node_cpus(env: dict) -> int:
+    # The scripts ask for 32 CPUs per task (a GPU node); the test node has what it has.
+    return max(int(ln.split()[1]) for ln in subprocess.run(
+        ["sinfo", "-h", "-o", "%t %c"], env=env, capture_output=True, text=True,
+        timeout=20).stdout.split("\n") if ln.strip())
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -136,9 +154,7 @@ def test_sbatch_runs_a_two_rank_cpu_training(tmp_path, report):
     if reason:
         pytest.skip(reason)
     env = _slurm_env()
-    cpus = max(int(ln.split()[1]) for ln in subprocess.run(
-        ["sinfo", "-h", "-o", "%t %c"], env=env, capture_output=True, text=True,
-        timeout=20).stdout.split("\n") if ln.strip())
+    cpus = _node_cpus(env)
     use_cli = _metp_train_ready()
     env.update(CLUSTER="cpu", NPROC_PER_NODE="2", MODE="metp", TP="2", CONFIG="tiny-gpt",
                TRAIN_ITERS="8", BF16="0", PYTHON=sys.executable, METP_ROOT=str(ROOT),
@@ -173,3 +189,92 @@ def test_sbatch_runs_a_two_rank_cpu_training(tmp_path, report):
         assert m, log[-3000:]
         report(f"slurm: sbatch job {job_id}, 2 gloo ranks via srun+torchrun, smoke loss ratio "
                f"{m.group(1)} (metp train not present; used scripts/slurm/smoke_train.py)")
+
+
+def _losses(log_jsonl: Path) -> dict:
+    import json
+
+    return {r["iteration"]: r["loss"] for r in map(json.loads, log_jsonl.read_text().splitlines())}
+
+
+def test_job_stopped_for_its_time_limit_requeues_and_resumes(tmp_path, report):
+    """The time-limit path of metp_train.sbatch on the real local SLURM: the job trains; at
+    iteration >= 5 the test sends the batch shell SIGUSR1, exactly what SLURM sends at
+    ``#SBATCH --signal=B:USR1@300`` five minutes before the limit (a real limit would make the
+    test last minutes: SLURM's time-limit resolution is a minute). The shell passes SIGTERM to the
+    ranks, which finish the iteration, save (no --save-interval: this is the only checkpoint
+    before the end) and exit; the shell requeues the job. SLURM holds a requeued job ~2 minutes
+    (BeginTime); the test releases it at once. The second start resumes from that checkpoint and
+    finishes. Every iteration's loss equals an uninterrupted run's, bit for bit."""
+    reason = _slurm_unavailable()
+    if reason:
+        pytest.skip(reason)
+    if not _metp_train_ready():
+        pytest.skip("megatron_metp.training.cli is not importable")
+    import json
+    import time
+
+    iters = 12
+    env = _slurm_env()
+    save, log, out_file = tmp_path / "ckpt", tmp_path / "train.jsonl", tmp_path / "job.out"
+    env.update(CLUSTER="cpu", NPROC_PER_NODE="2", MODE="metp", TP="2", CONFIG="tiny-gpt",
+               TRAIN_ITERS=str(iters), BF16="0", PYTHON=sys.executable, METP_ROOT=str(ROOT),
+               MASTER_PORT=str(_free_port()), TIMEOUT_MINUTES="2", SAVE=str(save),
+               EXTRA_ARGS=f"--no-progress --log-json {log}")
+    job = subprocess.run(
+        ["sbatch", "--parsable", "--nodes=1", "--gpus-per-node=0", "--time=00:10:00",
+         f"--cpus-per-task={_node_cpus(env)}",
+         f"--output={out_file}", str(SLURM / "metp_train.sbatch")],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=60, check=True
+    ).stdout.strip().split(";")[0]
+    signalled = released = None
+    t0 = time.monotonic()
+    try:
+        while True:
+            state = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T %r"], env=env,
+                                   capture_output=True, text=True, timeout=30).stdout.split()
+            if not state:
+                break
+            done = _losses(log) if log.exists() else {}
+            if signalled is None and max(done, default=0) >= 5:
+                subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=env, timeout=30,
+                               check=True)
+                signalled = max(done)
+            if state[1:] == ["BeginTime"] and not released:
+                subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env,
+                               timeout=30, check=True)
+                released = True
+            assert time.monotonic() - t0 < 400, out_file.read_text()[-4000:]
+            time.sleep(0.5)
+    except BaseException:
+        subprocess.run(["scancel", job], env=env, timeout=30)
+        raise
+    text = out_file.read_text()
+    progress = json.loads((save / "metp_progress.json").read_text())
+    assert progress == dict(iteration=iters, train_iters=iters, finished=True, exit=None), text[-3000:]
+    m = re.search(r"\[metp\] exit \(signal\) after iteration (\d+) of %d" % iters, text)
+    assert m and released, text[-4000:]
+    stopped = int(m.group(1))
+    assert f"requeueing job {job} (restart 1)" in text
+    assert f"resumed from {save} at iteration {stopped}" in text
+    assert signalled <= stopped < iters and (save / f"iter_{stopped:07d}").is_dir()
+    # Every iteration logged exactly once across the two starts (the log is appended to).
+    records = [json.loads(x)["iteration"] for x in log.read_text().splitlines()]
+    assert records == list(range(1, iters + 1)), records
+
+    # The uninterrupted run: same flags, same thread count, no SLURM.
+    ref_log = tmp_path / "ref.jsonl"
+    e = dict(os.environ, OMP_NUM_THREADS="1")
+    for k in [k for k in e if k.startswith("SLURM_")] + ["RANK", "WORLD_SIZE", "LOCAL_RANK"]:
+        e.pop(k, None)
+    r = subprocess.run([sys.executable, "-m", "megatron_metp.training.cli", "train",
+                        "--nproc-per-node", "2", "--config", "tiny-gpt", "--tensor-parallel-mode",
+                        "metp", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                        "--train-iters", str(iters), "--no-progress", "--log-json", str(ref_log)],
+                       cwd=ROOT, env=e, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    got, ref = _losses(log), _losses(ref_log)
+    report(f"slurm: job {job} signalled at iteration {signalled}, saved and stopped at "
+           f"{stopped}, requeued, resumed to {iters}: losses equal the uninterrupted run's "
+           f"(max |diff| {max(abs(got[i] - ref[i]) for i in ref):.1e})")
+    assert got == ref

@@ -152,29 +152,43 @@ def test_progress_bar_and_tables():
     assert res["summary"]["last10_mean"] == 1.5
 
 
-def _save_resume_task(ckpt, load):
+def _train_task(*argv):
     from megatron_metp.training import train
-
-    argv = ["--train-iters", "6", "--save", ckpt, "--save-interval", "4", "--no-progress"]
-    args, explicit = _args(*(argv + (["--load", ckpt] if load else [])))
     from tests._models import child_processes_allowed
 
+    # Warm-up 1 (the config's is 5): the decay, and so --lr-decay-iters, shapes iterations 2-6.
+    args, explicit = _args(*argv, "--lr-warmup-iters", "1", "--no-progress")
     with child_processes_allowed():  # dist_checkpointing's writer starts processes
         return train.run(args, explicit)["metp"]["losses"]
 
 
-def test_checkpoint_resume_is_exact(tmp_path, report):
-    """--save every 4 iterations, then --load from iteration 4: iterations 5-6 repeat the
-    uninterrupted run bit for bit (model, Adam moments, LR schedule and the dropout streams are
-    all restored; the default config trains with hidden dropout 0.1)."""
+def test_cut_short_runs_resume_to_the_uninterrupted_losses(tmp_path, report):
+    """A 6-iteration run, and the same run in three pieces that stop themselves:
+    ``--exit-interval 2`` (saves, exits at 2); ``--train-iters 4 --lr-decay-iters 6
+    --exit-duration-in-mins 1e-9`` (resumes, does one iteration, the time is up: saves, exits at
+    3; the decay length keeps the 6-iteration schedule); then ``--load`` to the end. The pieces'
+    losses equal the uninterrupted run's bit for bit: model, Adam moments, LR schedule and the
+    dropout streams (the default config trains with hidden dropout 0.1) are all restored."""
+    import json
+
     ckpt = str(tmp_path / "ckpt")
-    full = run_ranks(4, _save_resume_task, ckpt, False, timeout=300)[0]
-    assert sorted(os.listdir(ckpt))[:2] == ["iter_0000004", "iter_0000006"]
-    (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("4")
-    resumed = run_ranks(4, _save_resume_task, ckpt, True, timeout=300)[0]
-    assert len(full) == 6 and len(resumed) == 2
-    report(f"metp train resume at 4/6: losses 5-6 {resumed} vs uninterrupted {full[4:]}")
-    assert resumed == full[4:]
+    full = run_ranks(4, _train_task, "--train-iters", "6", timeout=300)[0]
+    progress = lambda: json.loads((tmp_path / "ckpt" / "metp_progress.json").read_text())  # noqa
+    a = run_ranks(4, _train_task, "--train-iters", "6", "--exit-interval", "2", "--save", ckpt,
+                  timeout=300)[0]
+    assert progress() == dict(iteration=2, train_iters=6, finished=False, exit="interval")
+    b = run_ranks(4, _train_task, "--train-iters", "4", "--lr-decay-iters", "6",
+                  "--exit-duration-in-mins", "1e-9", "--load", ckpt, "--save", ckpt,
+                  timeout=300)[0]
+    assert progress() == dict(iteration=3, train_iters=4, finished=False, exit="duration")
+    c = run_ranks(4, _train_task, "--train-iters", "6", "--load", ckpt, "--save", ckpt,
+                  timeout=300)[0]
+    assert progress() == dict(iteration=6, train_iters=6, finished=True, exit=None)
+    assert sorted(os.listdir(ckpt))[:3] == ["iter_0000002", "iter_0000003", "iter_0000006"]
+    assert (len(a), len(b), len(c)) == (2, 1, 3)
+    report(f"metp train cut short at 2 (--exit-interval) and 3 (--exit-duration-in-mins), "
+           f"resumed: losses {a + b + c} vs uninterrupted {full}")
+    assert a + b + c == full
 
 
 def _losses_task(argv, init_ckpt=None):

@@ -38,6 +38,8 @@ def subcommand(name: str, help: str):
 # metp train
 
 MODES = ("tp", "metp", "wallfacer")
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+EXIT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
 
 
 @subcommand("train", "train a GPT model with Megatron-Core under tp, metp or wallfacer")
@@ -71,6 +73,11 @@ def _train_parser(p: argparse.ArgumentParser) -> Callable:
     a("--lr", type=float, default=None)
     a("--min-lr", type=float, default=None)
     a("--lr-warmup-iters", type=int, default=None)
+    a("--lr-decay-iters", type=int, default=None,
+      help="iterations of the lr decay (default --train-iters): give the full run's length to "
+           "a run cut short so that its schedule is the full run's")
+    a("--lr-decay-style", choices=LR_DECAY_STYLES, default=None,
+      help="lr decay after warm-up (default cosine; Megatron-LM's default is linear)")
     a("--train-iters", type=int, default=None)
     a("--weight-decay", type=float, default=None)
     a("--clip-grad", type=float, default=None)
@@ -93,6 +100,16 @@ def _train_parser(p: argparse.ArgumentParser) -> Callable:
     a("--save", default=None, help="checkpoint directory (Megatron-Core dist_checkpointing)")
     a("--load", default=None, help="resume from the newest checkpoint in this directory")
     a("--save-interval", type=int, default=None)
+    a("--exit-interval", type=int, default=None,
+      help="save (with --save) and exit cleanly when the iteration is a multiple of this")
+    a("--exit-duration-in-mins", type=float, default=None,
+      help="save and exit cleanly once this many minutes have passed since the run started "
+           "(set it below the SLURM time limit; scripts/slurm/metp_train.sbatch does)")
+    a("--exit-signal-handler", action="store_true",
+      help="on --exit-signal, finish the iteration, save and exit cleanly (as Megatron-LM)")
+    a("--exit-signal", choices=EXIT_SIGNALS, default="SIGTERM",
+      help="the signal --exit-signal-handler takes (default SIGTERM, what SLURM and torchrun "
+           "send before killing)")
     a("--distributed-timeout-minutes", type=int, default=None)
     a("--log-json", default=None, metavar="PATH",
       help="write one JSON object per iteration (iteration, loss, tokens/s, ...)")

@@ -75,6 +75,8 @@ _TRAIN_KEYS: Dict[str, tuple] = {
     "lr": (float, "--lr"),
     "min_lr": (float, "--min-lr"),
     "lr_warmup_iters": (int, "--lr-warmup-iters"),
+    "lr_decay_iters": (int, "--lr-decay-iters"),
+    "lr_decay_style": (str, "--lr-decay-style"),
     "train_iters": (int, "--train-iters"),
     "weight_decay": (float, "--weight-decay"),
     "clip_grad": (float, "--clip-grad"),
@@ -92,6 +94,7 @@ _CHOICES = {
     "normalization": ("LayerNorm", "RMSNorm"),
     "architecture": ("gpt", "bert", "dit"),
     "tensor_parallel_mode": ("tp", "metp", "wallfacer"),
+    "lr_decay_style": ("constant", "linear", "cosine", "inverse-square-root"),
 }
 ALL_KEYS = tuple(_MODEL_KEYS) + tuple(_TRAIN_KEYS) + _TEXT_KEYS
 

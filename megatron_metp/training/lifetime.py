@@ -6,7 +6,8 @@ on the first save and never shut down. A rank that is SIGKILLed (an OOM kill, a 
 torchrun sending SIGTERM to the survivors) runs no exit handler, so that Manager and
 multiprocessing's resource tracker lived on with PPID 1. :func:`own_checkpoint_helpers` creates
 the queue first, served by a Manager that the kernel kills when its parent dies
-(``PR_SET_PDEATHSIG``); the resource tracker then sees its last client gone and exits by itself.
+(``PR_SET_PDEATHSIG``) and that ignores the stop signals its rank handles; the resource tracker
+then sees its last client gone and exits by itself.
 
 Linux only (prctl); elsewhere the Manager is created as Megatron would create it.
 """
@@ -35,6 +36,15 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
+def _checkpoint_helper_init() -> None:
+    """The Manager's start: die with the rank, and leave SIGTERM / SIGINT to the rank. A
+    scheduler stopping a job signals every process of the step; the rank then finishes its
+    iteration and saves (``--exit-signal-handler``), which needs this helper alive."""
+    die_with_parent()
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def own_checkpoint_helpers() -> bool:
     """Give Megatron's dist-checkpoint writer its results queue, served by a Manager that dies
     with this process. Call before the first ``dist_checkpointing.save``; returns whether the
@@ -51,7 +61,7 @@ def own_checkpoint_helpers() -> bool:
 
     # Megatron creates it from the spawn context (a fork would copy CUDA state); so does this.
     manager = SyncManager(ctx=mp.get_context("spawn"))
-    manager.start(die_with_parent)
+    manager.start(_checkpoint_helper_init)
     _MANAGERS.append(manager)
     fsa._results_queue = manager.Queue()
     return True

@@ -23,8 +23,10 @@ from __future__ import annotations
 import datetime
 import functools
 import gc
+import json
 import os
 import resource
+import signal
 import sys
 import time
 from argparse import Namespace
@@ -49,8 +51,10 @@ DEFAULTS = dict(
     lr=3e-3, min_lr=None, lr_warmup_iters=0, train_iters=50, weight_decay=0.01, clip_grad=1.0,
     hidden_dropout=0.1, attention_dropout=0.1, seed=1234, wallfacer_team_size="1",
     wallfacer_placement=None, save_interval=None, distributed_timeout_minutes=10,
-    make_vocab_size_divisible_by=128,
+    make_vocab_size_divisible_by=128, lr_decay_iters=None, lr_decay_style="cosine",
+    exit_interval=None, exit_duration_in_mins=None,
 )
+PROGRESS = "metp_progress.json"  # beside the checkpoints: how far the run got, and why it stopped
 
 
 def resolve_namespace(args: Namespace, cfg: ModelConfig, mode: str,
@@ -284,8 +288,8 @@ def _build_optimizer(ns: Namespace, tconf, ddp):
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=ns.lr, min_lr=opt_config.min_lr,
         lr_warmup_steps=ns.lr_warmup_iters,
-        lr_decay_steps=max(ns.train_iters, ns.lr_warmup_iters + 1),
-        lr_decay_style="cosine", start_wd=ns.weight_decay, end_wd=ns.weight_decay,
+        lr_decay_steps=max(ns.lr_decay_iters or ns.train_iters, ns.lr_warmup_iters + 1),
+        lr_decay_style=ns.lr_decay_style, start_wd=ns.weight_decay, end_wd=ns.weight_decay,
         wd_incr_steps=max(ns.train_iters, 1), wd_incr_style="constant",
         # On --load the schedule comes from this command line and only the step count from
         # the checkpoint (Megatron-LM's --override-opt_param-scheduler).
@@ -370,8 +374,65 @@ def _save(args: Namespace, run: _ModeRun, iteration: int) -> None:
     checkpoint_io.save(args.save, iteration, [run.ddp], run.optimizer, run.scheduler)
 
 
-def _train_loop(args: Namespace, run: _ModeRun, mode: str, start: int,
-                reporter: Reporter) -> None:
+class ExitSignal:
+    """``--exit-signal-handler``: the signal sets a flag; the loop stops after the iteration.
+
+    Installed for one ``run`` (the previous handler comes back at its end); nothing reads it
+    inside autograd or communication, only the loop between iterations."""
+
+    def __init__(self, signame: Optional[str]):
+        self.received = False
+        self._sig = getattr(signal, signame) if signame else None
+        self._previous = None
+
+    def __enter__(self) -> "ExitSignal":
+        if self._sig is not None:
+            self._previous = signal.signal(self._sig, self._on_signal)
+        return self
+
+    @property
+    def armed(self) -> bool:
+        return self._sig is not None
+
+    def _on_signal(self, signum, frame) -> None:
+        self.received = True
+
+    def __exit__(self, *exc) -> None:
+        if self._sig is not None:
+            signal.signal(self._sig, self._previous)
+
+
+def _exit_reason(ns: Namespace, iteration: int, started: float, stop: ExitSignal,
+                 device: torch.device) -> Optional[str]:
+    """Why to stop after ``iteration`` (None: go on), agreed by every rank: the clocks and the
+    signal's arrival differ between ranks, so one all-reduce (MAX) decides, as in Megatron-LM."""
+    if iteration >= ns.train_iters:
+        return None
+    if ns.exit_interval and iteration % ns.exit_interval == 0:
+        return "interval"
+    if not ns.exit_duration_in_mins and not stop.armed:
+        return None
+    late = bool(ns.exit_duration_in_mins) and (
+        time.time() - started) / 60 > ns.exit_duration_in_mins
+    flags = torch.tensor([float(late), float(stop.received)], device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return "duration" if flags[0] else "signal" if flags[1] else None
+
+
+def _write_progress(root: str, iteration: int, train_iters: int, reason: Optional[str]) -> None:
+    """Rank 0 records how far the run got (read by the sbatch script to decide on a requeue);
+    written to a temporary name and renamed, so a reader never sees half of it."""
+    if dist.get_rank() != 0:
+        return
+    path = os.path.join(root, PROGRESS)
+    with open(path + ".tmp", "w") as f:
+        json.dump(dict(iteration=iteration, train_iters=train_iters,
+                       finished=iteration >= train_iters, exit=reason), f)
+    os.replace(path + ".tmp", path)
+
+
+def _train_loop(args: Namespace, run: _ModeRun, mode: str, start: int, reporter: Reporter,
+                started: float, stop: ExitSignal) -> None:
     from megatron.core import parallel_state as mpu
 
     ns, device = run.ns, run.device
@@ -381,6 +442,7 @@ def _train_loop(args: Namespace, run: _ModeRun, mode: str, start: int,
     is_reporter = (mpu.is_pipeline_last_stage() and mpu.get_tensor_model_parallel_rank() == 0
                    and mpu.get_context_parallel_rank() == 0)
     world = dist.get_world_size()
+    saved_at, reason, it = None, None, start
     for it in range(start, ns.train_iters):
         t0 = time.perf_counter()
         loss, lr_used, grad_norm, mem = _train_step(run, it, samples, is_reporter)
@@ -393,12 +455,26 @@ def _train_loop(args: Namespace, run: _ModeRun, mode: str, start: int,
             peak_mem_kind="allocated" if device.type == "cuda" else "rss"))
         if args.save and ns.save_interval and (it + 1) % ns.save_interval == 0:
             _save(args, run, it + 1)
-    if args.save and (not ns.save_interval or ns.train_iters % ns.save_interval):
-        _save(args, run, ns.train_iters)
+            saved_at = it + 1
+        reason = _exit_reason(ns, it + 1, started, stop, device)
+        if reason is not None:
+            it += 1
+            break
+    else:
+        it = ns.train_iters
+    if args.save and saved_at != it:
+        _save(args, run, it)
+    if args.save:
+        _write_progress(args.save, it, ns.train_iters, reason)
+    if reason is not None:
+        _print0(f"[metp] exit ({reason}) after iteration {it} of {ns.train_iters}"
+                + (f": saved to {args.save}, resume with --load {args.save}" if args.save
+                   else " (no --save: nothing saved)"))
 
 
 def train_one_mode(args: Namespace, cfg: ModelConfig, mode: str, explicit: set,
-                   device: torch.device, reporter: Reporter) -> Dict:
+                   device: torch.device, reporter: Reporter, started: Optional[float] = None,
+                   stop: Optional[ExitSignal] = None) -> Dict:
     """Train ``cfg`` under ``mode``; return {'losses': [...], 'summary': {...}} (rank 0 prints).
 
     Steps: resolve the namespace, initialise the groups, build model and optimizer, resume,
@@ -421,7 +497,8 @@ def train_one_mode(args: Namespace, cfg: ModelConfig, mode: str, explicit: set,
         reporter.start_mode(mode, ns, total=ns.train_iters, start=start, layout=dict(
             dp=mpu.get_data_parallel_world_size(), tp=ns.tensor_model_parallel_size,
             cp=ns.context_parallel_size, pp=ns.pipeline_model_parallel_size))
-        _train_loop(args, run, mode, start, reporter)
+        _train_loop(args, run, mode, start, reporter,
+                    time.time() if started is None else started, stop or ExitSignal(None))
         return reporter.end_mode()
     finally:
         destroy_parallel()
@@ -434,6 +511,7 @@ def run(args: Namespace, explicit: set) -> Dict[str, Dict]:
 
     from megatron_metp import cpu_compat
 
+    started = time.time()  # --exit-duration-in-mins counts from here (Megatron-LM: pretrain's start)
     cfg = check_model_config(args)
     gc.collect()  # what an earlier run in this process left (e.g. one that raised)
     use_cuda = torch.cuda.is_available()
@@ -457,13 +535,17 @@ def run(args: Namespace, explicit: set) -> Dict[str, Dict]:
         reporter = Reporter(rank=dist.get_rank(), log_json=args.log_json,
                             interactive=sys.stdout.isatty() and not args.no_progress)
         results = {}
-        for mode in modes_of(args, cfg):
-            try:
-                results[mode] = train_one_mode(args, cfg, mode, explicit, device, reporter)
-            finally:
-                # The mode's model, DDP and optimizer hold its (now destroyed) process groups
-                # in reference cycles; a group's threads and sockets end only when it is freed.
-                gc.collect()
+        signame = args.exit_signal if getattr(args, "exit_signal_handler", False) else None
+        with ExitSignal(signame) as stop:
+            for mode in modes_of(args, cfg):
+                try:
+                    results[mode] = train_one_mode(args, cfg, mode, explicit, device, reporter,
+                                                   started, stop)
+                finally:
+                    # The mode's model, DDP and optimizer hold its (now destroyed) process
+                    # groups in reference cycles; a group's threads and sockets end only when
+                    # it is freed.
+                    gc.collect()
         reporter.final(results, compare=bool(args.compare))
         return results
     finally:

@@ -34,7 +34,8 @@ class Reporter:
         self.rank = rank
         self.out = out or sys.stdout
         self.interactive = interactive
-        self._json = open(log_json, "w") if (log_json and rank == 0) else None
+        # Appended to, as Megatron-LM's logs: a resumed or requeued run continues the record.
+        self._json = open(log_json, "a") if (log_json and rank == 0) else None
         self._records: List[Dict] = []
         self._mode = ""
         self._total = 0

@@ -19,6 +19,10 @@
 #   CONFIG      configs/<model>.yaml or a model name (relative to METP_ROOT)
 #   SEQ_LENGTH MICRO_BATCH_SIZE GLOBAL_BATCH_SIZE TRAIN_ITERS LR   (empty = the config's value)
 #   BF16=1  SAVE  LOAD  SAVE_INTERVAL  TIMEOUT_MINUTES  EXTRA_ARGS (appended verbatim)
+# Time limit (see "time limit" below)
+#   REQUEUE     1 = requeue the job when it stops for its time limit (default: 1 when SAVE is set)
+#   EXIT_MARGIN_MINUTES  metp train saves and exits this long before the limit (default 5)
+#   MAX_REQUEUES         requeue at most this many times (default 20)
 # Machine
 #   CLUSTER     h100 | a100 | cpu   NCCL settings and ranks per node (NPROC_PER_NODE overrides)
 #   PYTHON      the Python with megatron_metp installed (default: python)
@@ -81,7 +85,67 @@ else
     MASTER_ADDR=$(hostname)
 fi
 MASTER_PORT=${MASTER_PORT:-29500}
-RDZV_ID=${SLURM_JOB_ID:-metp-dry-run}
+RDZV_ID=${SLURM_JOB_ID:-metp-dry-run}${SLURM_RESTART_COUNT:+-r$SLURM_RESTART_COUNT}
+
+# --- time limit ------------------------------------------------------------------------------------
+# Under SLURM this shell does not exec the step: it waits for it, so that the USR1 of
+# `#SBATCH --signal=B:USR1@300` (five minutes before the limit) reaches its trap, which sends
+# SIGTERM to the step; srun passes it to torchrun, torchrun to the ranks, and the ranks
+# (--exit-signal-handler) finish the iteration, save and exit. metp train also gets
+# --exit-duration-in-mins (the time left minus EXIT_MARGIN_MINUTES) and stops by itself first.
+# Then, with REQUEUE=1, a run that stopped for time (and did not finish) goes back to the queue
+# (`scontrol requeue`, `#SBATCH --requeue`) and resumes from SAVE.
+REQUEUE=${REQUEUE:-$([ -n "${SAVE:-}" ] && echo 1 || echo 0)}
+EXIT_MARGIN_MINUTES=${EXIT_MARGIN_MINUTES:-5}
+MAX_REQUEUES=${MAX_REQUEUES:-20}
+STOP_REQUESTED=0
+STEP_PID=
+
+# Whole minutes this job has left ("" without a time limit or outside SLURM).
+minutes_left() {
+    [ -n "${SLURM_JOB_ID:-}" ] || return 0
+    local left d=0 h=0 m=0
+    left=$(squeue -h -j "$SLURM_JOB_ID" -o %L 2>/dev/null) || return 0
+    case "$left" in *[!0-9:-]*|"") return 0 ;; esac       # UNLIMITED, NOT_SET, INVALID
+    if [[ $left == *-* ]]; then d=${left%%-*}; left=${left#*-}; fi
+    IFS=: read -r -a f <<<"$left"
+    case ${#f[@]} in
+        3) h=${f[0]}; m=${f[1]} ;;
+        2) m=${f[0]} ;;
+    esac
+    echo $(( 10#$d * 1440 + 10#$h * 60 + 10#$m ))
+}
+
+_on_time_limit() {
+    STOP_REQUESTED=1
+    echo "[metp-slurm] SIGUSR1: the time limit is near; asking the ranks to save and stop"
+    # SIGTERM to the step's tasks (torchrun, which passes it to the ranks). Not to srun: srun
+    # answers a SIGTERM by cancelling the step, which kills the ranks before they save.
+    local step
+    for step in $(squeue -h -s -j "$SLURM_JOB_ID" -o %i 2>/dev/null | grep -E '\.[0-9]+$'); do
+        scancel --signal=TERM "$step" 2>/dev/null || true
+    done
+    return 0
+}
+
+# After the step: requeue when it stopped for time without finishing (REQUEUE=1).
+_after_step() {
+    local rc=$1 progress="${SAVE:-/nonexistent}/metp_progress.json" for_time=$STOP_REQUESTED
+    grep -qE '"exit": "(duration|signal)"' "$progress" 2>/dev/null && for_time=1
+    if grep -q '"finished": true' "$progress" 2>/dev/null; then for_time=0; fi
+    if [ "$for_time" = 1 ] && [ "$REQUEUE" = 1 ]; then
+        if [ "${SLURM_RESTART_COUNT:-0}" -ge "$MAX_REQUEUES" ]; then
+            echo "[metp-slurm] stopped for time, but requeued $MAX_REQUEUES times already:" \
+                 "not again (raise MAX_REQUEUES)" >&2
+            return 1
+        fi
+        echo "[metp-slurm] stopped for time at $(cat "$progress" 2>/dev/null || echo '?');" \
+             "requeueing job $SLURM_JOB_ID (restart $(( ${SLURM_RESTART_COUNT:-0} + 1 )))"
+        scontrol requeue "$SLURM_JOB_ID"
+        return 0
+    fi
+    return "$rc"
+}
 
 # Flags shared by both entry points (Megatron-LM names).
 parallel_flags() {
@@ -98,7 +162,11 @@ parallel_flags() {
     [ -n "${LR:-}" ] && PARALLEL_FLAGS+=(--lr "$LR")
     [ "$BF16" = 1 ] && PARALLEL_FLAGS+=(--bf16)
     [ -n "${SAVE:-}" ] && PARALLEL_FLAGS+=(--save "$SAVE")
+    # A requeued job resumes from its own newest checkpoint.
+    if [ -z "${LOAD:-}" ] && [ "$REQUEUE" = 1 ]; then LOAD=${SAVE:-}; fi
     [ -n "${LOAD:-}" ] && PARALLEL_FLAGS+=(--load "$LOAD")
+    # Both trainers (metp train, Megatron-LM) take SIGTERM as "finish the iteration, save, exit".
+    PARALLEL_FLAGS+=(--exit-signal-handler)
     [ -n "${SAVE_INTERVAL:-}" ] && PARALLEL_FLAGS+=(--save-interval "$SAVE_INTERVAL")
     PARALLEL_FLAGS+=(--distributed-timeout-minutes "$TIMEOUT_MINUTES")
     return 0
@@ -119,6 +187,18 @@ launch() {
         env | grep -E '^(NCCL_|TORCH_NCCL_|CUDA_DEVICE_MAX|OMP_NUM_THREADS|MEGATRON_LM_PATH)' \
             | sort | sed 's/^/export /'
         printf '%q ' "${cmd[@]}"; echo
+    elif [ -n "${SLURM_JOB_ID:-}" ]; then
+        trap _on_time_limit USR1
+        "${cmd[@]}" &
+        STEP_PID=$!
+        local rc=0
+        # A trapped signal interrupts `wait` (status > 128) while the step runs on: wait again.
+        while :; do
+            wait "$STEP_PID" && rc=0 || rc=$?
+            [ "$rc" -gt 128 ] && kill -0 "$STEP_PID" 2>/dev/null && continue
+            break
+        done
+        _after_step "$rc"
     else
         exec "${cmd[@]}"
     fi
