@@ -86,7 +86,13 @@ _UNSUPPORTED = {
          "every layer uses the mode's one layer spec"),
     ],
 }
-_UNSUPPORTED["metp_mlp"] = _UNSUPPORTED["metp"]
+_UNSUPPORTED["metp_mlp"] = list(_UNSUPPORTED["metp"])  # its attention is Megatron's own
+# Megatron-LM's per-document masks: the plugin's attention applies the causal mask alone (as
+# Transformer Engine does for a causal mask type), so packed documents would see each other.
+for _mode in ("metp", "wallfacer"):
+    _UNSUPPORTED[_mode].append(
+        ("reset_attention_mask", "--reset-attention-mask", "its attention applies the causal "
+         "mask only and would attend across the packed documents' boundaries"))
 
 
 def _fail(msg: str) -> None:
@@ -505,8 +511,9 @@ def _check_wallfacer(ns: Namespace, tp: int, cp: int) -> None:
               f"{', '.join(PLACEMENTS)}")
     dropout = getattr(ns, "attention_dropout", 0.0) or 0.0
     if dropout > 0:
-        _fail(f"--attention-dropout {dropout}: WallFacer attention has no attention dropout; "
-              f"set --attention-dropout 0")
+        _fail(f"--attention-dropout {dropout}: WallFacer attention has no attention dropout "
+              f"(its blocks' backward recomputes the probabilities with no per-block dropout "
+              f"RNG state); set --attention-dropout 0")
     if (getattr(ns, "softmax_type", None) or "vanilla") != "vanilla" or getattr(
             ns, "window_size", None) is not None:
         _fail("--softmax-type / --window-size: WallFacer attention supports --softmax-type "
