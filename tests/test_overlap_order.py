@@ -35,8 +35,9 @@ shows, and this list stays the truth):
   j's projection and waited after its whole K/V ring (forward and backward); head group j's
   gradient reduce is waited after head group j+1's ring. Inner level: each K/V hop behind the
   kernel of the block it sends; in backward each dK/dV accumulator hop behind the next step's
-  kernel. Exposed by construction, since nothing precedes or follows them inside the layer:
-  head group 0's weights, the last head group's reduce, and each ring's last dK/dV hop.
+  kernel, and the last one behind dQ's back-projection (dX += dQ W_q, dW_q), which needs no
+  dK/dV. Exposed by construction, since nothing precedes or follows them inside the layer:
+  head group 0's weights and the last head group's gradient reduce.
 * WallFacer: every sub-ring hop (forward K/V, backward query package with its lse, and the dQ
   accumulator) behind the kernels of its member shard. Exposed today (issue 13 item 2 asks to
   overlap them): the team all-gathers and the initial send, waited on before the first kernel;
@@ -452,11 +453,14 @@ def test_metp_attention_order_both_levels(report):
                     assert_posted_before_compute(evs, bs, start)
                     continue
                 # Alg. 4: K/V hops (steps 0..p-2) hide behind their step's backward kernel, the
-                # dK/dV accumulator hops (steps 1..p-1) behind the next step's. The last one
-                # (step p-1) has no next step: exposed, and the segment's last post.
+                # dK/dV accumulator hops (steps 1..p-2) behind the next step's. The last one
+                # (step p-1, the segment's last post) has no next step: it hides behind dQ's
+                # back-projection GEMMs instead.
                 assert [_ops(b) for b in bs] == [{"send": 2, "recv": 2}] * (2 * P - 2)
-                n_kernels = [len(kernels(window(evs, b[0]))) for b in bs]
-                assert n_kernels == [1] * (2 * P - 3) + [0], f"{where}: {n_kernels}"
+                assert_all_overlap(evs, seg, where)
+                inside = [[k.name for k in kernels(window(evs, b[0]))] for b in bs]
+                attn_kernels = [sum("attention" in n for n in names) for names in inside]
+                assert attn_kernels == [1] * (2 * P - 3) + [0], f"{where}: {inside}"
                 kv = [b for b in bs if all(computes_on_sent(evs, t) for t in b if t.op == "send")]
                 assert len(kv) == P - 1, f"{where}: {len(kv)} K/V hops computed on while sent"
                 assert_posted_before_compute(evs, kv, start)
@@ -472,8 +476,8 @@ def test_metp_attention_order_both_levels(report):
                             f"head group {j}'s reduce does not enclose head group {j + 1}'s ring")
                 assert_exposed(evs, bs[-1], "the last head group's gradient reduce")
     report(f"overlap order, METP attention p={P}: weights j+1 around ring j (fwd, bwd), "
-           f"reduce j around ring j+1, K/V hops around their kernels; exposed: head group 0's "
-           f"weights, the last reduce, each ring's last dK/dV hop")
+           f"reduce j around ring j+1, K/V and dK/dV hops around kernels (the last dK/dV hop "
+           f"around dQ's back-projection); exposed: head group 0's weights, the last reduce")
 
 
 # ----------------------------------------------------------------------------------------------
