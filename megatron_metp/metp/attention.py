@@ -251,6 +251,7 @@ class _MetpMHAFunction(torch.autograd.Function):
         attn, lses = rest[: plan.p], rest[plan.p :]
         norm_params = [prm for m in (plan.q_norm, plan.k_norm) if m is not None
                        for prm in m.parameters()]
+        n_q = len(list(plan.q_norm.parameters())) if plan.q_norm is not None else 0
         s, b, h = x.shape
         dout2d = dout.reshape(s * b, h)
         weights = _WeightPrefetch(plan, [w_qkv, b_qkv, w_proj])
@@ -282,36 +283,31 @@ class _MetpMHAFunction(torch.autograd.Function):
                     q_lin.requires_grad_(True)
                     k_lin.requires_grad_(True)
                 q, k = plan.post(q_lin, k_lin) if plan.has_post else (q_lin, k_lin)
-            dq, dk, dv = ring_attention_backward(
+            # Alg. 6 lines 9-10 (with W_qkv_j): dX += [dQ dK dV] W_qkv_j, dW_qkv_j = X^T [dQ dK dV],
+            # block by block into Megatron's interleaved row layout. The q block runs inside the
+            # ring's backward, while its last dK/dV hop is in flight (it needs no dK/dV).
+            proj = _ProjectionBackward(plan, blocks, x2d, dx2d, gacc, w_qkv_j, b_qkv_j)
+
+            def q_side(dq):
+                dq = _sbnd(dq)
+                if plan.has_post:
+                    dq = _post_grad(q, q_lin, norm_params[:n_q], dq, dnorm[:n_q])
+                proj.add(0, dq)
+
+            _, dk, dv = ring_attention_backward(
                 plan.group, da_j, _bnsd(q.detach()), _bnsd(k.detach()), _bnsd(v), a_j, lse_j,
-                plan.causal, plan.scale, plan.backend,
+                plan.causal, plan.scale, plan.backend, with_dq=q_side,
             )
             del da_j
-            dq, dk, dv = _sbnd(dq), _sbnd(dk), _sbnd(dv)
+            dk = _sbnd(dk)
             if plan.has_post:
-                grads = torch.autograd.grad((q, k), [q_lin, k_lin] + norm_params, (dq, dk),
-                                            allow_unused=True)
-                dq, dk = grads[0], grads[1]
-                for acc, g in zip(dnorm, grads[2:]):
-                    if g is not None:
-                        acc += g
+                dk = _post_grad(k, k_lin, norm_params[n_q:], dk, dnorm[n_q:])
             del q, k, q_lin, k_lin, v
-            # Alg. 6 lines 9-10 (with W_qkv_j): dX += [dQ dK dV] W_qkv_j, dW_qkv_j = X^T [dQ dK dV],
-            # block by block into Megatron's interleaved row layout.
-            dw4 = torch.empty(w_qkv_j.shape, dtype=gacc, device=x.device).view(
-                plan.groups_p, -1, plan.d, h)
-            db3 = (torch.empty(b_qkv_j.shape, dtype=gacc, device=x.device).view(
-                plan.groups_p, -1, plan.d) if b_qkv_j is not None else None)
-            for (rows, heads, w_part, _), g in zip(blocks, (dq, dk, dv)):
-                g2d = g.reshape(s * b, heads * plan.d)
-                dx2d.addmm_(g2d, w_part)
-                dw4[:, rows] = g2d.t().mm(x2d).view(plan.groups_p, -1, plan.d, h)
-                if db3 is not None:
-                    db3[:, rows] = g2d.sum(0).view(plan.groups_p, -1, plan.d)
-            del dq, dk, dv, blocks
-            dw_qkv_j = dw4.view(w_qkv_j.shape)
-            db_qkv_j = db3.view(b_qkv_j.shape) if db3 is not None else None
-            red = [dw_qkv_j, db_qkv_j, dw_proj_j]
+            proj.add(1, dk)
+            proj.add(2, _sbnd(dv))
+            del dk, dv, blocks
+            red = [*proj.grads(), dw_proj_j]
+            del proj
             if plan.p > 1:
                 # Reduce to rank j (Alg. 6 line 11), completed one step later so it overlaps
                 # head group j + 1. Every rank posts the same collectives in the same order.
@@ -330,6 +326,52 @@ class _MetpMHAFunction(torch.autograd.Function):
         return (None, dx2d.view(s, b, h), dw_qkv.to(w_qkv.dtype),
                 db_qkv.to(b_qkv.dtype) if ctx.has_bias else None,
                 dw_proj.to(w_proj.dtype), *dnorm)
+
+
+def _post_grad(out, inp, params, grad, accs):
+    """``d inp`` of ``out = post(inp)`` (q/k norm, RoPE) given ``grad = d out``; the norm
+    weights' gradients are added to ``accs``. Q and K have separate graphs (and norms), so
+    taking them one at a time gives what one joint ``autograd.grad`` gives."""
+    grads = torch.autograd.grad(out, [inp] + list(params), grad, allow_unused=True)
+    for acc, g in zip(accs, grads[1:]):
+        if g is not None:
+            acc += g
+    return grads[0]
+
+
+class _ProjectionBackward:
+    """linear_qkv's backward for head group j, one row block (q, k, v) at a time:
+    ``dX += g W_part`` in place and ``dW_qkv_j``'s (``db_qkv_j``'s) rows of the block.
+
+    The gradient buffers are allocated at the first block, i.e. after the ring's kernels, as
+    they would be after the ring returns: the ring's peak memory does not include them.
+    """
+
+    def __init__(self, plan: _Plan, blocks, x2d, dx2d, gacc, w_qkv_j, b_qkv_j):
+        self.plan, self.blocks, self.x2d, self.dx2d = plan, blocks, x2d, dx2d
+        self.w_shape = w_qkv_j.shape
+        self.b_shape = b_qkv_j.shape if b_qkv_j is not None else None
+        self.gacc = gacc
+        self.dw4 = self.db3 = None
+
+    def add(self, i: int, g: torch.Tensor) -> None:
+        plan, h = self.plan, self.x2d.shape[1]
+        if self.dw4 is None:
+            self.dw4 = torch.empty(self.w_shape, dtype=self.gacc, device=g.device).view(
+                plan.groups_p, -1, plan.d, h)
+            self.db3 = (torch.empty(self.b_shape, dtype=self.gacc, device=g.device).view(
+                plan.groups_p, -1, plan.d) if self.b_shape is not None else None)
+        rows, heads, w_part, _ = self.blocks[i]
+        g2d = g.reshape(self.x2d.shape[0], heads * plan.d)
+        self.dx2d.addmm_(g2d, w_part)
+        self.dw4[:, rows] = g2d.t().mm(self.x2d).view(plan.groups_p, -1, plan.d, h)
+        if self.db3 is not None:
+            self.db3[:, rows] = g2d.sum(0).view(plan.groups_p, -1, plan.d)
+
+    def grads(self):
+        """(dW_qkv_j, db_qkv_j or None), once every block was added."""
+        return (self.dw4.view(self.w_shape),
+                self.db3.view(self.b_shape) if self.db3 is not None else None)
 
 
 def _finish_reduce(item, plan: _Plan, own_grads: list) -> None:

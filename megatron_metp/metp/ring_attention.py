@@ -27,13 +27,14 @@ Causal with contiguous shards::
 Backward (Alg. 4): K/V make the same trip; dQ accumulates locally in fp32; the dK/dV of a block
 travel with it so they end at its owner. The owner keeps its own (step 0) contribution local;
 the travelling accumulator is born at rank src+1 and reaches the owner after p-1 hops, each
-one sent while the next block is computed. dK/dV travel in fp32 (accumulating p-1 partial sums
-in bf16 would lose bits the TP baseline keeps).
+one sent while the next block is computed; the last, after the last block, while the caller's
+``with_dq`` work runs (METP attention's dQ back-projection). dK/dV travel in fp32 (accumulating
+p-1 partial sums in bf16 would lose bits the TP baseline keeps).
 """
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -135,11 +136,14 @@ def ring_attention_backward(
     causal: bool,
     softmax_scale: Optional[float] = None,
     backend: Optional[str] = None,
+    with_dq: Optional[Callable[[torch.Tensor], None]] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of :func:`ring_attention_forward`: ``(dq, dk, dv)`` for this rank's shards.
 
     ``out`` / ``lse`` are this rank's merged forward results (the kernels recompute each
-    block's probabilities from them).
+    block's probabilities from them). ``with_dq(dq)``: the caller's work on the finished ``dq``
+    (q's dtype), run while the last dK/dV hop is in flight rather than after it (METP attention
+    back-projects dQ there); ``dq`` is returned as well.
     """
     p = dist.get_world_size(group) if group is not None or dist.is_initialized() else 1
     rank = dist.get_rank(group) if p > 1 else 0
@@ -201,10 +205,16 @@ def ring_attention_backward(
             kv_comm.wait()
             k_buf.advance()
             v_buf.advance()
+    dq = dq.to(q.dtype)
+    if with_dq is not None:
+        # The last dK/dV hop (posted at step p-1) is in flight and ``with_dq`` does not need it.
+        # The K/V receive buffers are dropped first: they would otherwise outlive the ring.
+        del k_buf, v_buf
+        with_dq(dq)
     if p > 1:
         dkv_comm.wait()
         dk_own, dv_own = dk_own.add_(recv[0]), dv_own.add_(recv[1])
-    return dq.to(q.dtype), dk_own.to(k.dtype), dv_own.to(v.dtype)
+    return dq, dk_own.to(k.dtype), dv_own.to(v.dtype)
 
 
 class RingAttentionFunction(torch.autograd.Function):
