@@ -74,11 +74,13 @@ def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         return parser
     group = parser.add_argument_group(title="megatron-metp")
     group.add_argument(
-        "--tensor-parallel-mode", choices=CLI_MODES, default="tp",
+        "--tensor-parallel-mode", choices=CLI_MODES + ("auto",), default="tp",
         help="tp: Megatron's TP+SP (its own spec); metp: METP weight-ring MLP and two-level "
              "attention over the --tensor-model-parallel-size ring; wallfacer: multi-ring "
              "sequence-parallel attention (with --context-parallel-size 1 the requested TP size "
-             "becomes the WallFacer/CP size and TP becomes 1)")
+             "becomes the WallFacer/CP size and TP becomes 1); auto: the planner picks, among "
+             "what fits this GPU's memory at --seq-length, the fastest by estimate, and prints "
+             "the table it decided from")
     group.add_argument(
         "--wallfacer-team-size", type=_team_size_arg, default=None, metavar="{C,auto}",
         help="WallFacer team size C (C^2 must divide the WallFacer size P; default 1 = ring "
@@ -210,11 +212,57 @@ def remap_and_validate(ns, argv: Optional[Sequence[str]] = None):
     (default ``sys.argv[1:]``)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if getattr(ns, "yaml_cfg", None) is not None and hasattr(ns, "model_parallel"):
+        if getattr(ns, "tensor_parallel_mode", None) == "auto":
+            raise MetpConfigError("tensor_parallel_mode auto is not resolved with --yaml-cfg: "
+                                  "name tp, metp or wallfacer in the YAML file")
         _remap_yaml(ns, argv)
         return ns
+    if getattr(ns, "tensor_parallel_mode", None) == "auto":
+        resolve_auto(ns)
     apply_mode_remap(ns, explicit=explicit_flags(argv))
     validate_args(ns)
     return ns
+
+
+def resolve_auto(ns) -> None:
+    """``--tensor-parallel-mode auto`` through Megatron-LM: plan this run's model at its
+    ``--tensor-model-parallel-size`` and ``--seq-length`` (``measure.auto``), print the table
+    on rank 0, and set the chosen mode (and WallFacer's C and placement) in ``ns``."""
+    import torch
+
+    from megatron_metp.measure import auto
+    from megatron_metp.training.config import ConfigError, config_from_megatron_args
+
+    p = getattr(ns, "tensor_model_parallel_size", 1) or 1
+    if (getattr(ns, "context_parallel_size", 1) or 1) > 1:
+        raise MetpConfigError("--tensor-parallel-mode auto chooses for --context-parallel-size "
+                              "1: name the mode to compose it with context parallelism")
+    if p == 1:
+        ns.tensor_parallel_mode = "tp"
+        _log("--tensor-parallel-mode auto: --tensor-model-parallel-size 1 leaves tp")
+        return
+    try:
+        cfg = config_from_megatron_args(ns)
+    except ConfigError as e:
+        raise MetpConfigError(f"--tensor-parallel-mode auto: {e}")
+    use_cuda = torch.cuda.is_available()
+    memory = (torch.cuda.get_device_properties(0).total_memory / 2**30 if use_cuda else 80.0)
+    gpu = "A100" if use_cuda and "A100" in torch.cuda.get_device_name(0) else "H100"
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", p))
+    chosen, table, why = auto.choose(cfg, p, ns.seq_length,
+                                     micro_batch=getattr(ns, "micro_batch_size", None) or 1,
+                                     memory_gib=memory, gpu=gpu, gpus_per_node=per_node)
+    if chosen is None:
+        raise MetpConfigError(f"--tensor-parallel-mode auto: {why}")
+    _log(f"--tensor-parallel-mode auto (times are ESTIMATES for {gpu}):\n{table}\n"
+         f"chose {why}")
+    ns.tensor_parallel_mode = chosen.mode
+    if chosen.mode == "wallfacer":
+        ns.wallfacer_team_size = chosen.team_size
+        ns.wallfacer_placement = chosen.placement or PLACEMENTS[0]
+    if chosen.mode == "metp" and not getattr(ns, "sequence_parallel", False):
+        ns.sequence_parallel = True
+        _log("--tensor-parallel-mode auto chose metp: --sequence-parallel on (METP needs it)")
 
 
 # ----------------------------------------------------------------------------- builder

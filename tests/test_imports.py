@@ -18,10 +18,11 @@ LAYERS = [
     ("core", ["comm", "kernels", "parallel_state", "errors"]),
     ("algorithms", ["metp", "wallfacer"]),
     ("integration", ["layers", "te_backend", "cpu_compat", "specs", "model", "validation",
-                     "megatron_lm", "megatron_lm_hooks", "launch",
+                     "launch",
                      # two leaves of the trainer's package that measure and megatron_lm read
                      "training.config", "training.flops"]),
-    ("measure", ["measure"]),
+    # Megatron-LM's entry points sit beside measure: --tensor-parallel-mode auto plans there.
+    ("measure", ["measure", "megatron_lm", "megatron_lm_hooks"]),
     ("trainer", ["training"]),
 ]
 

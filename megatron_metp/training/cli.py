@@ -42,6 +42,19 @@ LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 EXIT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
 
 
+def _replace_auto(argv: List[str], args: argparse.Namespace) -> None:
+    """``--tensor-parallel-mode auto`` -> the resolved mode (and WallFacer's C, placement), in
+    place in ``argv`` (both ``--flag value`` and ``--flag=value`` spellings)."""
+    for i, a in enumerate(list(argv)):
+        if a == "--tensor-parallel-mode=auto":
+            argv[i] = f"--tensor-parallel-mode={args.tensor_parallel_mode}"
+        elif a == "auto" and i and argv[i - 1] == "--tensor-parallel-mode":
+            argv[i] = args.tensor_parallel_mode
+    if args.tensor_parallel_mode == "wallfacer":
+        argv += ["--wallfacer-team-size", str(args.wallfacer_team_size),
+                 "--wallfacer-placement", args.wallfacer_placement]
+
+
 @subcommand("train", "train a GPT model with Megatron-Core under tp, metp or wallfacer")
 def _train_parser(p: argparse.ArgumentParser) -> Callable:
     # Every default is None so that the model config's training defaults apply unless a flag is
@@ -49,8 +62,14 @@ def _train_parser(p: argparse.ArgumentParser) -> Callable:
     a = p.add_argument
     a("--config", default="tiny-gpt",
       help="configs/<name>.yaml or a path (default tiny-gpt)")
-    a("--tensor-parallel-mode", choices=MODES, default=None,
-      help="tp (Megatron TP+SP), metp (METP weight rings), wallfacer (multi-ring attention)")
+    a("--tensor-parallel-mode", choices=MODES + ("auto",), default=None,
+      help="tp (Megatron TP+SP), metp (METP weight rings), wallfacer (multi-ring attention), "
+           "auto (the planner picks, among what fits --auto-memory-gib, the fastest by estimate "
+           "and prints the table it decided from)")
+    a("--auto-memory-gib", type=float, default=None,
+      help="auto: memory per GPU (default: the GPU's, else 80)")
+    a("--auto-gpu", choices=("H100", "A100"), default=None,
+      help="auto: the GPU whose estimated step times decide (default: this GPU, else H100)")
     a("--compare", type=mode_list("--compare", MODES), default=None, metavar="MODES",
       help="e.g. tp,metp,wallfacer: same seed and data under each mode, dropout 0; prints the "
            "loss curves side by side and the largest difference")
@@ -133,7 +152,10 @@ def _train_parser(p: argparse.ArgumentParser) -> Callable:
         def check(world_size: int) -> None:
             from megatron_metp.training import train
 
+            was_auto = args.tensor_parallel_mode == "auto"
             train.preflight(args, explicit, world_size)
+            if was_auto:  # resolved once, here: the ranks start with the chosen mode
+                _replace_auto(argv, args)
 
         return launch_or_run(argv, args.nproc_per_node, in_rank, check)
 

@@ -238,3 +238,18 @@ def load_config(name_or_path: Union[str, Path] = DEFAULT_CONFIG) -> ModelConfig:
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from e
     return parse_config(data, where=str(path))
+
+
+def config_from_megatron_args(ns: Namespace) -> ModelConfig:
+    """The model of a Megatron-LM argument namespace as a ModelConfig (for the planner: one
+    pipeline stage's layers, Megatron's flag semantics: ``--num-query-groups`` counts only with
+    ``--group-query-attention``, ``--add-bias-linear`` / ``--disable-bias-linear``)."""
+    data = {key: getattr(ns, key, None) for key in _MODEL_KEYS
+            if key not in ("causal", "architecture", "layers_per_device", "num_query_groups")}
+    if getattr(ns, "group_query_attention", False):
+        data["num_query_groups"] = getattr(ns, "num_query_groups", None)
+    data["vocab_size"] = data.get("vocab_size") or getattr(ns, "padded_vocab_size", None)
+    pp = getattr(ns, "pipeline_model_parallel_size", 1) or 1
+    data["layers_per_device"] = ns.num_layers // pp if ns.num_layers % pp == 0 else None
+    data = {k: v for k, v in data.items() if v is not None}
+    return parse_config(data, where="Megatron-LM arguments")

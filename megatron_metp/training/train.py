@@ -105,6 +105,46 @@ def modes_of(args: Namespace, cfg: ModelConfig) -> List[str]:
         "tensor_parallel_mode", DEFAULTS["tensor_parallel_mode"])]
 
 
+def resolve_auto(args: Namespace, cfg: ModelConfig, world_size: int, *,
+                 announce: bool) -> None:
+    """``--tensor-parallel-mode auto``: the planner's choice (``measure.auto``) replaces it in
+    ``args`` (mode, and for WallFacer its team size and placement). No fit: a ValueError that
+    names the longest sequence that would fit. ``announce``: print the table decided from."""
+    if modes_of(args, cfg) != ["auto"]:
+        return
+    from megatron_metp.measure import auto
+
+    ns = resolve_namespace(args, cfg, "tp", world_size)
+    p, cp = ns.tensor_model_parallel_size, ns.context_parallel_size
+    if cp > 1 or ns.pipeline_model_parallel_size > 1:
+        raise ValueError("--tensor-parallel-mode auto chooses for --context-parallel-size 1 and "
+                         "--pipeline-model-parallel-size 1: name the mode to compose them")
+    if p == 1:
+        args.tensor_parallel_mode = "tp"
+        if announce:
+            print("[metp] auto: --tensor-model-parallel-size 1 leaves nothing to choose: tp")
+        return
+    use_cuda = torch.cuda.is_available()
+    memory = args.auto_memory_gib or (
+        torch.cuda.get_device_properties(0).total_memory / 2**30 if use_cuda else 80.0)
+    name = torch.cuda.get_device_name(0) if use_cuda else ""
+    gpu = args.auto_gpu or ("A100" if "A100" in name else "H100")
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    chosen, table, why = auto.choose(cfg, p, ns.seq_length, micro_batch=ns.micro_batch_size,
+                                     memory_gib=memory, gpu=gpu, gpus_per_node=per_node)
+    if chosen is None:
+        raise ValueError(f"--tensor-parallel-mode auto: {why}")
+    if announce:
+        print(f"[metp] --tensor-parallel-mode auto at p = {p}, --seq-length {ns.seq_length}, "
+                f"micro batch {ns.micro_batch_size}, {memory:g} GiB, {per_node} ranks per node "
+                f"(times are ESTIMATES for {gpu}, not measurements):\n{table}\n"
+                f"[metp] auto chose {why}", flush=True)
+    args.tensor_parallel_mode = chosen.mode
+    if chosen.mode == "wallfacer":
+        args.wallfacer_team_size = str(chosen.team_size)
+        args.wallfacer_placement = chosen.placement or "team-consecutive"
+
+
 def check_model_config(args: Namespace) -> ModelConfig:
     cfg = load_config(args.config)
     if not cfg.causal or cfg.architecture != "gpt":
@@ -126,6 +166,7 @@ def preflight(args: Namespace, explicit: set, world_size: int) -> None:
     """Everything :func:`run` checks before building groups, run once in the launching process
     so that a bad configuration fails in one line instead of once per rank under torchrun."""
     cfg = check_model_config(args)
+    resolve_auto(args, cfg, world_size, announce=True)
     for mode in modes_of(args, cfg):
         ns = _parallel_setup(resolve_namespace(args, cfg, mode, world_size), explicit,
                              quiet=True)
@@ -514,6 +555,14 @@ def run(args: Namespace, explicit: set) -> Dict[str, Dict]:
     started = time.time()  # --exit-duration-in-mins counts from here (Megatron-LM: pretrain's start)
     cfg = check_model_config(args)
     gc.collect()  # what an earlier run in this process left (e.g. one that raised)
+    # Under an outside launcher (torchrun, srun) every rank plans the same choice (deterministic,
+    # fake tensors, before any real group exists); rank 0 prints it. `metp train`'s own launcher
+    # resolves it once and starts the ranks with the chosen mode instead.
+    if modes_of(args, cfg) == ["auto"] and dist.is_initialized():
+        raise ValueError("--tensor-parallel-mode auto plans with the fake process group: "
+                         "resolve it before torch.distributed is initialised")
+    resolve_auto(args, cfg, int(os.environ.get("WORLD_SIZE", 1)),
+                 announce=int(os.environ.get("RANK", "0")) == 0)
     use_cuda = torch.cuda.is_available()
     own_group = not dist.is_initialized()
     if use_cuda:
