@@ -228,8 +228,6 @@ def resolve_auto(ns) -> None:
     """``--tensor-parallel-mode auto`` through Megatron-LM: plan this run's model at its
     ``--tensor-model-parallel-size`` and ``--seq-length`` (``measure.auto``), print the table
     on rank 0, and set the chosen mode (and WallFacer's C and placement) in ``ns``."""
-    import torch
-
     from megatron_metp.measure import auto
     from megatron_metp.training.config import ConfigError, config_from_megatron_args
 
@@ -237,29 +235,16 @@ def resolve_auto(ns) -> None:
     if (getattr(ns, "context_parallel_size", 1) or 1) > 1:
         raise MetpConfigError("--tensor-parallel-mode auto chooses for --context-parallel-size "
                               "1: name the mode to compose it with context parallelism")
-    if p == 1:
-        ns.tensor_parallel_mode = "tp"
-        _log("--tensor-parallel-mode auto: --tensor-model-parallel-size 1 leaves tp")
-        return
     try:
         cfg = config_from_megatron_args(ns)
-    except ConfigError as e:
-        raise MetpConfigError(f"--tensor-parallel-mode auto: {e}")
-    use_cuda = torch.cuda.is_available()
-    memory = (torch.cuda.get_device_properties(0).total_memory / 2**30 if use_cuda else 80.0)
-    gpu = "A100" if use_cuda and "A100" in torch.cuda.get_device_name(0) else "H100"
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", p))
-    chosen, table, why = auto.choose(cfg, p, ns.seq_length,
-                                     micro_batch=getattr(ns, "micro_batch_size", None) or 1,
-                                     memory_gib=memory, gpu=gpu, gpus_per_node=per_node)
-    if chosen is None:
-        raise MetpConfigError(f"--tensor-parallel-mode auto: {why}")
-    _log(f"--tensor-parallel-mode auto (times are ESTIMATES for {gpu}):\n{table}\n"
-         f"chose {why}")
-    ns.tensor_parallel_mode = chosen.mode
-    if chosen.mode == "wallfacer":
-        ns.wallfacer_team_size = chosen.team_size
-        ns.wallfacer_placement = chosen.placement or PLACEMENTS[0]
+        chosen, text = auto.decide(
+            cfg, p, ns.seq_length, micro_batch=getattr(ns, "micro_batch_size", None) or 1,
+            gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", p)))
+    except (ConfigError, ValueError) as e:
+        raise MetpConfigError(str(e) if "--tensor-parallel-mode auto" in str(e)
+                              else f"--tensor-parallel-mode auto: {e}")
+    _log(text)
+    auto.apply(ns, chosen)
     if chosen.mode == "metp" and not getattr(ns, "sequence_parallel", False):
         ns.sequence_parallel = True
         _log("--tensor-parallel-mode auto chose metp: --sequence-parallel on (METP needs it)")

@@ -123,6 +123,38 @@ def table(cands: List[Candidate], chosen: Optional[Candidate], gpu: str) -> str:
     return "\n".join(rows)
 
 
+def decide(cfg, p: int, s: int, *, micro_batch: int = 1, memory_gib: Optional[float] = None,
+           gpu: Optional[str] = None, gpus_per_node: int = 8) -> Tuple[Candidate, str]:
+    """What both routes (``metp train``, Megatron-LM's argument hook) run: the GPU's memory and
+    kind where there is one (else 80 GiB, H100), p = 1 -> tp, else :func:`choose`. Returns the
+    choice and the text to print; nothing fits: a ValueError naming the longest that would."""
+    if p == 1:
+        return Candidate("tp", fits=True), "--tensor-model-parallel-size 1 leaves nothing to " \
+                                            "choose: tp"
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if memory_gib is None:
+        memory_gib = torch.cuda.get_device_properties(0).total_memory / GIB if cuda else 80.0
+    if gpu is None:
+        gpu = "A100" if cuda and "A100" in torch.cuda.get_device_name(0) else "H100"
+    chosen, tbl, why = choose(cfg, p, s, micro_batch=micro_batch, memory_gib=memory_gib, gpu=gpu,
+                              gpus_per_node=gpus_per_node)
+    if chosen is None:
+        raise ValueError(f"--tensor-parallel-mode auto: {why}")
+    return chosen, (f"--tensor-parallel-mode auto at p = {p}, --seq-length {s}, micro batch "
+                    f"{micro_batch}, {memory_gib:g} GiB, {gpus_per_node} ranks per node (times "
+                    f"are ESTIMATES for {gpu}, not measurements):\n{tbl}\nauto chose {why}")
+
+
+def apply(ns, chosen: Candidate, team_size_type=int) -> None:
+    """The choice into an argument namespace (Megatron-LM's names)."""
+    ns.tensor_parallel_mode = chosen.mode
+    if chosen.mode == "wallfacer":
+        ns.wallfacer_team_size = team_size_type(chosen.team_size)
+        ns.wallfacer_placement = chosen.placement or PLACEMENTS[0]
+
+
 def choose(cfg, p: int, s: int, *, micro_batch: int = 1, memory_gib: float = 80.0,
            gpu: str = "H100", gpus_per_node: int = 8,
            planner: Optional[Planner] = None) -> Tuple[Optional[Candidate], str, str]:

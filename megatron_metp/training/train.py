@@ -119,30 +119,12 @@ def resolve_auto(args: Namespace, cfg: ModelConfig, world_size: int, *,
     if cp > 1 or ns.pipeline_model_parallel_size > 1:
         raise ValueError("--tensor-parallel-mode auto chooses for --context-parallel-size 1 and "
                          "--pipeline-model-parallel-size 1: name the mode to compose them")
-    if p == 1:
-        args.tensor_parallel_mode = "tp"
-        if announce:
-            print("[metp] auto: --tensor-model-parallel-size 1 leaves nothing to choose: tp")
-        return
-    use_cuda = torch.cuda.is_available()
-    memory = args.auto_memory_gib or (
-        torch.cuda.get_device_properties(0).total_memory / 2**30 if use_cuda else 80.0)
-    name = torch.cuda.get_device_name(0) if use_cuda else ""
-    gpu = args.auto_gpu or ("A100" if "A100" in name else "H100")
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    chosen, table, why = auto.choose(cfg, p, ns.seq_length, micro_batch=ns.micro_batch_size,
-                                     memory_gib=memory, gpu=gpu, gpus_per_node=per_node)
-    if chosen is None:
-        raise ValueError(f"--tensor-parallel-mode auto: {why}")
+    chosen, text = auto.decide(
+        cfg, p, ns.seq_length, micro_batch=ns.micro_batch_size, memory_gib=args.auto_memory_gib,
+        gpu=args.auto_gpu, gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     if announce:
-        print(f"[metp] --tensor-parallel-mode auto at p = {p}, --seq-length {ns.seq_length}, "
-                f"micro batch {ns.micro_batch_size}, {memory:g} GiB, {per_node} ranks per node "
-                f"(times are ESTIMATES for {gpu}, not measurements):\n{table}\n"
-                f"[metp] auto chose {why}", flush=True)
-    args.tensor_parallel_mode = chosen.mode
-    if chosen.mode == "wallfacer":
-        args.wallfacer_team_size = str(chosen.team_size)
-        args.wallfacer_placement = chosen.placement or "team-consecutive"
+        print("[metp] " + text.replace("\nauto chose", "\n[metp] auto chose"), flush=True)
+    auto.apply(args, chosen, team_size_type=str)  # metp train's flag holds a string
 
 
 def check_model_config(args: Namespace) -> ModelConfig:
