@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 from megatron_metp.measure.planner import (
-    ALPHA_S, BUS_EFFICIENCY, GIB, GPUS, PlanSettings, Planner, seq_label)
+    ALPHA_S, BUS_EFFICIENCY, GIB, GPUS, PlanSettings, Planner, seq_label, step_time)
 
 # Per-GPU InfiniBand bandwidth per direction (GB/s): DGX H100 has one 400 Gb/s NDR ConnectX-7
 # per GPU, DGX A100 one 200 Gb/s HDR ConnectX-6 per GPU (NVIDIA's DGX data sheets).
@@ -59,10 +59,6 @@ def _link_gbs(gpu: str, inside_node: bool) -> float:
     return (GPUS[gpu]["link_gbs"] if inside_node else INTER_NODE_GBS[gpu]) * BUS_EFFICIENCY
 
 
-def _overlapped(mode: str, comp: float, comm: float, p: int) -> float:
-    return comp + comm if mode == "tp" else max(comp, comm) + comm / p
-
-
 def _wallfacer_attention_bytes(cfg, p: int, s: int, b: int, C: int) -> Tuple[float, float]:
     """(team-collective bytes, sub-ring bytes) one rank sends per layer, forward + backward,
     bf16 (the fp32 accumulators counted at 2 bytes too: an estimate, slightly low)."""
@@ -87,7 +83,7 @@ def candidates(cfg, p: int, s: int, *, planner: Planner, gpu: str = "H100",
         comp = pt.est_time_s[f"{gpu}_compute"]
         comm = pt.sent_bytes / (_link_gbs(gpu, one_node) * 1e9) + pt.comm_calls * ALPHA_S
         out.append(Candidate(mode, needed_gib=pt.needed_bytes / GIB, fits=pt.fits,
-                             compute_s=comp, comm_s=comm, step_s=_overlapped(mode, comp, comm, p)))
+                             compute_s=comp, comm_s=comm, step_s=step_time(mode, comp, comm, p)))
     base = planner.plan(cfg, "wallfacer", p, s)          # C = 1, one ring of p
     comp = base.est_time_s[f"{gpu}_compute"]
     ring_coll, ring_p2p = _wallfacer_attention_bytes(cfg, p, s, b, 1)
@@ -109,7 +105,7 @@ def candidates(cfg, p: int, s: int, *, planner: Planner, gpu: str = "H100",
                     + other / (_link_gbs(gpu, one_node) * 1e9) + base.comm_calls * ALPHA_S)
             out.append(Candidate("wallfacer", C, placement, needed / GIB,
                                  needed <= st.memory_gib * GIB, comp, comm,
-                                 _overlapped("wallfacer", comp, comm, p)))
+                                 step_time("wallfacer", comp, comm, p)))
     return out
 
 

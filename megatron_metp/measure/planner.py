@@ -324,6 +324,12 @@ def holds_all_layers(cfg) -> bool:
     return cfg.layers_per_device == cfg.num_layers
 
 
+def step_time(mode: str, compute_s: float, comm_s: float, p: int) -> float:
+    """The overlap rule (module docstring): tp exposes its communication; metp and wallfacer
+    overlap it with compute, max(compute, comm) + comm / p."""
+    return compute_s + comm_s if mode == "tp" else max(compute_s, comm_s) + comm_s / p
+
+
 def estimate_step_time(cfg, mode: str, p: int, s: int, sent_bytes: float, calls: int,
                        st: PlanSettings) -> Dict[str, float]:
     """ESTIMATED step seconds on H100 and A100 (module docstring: compute, comm, overlap rule)."""
@@ -347,8 +353,7 @@ def estimate_step_time(cfg, mode: str, p: int, s: int, sent_bytes: float, calls:
     for gpu, spec in GPUS.items():
         comp = flops / (spec["tflops"] * 1e12 * st.efficiency)
         comm = sent_bytes / (spec["link_gbs"] * 1e9 * BUS_EFFICIENCY) + calls * ALPHA_S
-        step = comp + comm if mode == "tp" else max(comp, comm) + comm / p
-        out[gpu] = step
+        out[gpu] = step_time(mode, comp, comm, p)
         out[f"{gpu}_compute"] = comp
         out[f"{gpu}_comm"] = comm
     return out
