@@ -63,9 +63,24 @@ def _run(module, x_shard, g_shard, freqs):
 
 
 def _mha_cases(kinds):
+    # Every input here is short, so force METP attention's head chunks (head_chunks: a ring
+    # pass per slice of query groups) on: with p = 1 and 2 the head groups have 2-4 query groups
+    # and run as 2-4 slices; p = 4 (one query group per rank) runs whole. The pooled worker is
+    # reused by later tests: the threshold is restored on the way out.
+    from megatron_metp.metp import attention as metp_attention
+
+    saved = metp_attention.ATTN_MIN_TOKENS
+    metp_attention.ATTN_MIN_TOKENS = 1
+    try:
+        return _mha_cases_run(kinds)
+    finally:
+        metp_attention.ATTN_MIN_TOKENS = saved
+
+
+def _mha_cases_run(kinds):
     from megatron.core import parallel_state as mpu
 
-    from megatron_metp.metp.attention import MetpSelfAttention
+    from megatron_metp.metp.attention import MetpSelfAttention, head_chunks
     from tests._models import gather_full, setup
 
     p = dist.get_world_size()
@@ -79,6 +94,10 @@ def _mha_cases(kinds):
         tp_attn = _build(config, "tp")
         metp_attn = _build(config, "metp")
         assert isinstance(metp_attn, MetpSelfAttention)
+        groups_p = (config.num_query_groups or config.num_attention_heads) // p
+        chunks = head_chunks(groups_p, config.num_attention_heads // p, config.kv_channels,
+                             config.hidden_size, p, S // p * B)
+        assert len(chunks) == groups_p, (kind, p, chunks)  # one query group per slice here
         # Same names, shapes and checkpoint keys as the TP module.
         tp_params = dict(tp_attn.named_parameters())
         assert sorted(tp_params) == sorted(n for n, _ in metp_attn.named_parameters())
@@ -150,6 +169,27 @@ def test_metp_mha_matches_fp64_and_tp(world, report):
                 "gqa out vs fp64", "gqa dlinear_qkv.weight vs fp64", "qkln out vs tp"):
         mx, mean = worst[key]
         report(f"metp mha p={world} {key}: max {mx:.1e} mean {mean:.1e} (x max|ref|)")
+
+
+def test_head_chunks_of_the_paper_models():
+    """METP attention's head slices (metp/attention.py head_chunks) at p = 8, s/p = 128k."""
+    from megatron_metp.metp.attention import ATTN_MIN_TOKENS, head_chunks
+
+    n = 131072
+    # GPT-175B: 96 heads of 128, h = 12288: 12 heads per rank -> 4 slices of 3 (each h/(4p) wide)
+    assert head_chunks(12, 12, 128, 12288, 8, n) == [slice(0, 3), slice(3, 6), slice(6, 9),
+                                                    slice(9, 12)]
+    # LLaMA-7B: 32 heads of 128, h = 4096: 4 heads per rank -> 4 slices of 1
+    assert len(head_chunks(4, 4, 128, 4096, 8, n)) == 4
+    # LLaMA-70B: 8 query groups, one per rank: its 8 query heads share one K/V head, run whole
+    assert head_chunks(1, 8, 128, 8192, 8, n) == [slice(0, 1)]
+    # BERT-Large: 16 heads of 64, h = 1024: 2 per rank -> both slices of 1 (want 4, at most 2)
+    assert len(head_chunks(2, 2, 64, 1024, 8, n)) == 2
+    # Short inputs run whole.
+    assert head_chunks(12, 12, 128, 12288, 8, ATTN_MIN_TOKENS - 1) == [slice(0, 12)]
+    # A group count whose divisors skip the wanted count takes the next divisor up: 6 groups,
+    # want ceil(4 * 8 * 6 * 128 / 8192) = 3 -> 3 slices of 2.
+    assert head_chunks(6, 6, 128, 8192, 8, n) == [slice(0, 2), slice(2, 4), slice(4, 6)]
 
 
 def _bad_config(heads, groups):

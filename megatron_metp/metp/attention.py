@@ -22,6 +22,9 @@ Forward on rank i (Alg. 5; its line 1 means W_qkv_i of shape h x 3h/p):
         A_ij, L_ij = ring attention over the METP ring (Alg. 3; K/V of head group j travel)
         out_shard_s += A_ij w_proj_j^T
 
+Long inputs run each head group's ring in slices of whole query groups (``head_chunks``): the
+same bytes in more, smaller messages, and a fraction of the ring backward's fp32 accumulators.
+
 Backward (Alg. 6; its lines 9-10 mean W_qkv_j): the weights are broadcast again (prefetched),
 Q/K/V recomputed from the saved x, the ring backward (Alg. 4) run, and dW_qkv_j / dW_proj_j
 reduced to rank j asynchronously while the next head group computes. Saved between the passes:
@@ -91,6 +94,33 @@ def check_metp_attention_config(config: TransformerConfig, p: int) -> None:
         raise ValueError("--tensor-parallel-mode metp does not support --window-size")
 
 
+# Head chunks run only when a rank has at least this many tokens: shorter inputs keep the whole
+# head group in one ring pass (their fp32 accumulators are small, and larger messages and GEMMs
+# suit short sequences better).
+ATTN_MIN_TOKENS = 1024
+
+
+def head_chunks(groups_p: int, heads_p: int, d: int, h: int, p: int, n: int) -> List[slice]:
+    """Query-group slices of one head group, each run through the K/V ring on its own.
+
+    The ring's backward holds fp32 state the size of about seven of its query blocks (dQ, the
+    owner's dK/dV and two travelling dK/dV pairs for MHA): ``14 w / h`` ``bsh/p`` for a query
+    width ``w``, i.e. 1.75 ``bsh/p`` for a whole head group (``w = h/p``) at p = 8. Running the
+    head group in ``k`` slices of whole query groups (a slice's K/V heads with their query heads,
+    so no K/V block travels twice) divides that by ``k``; ``k`` is the smallest divisor of the
+    group count with slices no wider than ``h / (4p)``. The ring then sends ``k`` times as many
+    messages of ``1/k`` the size (the same bytes); every row's softmax is the same computation.
+    GPT-175B at p = 8: 4 slices of 3 heads; LLaMA-7B: 4 of 1; LLaMA-70B (one query group per
+    rank): 1.
+    """
+    if n < ATTN_MIN_TOKENS or groups_p == 1:
+        return [slice(0, groups_p)]
+    want = -(-4 * p * heads_p * d // max(1, h))
+    k = next((c for c in range(1, groups_p + 1) if groups_p % c == 0 and c >= want), groups_p)
+    step = groups_p // k
+    return [slice(i, i + step) for i in range(0, groups_p, step)]
+
+
 class _Plan:
     """Static description of one layer's METP attention, handed to the autograd Function.
 
@@ -98,7 +128,7 @@ class _Plan:
     the two passes need, so nothing reads global state inside the Function.
     """
 
-    def __init__(self, module: "MetpSelfAttention", freqs_shard_s, causal: bool):
+    def __init__(self, module: "MetpSelfAttention", freqs_shard_s, causal: bool, tokens: int):
         self.group = module.tp_group  # the ring: K/V blocks (P2P)
         self.weight_group = module.weight_group  # weight broadcasts and gradient reduces
         self.p = module.world_size
@@ -116,23 +146,30 @@ class _Plan:
         self.causal = causal
         self.scale = module._softmax_scale
         self.backend = module.kernel_backend
+        self.chunks = head_chunks(self.groups_p, self.heads_p, self.d, module.config.hidden_size,
+                                  self.p, tokens)
 
-    def row_blocks(self, w_qkv, b_qkv):
-        """Head group j's q / k / v row blocks of ``w_qkv`` (and its bias), as
-        ``[(rows, heads, w_part [heads*d, h], b_part [heads*d] | None)]``.
+    def row_blocks(self, w_qkv, b_qkv, gs: slice):
+        """The q / k / v row blocks of query groups ``gs`` of head group j's ``w_qkv`` (and its
+        bias), as ``[(gs, rows, heads, w_part [heads*d, h], b_part [heads*d] | None)]``.
 
         Megatron's per-query-group layout: for each of the ng/p groups, n/ng query heads, then
         one key head, then one value head (the split ``get_query_key_value_tensors`` does).
         """
-        rep, g, d = self.heads_p // self.groups_p, self.groups_p, self.d
-        w4 = w_qkv.view(g, rep + 2, d, -1)
-        b3 = b_qkv.view(g, rep + 2, d) if b_qkv is not None else None
+        rep, g, d = self.heads_p // self.groups_p, gs.stop - gs.start, self.d
+        w4 = w_qkv.view(self.groups_p, rep + 2, d, -1)[gs]
+        b3 = b_qkv.view(self.groups_p, rep + 2, d)[gs] if b_qkv is not None else None
         out = []
         for rows, heads in ((slice(0, rep), g * rep), (slice(rep, rep + 1), g),
                             (slice(rep + 1, rep + 2), g)):
-            out.append((rows, heads, w4[:, rows].reshape(heads * d, -1),
+            out.append((gs, rows, heads, w4[:, rows].reshape(heads * d, -1),
                         b3[:, rows].reshape(heads * d) if b3 is not None else None))
         return out
+
+    def q_cols(self, gs: slice) -> slice:
+        """The columns of ``w_proj_j`` (the query heads) of query groups ``gs``."""
+        width = self.heads_p // self.groups_p * self.d
+        return slice(gs.start * width, gs.stop * width)
 
     def linear(self, x, blocks):
         """``x [s/p, b, h]`` -> q, k, v as contiguous ``[s/p, b, heads, d]`` tensors.
@@ -142,7 +179,8 @@ class _Plan:
         intermediate outlives the split.
         """
         s, b = x.shape[0], x.shape[1]
-        return [F.linear(x, w, bias).view(s, b, heads, self.d) for _, heads, w, bias in blocks]
+        return [F.linear(x, w, bias).view(s, b, heads, self.d)
+                for _, _, heads, w, bias in blocks]
 
     @property
     def has_post(self) -> bool:
@@ -225,20 +263,23 @@ class _MetpMHAFunction(torch.autograd.Function):
         weights = _WeightPrefetch(plan, [w_qkv, b_qkv, w_proj])
         weights.post(0)
         out = torch.zeros(s * b, h, dtype=x.dtype, device=x.device)
-        attn, lses = [], []
+        attn, lses = [], []  # one entry per (head group j, head chunk)
         for j in range(plan.p):
             w_qkv_j, b_qkv_j, w_proj_j = weights.get(j)
             weights.post(j + 1)  # prefetch: travels while head group j computes
-            q, k, v = plan.linear(x, plan.row_blocks(w_qkv_j, b_qkv_j))
-            if plan.has_post:
-                q, k = plan.post(q, k)
-            a_j, lse_j = ring_attention_forward(
-                plan.group, _bnsd(q), _bnsd(k), _bnsd(v), plan.causal, plan.scale, plan.backend
-            )
-            del q, k, v
-            out.addmm_(_flat(a_j), w_proj_j.t())  # O_i += A_ij W_proj_j, no [s/p, b, h] temp
-            attn.append(a_j)
-            lses.append(lse_j)
+            for gs in plan.chunks:
+                q, k, v = plan.linear(x, plan.row_blocks(w_qkv_j, b_qkv_j, gs))
+                if plan.has_post:
+                    q, k = plan.post(q, k)
+                a_c, lse_c = ring_attention_forward(
+                    plan.group, _bnsd(q), _bnsd(k), _bnsd(v), plan.causal, plan.scale,
+                    plan.backend,
+                )
+                del q, k, v
+                # O_i += A_ij W_proj_j (this chunk's columns), no [s/p, b, h] temporary
+                out.addmm_(_flat(a_c), w_proj_j[:, plan.q_cols(gs)].t())
+                attn.append(a_c)
+                lses.append(lse_c)
         ctx.plan = plan
         ctx.has_bias = b_qkv is not None
         ctx.save_for_backward(x, w_qkv, b_qkv, w_proj, *attn, *lses)
@@ -248,7 +289,8 @@ class _MetpMHAFunction(torch.autograd.Function):
     def backward(ctx, dout):
         plan: _Plan = ctx.plan
         x, w_qkv, b_qkv, w_proj, *rest = ctx.saved_tensors
-        attn, lses = rest[: plan.p], rest[plan.p :]
+        n_saved = plan.p * len(plan.chunks)
+        attn, lses = rest[:n_saved], rest[n_saved:]
         norm_params = [prm for m in (plan.q_norm, plan.k_norm) if m is not None
                        for prm in m.parameters()]
         n_q = len(list(plan.q_norm.parameters())) if plan.q_norm is not None else 0
@@ -264,48 +306,52 @@ class _MetpMHAFunction(torch.autograd.Function):
         for j in range(plan.p):
             w_qkv_j, b_qkv_j, w_proj_j = weights.get(j)
             weights.post(j + 1)
-            a_j, lse_j = attn[j], lses[j]
-            heads = a_j.shape[1]
-            # dW_proj_j = A_ij^T dO_i (this rank's tokens; summed over ranks by the reduce).
             # Weight gradients are reduced over p ranks: keep them (and the reduce) in fp32 for
             # bf16/fp16 weights, so the sum adds no rounding TP's single matmul does not have.
             gacc = torch.promote_types(w_proj_j.dtype, torch.float32)
-            dw_proj_j = dout2d.t().mm(_flat(a_j)).to(gacc)
-            # dA_ij = dO_i W_proj_j, viewed in the kernels' layout.
-            da_j = dout2d.mm(w_proj_j).view(s, b, heads, plan.d).permute(1, 2, 0, 3)
-            # Recompute Q/K/V (Alg. 6 line 6); only the q/k norm and RoPE go through autograd,
-            # the projection's backward is written out so that dX accumulates in place (an
-            # autograd.grad for x would materialise a [s/p, b, h] gradient per head group).
-            blocks = plan.row_blocks(w_qkv_j, b_qkv_j)
-            q_lin, k_lin, v = plan.linear(x, blocks)
-            with torch.enable_grad():
-                if plan.has_post:
-                    q_lin.requires_grad_(True)
-                    k_lin.requires_grad_(True)
-                q, k = plan.post(q_lin, k_lin) if plan.has_post else (q_lin, k_lin)
-            # Alg. 6 lines 9-10 (with W_qkv_j): dX += [dQ dK dV] W_qkv_j, dW_qkv_j = X^T [dQ dK dV],
-            # block by block into Megatron's interleaved row layout. The q block runs inside the
-            # ring's backward, while its last dK/dV hop is in flight (it needs no dK/dV).
-            proj = _ProjectionBackward(plan, blocks, x2d, dx2d, gacc, w_qkv_j, b_qkv_j)
+            dw_proj_j = torch.empty(w_proj_j.shape, dtype=gacc, device=w_proj_j.device)
+            proj = _ProjectionBackward(plan, x2d, dx2d, gacc, w_qkv_j, b_qkv_j)
+            for c, gs in enumerate(plan.chunks):
+                a_c, lse_c = attn[j * len(plan.chunks) + c], lses[j * len(plan.chunks) + c]
+                heads, cols = a_c.shape[1], plan.q_cols(gs)
+                # dW_proj_j = A_ij^T dO_i (this rank's tokens; summed over ranks by the reduce)
+                dw_proj_j[:, cols] = dout2d.t().mm(_flat(a_c))
+                # dA_ij = dO_i W_proj_j, viewed in the kernels' layout.
+                da_c = dout2d.mm(w_proj_j[:, cols]).view(s, b, heads, plan.d).permute(1, 2, 0, 3)
+                # Recompute Q/K/V (Alg. 6 line 6); only the q/k norm and RoPE go through
+                # autograd, the projection's backward is written out so that dX accumulates in
+                # place (an autograd.grad for x would materialise a [s/p, b, h] gradient per
+                # head group).
+                blocks = plan.row_blocks(w_qkv_j, b_qkv_j, gs)
+                q_lin, k_lin, v = plan.linear(x, blocks)
+                with torch.enable_grad():
+                    if plan.has_post:
+                        q_lin.requires_grad_(True)
+                        k_lin.requires_grad_(True)
+                    q, k = plan.post(q_lin, k_lin) if plan.has_post else (q_lin, k_lin)
+                # Alg. 6 lines 9-10 (with W_qkv_j): dX += [dQ dK dV] W_qkv_j,
+                # dW_qkv_j = X^T [dQ dK dV], block by block into Megatron's interleaved row
+                # layout. The q block runs inside the ring's backward, while its last dK/dV hop
+                # is in flight (it needs no dK/dV).
 
-            def q_side(dq):
-                dq = _sbnd(dq)
-                if plan.has_post:
-                    dq = _post_grad(q, q_lin, norm_params[:n_q], dq, dnorm[:n_q])
-                proj.add(0, dq)
+                def q_side(dq, q=q, q_lin=q_lin, blk=blocks[0]):
+                    dq = _sbnd(dq)
+                    if plan.has_post:
+                        dq = _post_grad(q, q_lin, norm_params[:n_q], dq, dnorm[:n_q])
+                    proj.add(blk, dq)
 
-            _, dk, dv = ring_attention_backward(
-                plan.group, da_j, _bnsd(q.detach()), _bnsd(k.detach()), _bnsd(v), a_j, lse_j,
-                plan.causal, plan.scale, plan.backend, with_dq=q_side,
-            )
-            del da_j
-            dk = _sbnd(dk)
-            if plan.has_post:
-                dk = _post_grad(k, k_lin, norm_params[n_q:], dk, dnorm[n_q:])
-            del q, k, q_lin, k_lin, v
-            proj.add(1, dk)
-            proj.add(2, _sbnd(dv))
-            del dk, dv, blocks
+                _, dk, dv = ring_attention_backward(
+                    plan.group, da_c, _bnsd(q.detach()), _bnsd(k.detach()), _bnsd(v), a_c,
+                    lse_c, plan.causal, plan.scale, plan.backend, with_dq=q_side,
+                )
+                del da_c, q_side
+                dk = _sbnd(dk)
+                if plan.has_post:
+                    dk = _post_grad(k, k_lin, norm_params[n_q:], dk, dnorm[n_q:])
+                del q, k, q_lin, k_lin, v
+                proj.add(blocks[1], dk)
+                proj.add(blocks[2], _sbnd(dv))
+                del dk, dv, blocks
             red = [*proj.grads(), dw_proj_j]
             del proj
             if plan.p > 1:
@@ -340,33 +386,35 @@ def _post_grad(out, inp, params, grad, accs):
 
 
 class _ProjectionBackward:
-    """linear_qkv's backward for head group j, one row block (q, k, v) at a time:
-    ``dX += g W_part`` in place and ``dW_qkv_j``'s (``db_qkv_j``'s) rows of the block.
+    """linear_qkv's backward for head group j, one row block (q, k or v rows of some query
+    groups) at a time: ``dX += g W_part`` in place and ``dW_qkv_j``'s (``db_qkv_j``'s) rows of
+    the block.
 
     The gradient buffers are allocated at the first block, i.e. after the ring's kernels, as
     they would be after the ring returns: the ring's peak memory does not include them.
     """
 
-    def __init__(self, plan: _Plan, blocks, x2d, dx2d, gacc, w_qkv_j, b_qkv_j):
-        self.plan, self.blocks, self.x2d, self.dx2d = plan, blocks, x2d, dx2d
+    def __init__(self, plan: _Plan, x2d, dx2d, gacc, w_qkv_j, b_qkv_j):
+        self.plan, self.x2d, self.dx2d = plan, x2d, dx2d
         self.w_shape = w_qkv_j.shape
         self.b_shape = b_qkv_j.shape if b_qkv_j is not None else None
         self.gacc = gacc
         self.dw4 = self.db3 = None
 
-    def add(self, i: int, g: torch.Tensor) -> None:
+    def add(self, block, g: torch.Tensor) -> None:
         plan, h = self.plan, self.x2d.shape[1]
         if self.dw4 is None:
             self.dw4 = torch.empty(self.w_shape, dtype=self.gacc, device=g.device).view(
                 plan.groups_p, -1, plan.d, h)
             self.db3 = (torch.empty(self.b_shape, dtype=self.gacc, device=g.device).view(
                 plan.groups_p, -1, plan.d) if self.b_shape is not None else None)
-        rows, heads, w_part, _ = self.blocks[i]
+        gs, rows, heads, w_part, _ = block
+        ng = gs.stop - gs.start
         g2d = g.reshape(self.x2d.shape[0], heads * plan.d)
         self.dx2d.addmm_(g2d, w_part)
-        self.dw4[:, rows] = g2d.t().mm(self.x2d).view(plan.groups_p, -1, plan.d, h)
+        self.dw4[gs, rows] = g2d.t().mm(self.x2d).view(ng, -1, plan.d, h)
         if self.db3 is not None:
-            self.db3[:, rows] = g2d.sum(0).view(plan.groups_p, -1, plan.d)
+            self.db3[gs, rows] = g2d.sum(0).view(ng, -1, plan.d)
 
     def grads(self):
         """(dW_qkv_j, db_qkv_j or None), once every block was added."""
@@ -476,7 +524,7 @@ class MetpSelfAttention(SelfAttention):
                         f"sequence of {s_shard * self.world_size} (--seq-length)"
                     )
             freqs = tuple(f[lo : lo + s_shard] for f in pair)
-        plan = _Plan(self, freqs, causal)
+        plan = _Plan(self, freqs, causal, s_shard * hidden_states.shape[1])
         norm_params = [prm for m in (self.q_layernorm, self.k_layernorm) if m is not None
                        for prm in m.parameters()]
         out = _MetpMHAFunction.apply(
