@@ -173,12 +173,15 @@ def _math_forward(q, k, v, causal, scale, rep):
     return out.to(q.dtype), lse
 
 
-def _math_backward(dout, q, k, v, out, lse, causal, scale, rep):
+def _math_backward(dout, q, k, v, out, lse, causal, scale, rep, delta=None):
     acc = acc_dtype(q.dtype)
     k_full, v_full = _expand_kv(k, rep), _expand_kv(v, rep)
     probs, _ = _math_probs(q, k_full, causal, scale, lse=lse.to(acc))
     dout_a = dout.to(acc)
-    delta = (dout_a * out.to(acc)).sum(-1, keepdim=True)  # D = rowsum(dO * O)
+    if delta is None:
+        delta = (dout_a * out.to(acc)).sum(-1, keepdim=True)  # D = rowsum(dO * O)
+    else:
+        delta = delta.to(acc).unsqueeze(-1)
     dv = torch.matmul(probs.transpose(-1, -2), dout_a)
     dp = torch.matmul(dout_a, v_full.to(acc).transpose(-1, -2))
     ds = probs * (dp - delta)
@@ -235,26 +238,89 @@ def attention_forward(
     return _math_forward(q, k, v, causal, scale, rep)
 
 
+def row_delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """D = rowsum(dout * out) in the statistics dtype, [b, n, s]: all that a flash backward
+    needs of ``out`` (FlashAttention-2's D_i; the kernels below form the same sum from
+    q-dtype ``dout`` / ``out`` with an fp32 accumulator)."""
+    acc = acc_dtype(out.dtype)
+    return (dout.to(out.dtype).to(acc) * out.to(acc)).sum(-1)
+
+
+def _delta_split(delta: torch.Tensor, dtype: torch.dtype):
+    """``delta`` (fp32/fp64) as ``w`` numbers of ``dtype`` whose sum is ``delta`` to the
+    statistics dtype's precision: one for fp32/fp64, hi + mid + lo (3 x 8 bits) for bf16/fp16."""
+    acc = acc_dtype(dtype)
+    delta = delta.to(acc)
+    if dtype in (torch.float32, torch.float64):
+        return [delta.to(dtype)]
+    parts, rest = [], delta
+    for _ in range(3):
+        part = rest.to(dtype)
+        parts.append(part)
+        rest = rest - part.to(acc)
+    return parts
+
+
+def _pad_for_delta(dout, q, k, v, delta, multiple: int = 1):
+    """Inputs for a fused backward that takes ``out`` but reads it only through
+    D = rowsum(dout * out): head dim d grows by w >= len(split) columns (rounded up to
+    ``multiple``), where q, k, v, out are 0 and dout is 1 in the first len(split) columns and
+    out holds the split of ``delta``. Scores (q k^T) and dP (dout v^T) are unchanged (zero
+    columns), rowsum(dout' * out') = D; the gradients' first d columns are the answer."""
+    parts = _delta_split(delta, q.dtype)
+    d = q.shape[-1]
+    w = -(-(d + len(parts)) // multiple) * multiple - d
+    pad = lambda t: torch.nn.functional.pad(t, (0, w))  # noqa: E731
+    dout_p = pad(dout)
+    dout_p[..., d:d + len(parts)] = 1.0
+    out_p = torch.zeros_like(dout_p)
+    for i, part in enumerate(parts):
+        out_p[..., d + i] = part
+    return dout_p, pad(q), pad(k), pad(v), out_p
+
+
 def attention_backward(
     dout: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    out: torch.Tensor,
+    out: Optional[torch.Tensor],
     lse: torch.Tensor,
     *,
     causal: bool,
     softmax_scale: Optional[float] = None,
     backend: Optional[str] = None,
+    delta: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one block given the row's (merged) ``out`` and ``lse``; dk, dv in n_kv heads.
 
     ``dout`` and ``out`` are [b, n_q, s_q, d] in q's dtype (cast here if not).
+
+    ``delta`` [b, n_q, s_q] (fp32; fp64 for fp64), = :func:`row_delta` (dout, out), may be
+    given *instead of* ``out`` (pass ``out=None``): the backward needs only D of the output.
+    The math path uses it directly. The fused kernels take ``out`` and form D themselves, so
+    they get zero-padded inputs whose extra columns carry D (:func:`_pad_for_delta`): the
+    same gradients, at the cost of padded copies of the block's inputs (O(s d), against the
+    kernel's O(s^2 d)); on CUDA a head dim that would pass 256 takes the math path.
     """
     rep = _check(q, k, v, causal)
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    d = q.shape[-1]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     backend = select_backend(q, k, v, backend)
-    dout, out = dout.to(q.dtype), out.to(q.dtype)
+    if (out is None) == (delta is None):
+        raise ValueError("attention_backward takes exactly one of out and delta")
+    dout = dout.to(q.dtype)
+    if delta is not None:
+        if backend == "math":
+            return _math_backward(dout, q, k, v, None, lse, causal, scale, rep, delta=delta)
+        multiple = 1 if backend == "torch_flash_cpu" else 8
+        if backend != "torch_flash_cpu" and d + 8 > 256:
+            return _math_backward(dout, q, k, v, None, lse, causal, scale, rep, delta=delta)
+        dout_p, q_p, k_p, v_p, out_p = _pad_for_delta(dout, q, k, v, delta, multiple)
+        dq, dk, dv = attention_backward(dout_p, q_p, k_p, v_p, out_p, lse, causal=causal,
+                                        softmax_scale=scale, backend=backend)
+        return dq[..., :d], dk[..., :d], dv[..., :d]
+    out = out.to(q.dtype)
     if backend == "torch_flash_cpu":
         lse_k = lse.to(acc_dtype(q.dtype))
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
