@@ -93,3 +93,27 @@ def test_wallfacer_attention_p16(report):
         f"C={c[0]} {c[1]} {'causal' if c[2] else 'full'} max|err| "
         f"{max(max(e[0] for e in errs) for r in per_rank for cc, errs in r if cc == c):.2e}"
         for c in configs))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_backward_kernel_takes_d_instead_of_out(dtype):
+    """WallFacer's backward sends D = rowsum(dout * out), not out: the kernel boundary's
+    ``delta=`` path gives the gradients of the ``out`` path (CPU flash kernel and math path,
+    causal and full, GQA), to rounding of the padded kernel's sums."""
+    from megatron_metp import kernels
+
+    g = torch.Generator().manual_seed(3)
+    q, dout = (torch.randn(2, 4, 16, 8, generator=g).to(dtype) for _ in range(2))
+    k, v = (torch.randn(2, 2, 16, 8, generator=g).to(dtype) for _ in range(2))
+    tol = {torch.float64: 1e-12, torch.float32: 1e-6, torch.bfloat16: 1e-2}[dtype]
+    for backend in ("torch_flash_cpu", "math"):
+        for causal in (True, False):
+            out, lse = kernels.attention_forward(q, k, v, causal=causal, backend=backend)
+            ref = kernels.attention_backward(dout, q, k, v, out, lse, causal=causal,
+                                             backend=backend)
+            got = kernels.attention_backward(dout, q, k, v, None, lse, causal=causal,
+                                             backend=backend,
+                                             delta=kernels.row_delta(dout, out))
+            for a, b in zip(got, ref):
+                torch.testing.assert_close(a.double(), b.double(), rtol=tol,
+                                           atol=tol * b.abs().max().item())

@@ -23,15 +23,17 @@ Forward (per rank (team t = (g, j), member m); G = P / C^2 ring steps)::
                                                            (C - 1) (A_q + L)
 Backward (K/V and their gradients stay, queries travel; the transposes of 1 and 4)::
 
-    1  all-gather [q | dout | out] and lse in the team; all-gather k, v; init send again
-    2  G steps: the query package (q, dout, out, lse) goes round the sub-ring; each rank adds
+    1  all-gather [q | dout] and [lse | D] in the team (D = rowsum(dout * out), fp32, one
+       value per query row: all the kernels need of out); all-gather k, v; init send again
+    2  G steps: the query package (q, dout; lse, D) goes round the sub-ring; each rank adds
        its dq contribution to a travelling fp32 accumulator that starts one rank after the
        owner (the owner's own contribution stays local), so dq takes G - 1 hops, not G
     3  dk, dv (fp32) go back along the reversed init send
     4  reduce-scatter [dq | dk | dv] in the team (fp32)
 
-A_q = b n s/P d, A_kv = b n_kv s/P d, L = b n s/P (elements per rank). ``formulas`` holds the
-resulting element counts and the tests compare them with counted traffic.
+A_q = b n s/P d, A_kv = b n_kv s/P d, L = b n s/P (elements per rank). Sending D rather than
+out makes a hop's query package 2 A_q + 2 L (L in fp32) instead of 3 A_q + L. ``formulas``
+holds the resulting element and byte counts and the tests compare them with counted traffic.
 
 Memory. The gathered q and K/V are lists of member shards, each in its own storage, and this
 rank's own slot is its input (no copy). The travelling K/V block moves shard by shard (the
@@ -39,9 +41,10 @@ shard being sent is also the one being computed on; the next block's shard lands
 shard), so the forward holds (C - 1) A_q + 2 (C - 1) A_kv + (C - 1) A_q (fp32 partial outputs)
 more than ring attention (C = 1) -- measured at 2.1-4.1 (C - 1) A for C = 2, against the
 paper's 3 (C - 1) A (Eq. 6-7), which counts only the duplicated q, k, v. The backward moves
-its query package shard by shard too, but holds the team's [q | dout | out] (3 C A_q), the
+its query package shard by shard too, but holds the team's [q | dout] (2 C A_q), the
 stationary team K/V, fp32 team gradients and two travelling dq blocks, so its excess over
-ring attention is larger (measured 4.0-9.1 (C - 1) A for C = 2; Eq. 6-7 do not cover it).
+ring attention is larger (measured 4.0-8.25 (C - 1) A for C = 2, 9.1 when out travelled
+instead of D; Eq. 6-7 do not cover it).
 Nothing here synchronises the device; waits only order communication.
 """
 
@@ -220,19 +223,22 @@ def wallfacer_backward(dout, q, k, v, out, lse, plan: WallFacerGroups, *, causal
     C, G = plan.team_size, plan.ring_length
     acc = kernels.acc_dtype(q.dtype)
     kv_team, kv_work = _gather_shards(torch.stack([k, v]), plan)
-    # The query package [q | dout | out] and lse, as member shards (own slot = a fresh copy,
-    # since received shards will be written into it).
-    pkg, pkg_work = _gather_shards(torch.stack([q, dout.to(q.dtype), out.to(q.dtype)]), plan)
-    lse_pkg, lse_work = _gather_shards(lse.to(dtype=acc, copy=True), plan)
+    # The query package [q | dout] and its row statistics [lse | D], D = rowsum(dout * out)
+    # (all the backward kernels need of out: one value per query row, not d), as member shards
+    # (own slot = a fresh copy, since received shards will be written into it).
+    dout = dout.to(q.dtype)
+    pkg, pkg_work = _gather_shards(torch.stack([q, dout]), plan)
+    stat_pkg, stat_work = _gather_shards(
+        torch.stack([lse.to(acc), kernels.row_delta(dout, out.to(q.dtype))]), plan)
     if kv_work is not None:
         kv_work.wait()
         kv_work = None
     kv, _ = _init_send(kv_team, plan)        # stationary: team kv_team_at_step(idx, 0)
     del kv_team
-    for w in (pkg_work, lse_work):
+    for w in (pkg_work, stat_work):
         if w is not None:
             w.wait()
-    del pkg_work, lse_work
+    del pkg_work, stat_work
     k_ids = _team_chunks(plan, cg.kv_team_at_step(plan.idx, 0, plan.cp_size, C, plan.placement))
     n_q, n_kv = q.numel(), 2 * k.numel()
     grad_team = torch.zeros((C, n_q + n_kv), dtype=acc, device=q.device)
@@ -240,7 +246,7 @@ def wallfacer_backward(dout, q, k, v, out, lse, plan: WallFacerGroups, *, causal
     dkv = grad_team[:, n_q:].view((C, 2) + tuple(k.shape))
     ring = P2PComm(plan.cp_group, send_to=plan.ring_next, recv_from=plan.ring_prev) if G > 1 \
         else None
-    pkg_free = lse_free = None
+    pkg_free = stat_free = None
     acc_prev = acc_in = None
     for step in range(G):
         q_ids = _team_chunks(plan, cg.q_team_at_step(plan.idx, step, plan.cp_size, C,
@@ -255,9 +261,9 @@ def wallfacer_backward(dout, q, k, v, out, lse, plan: WallFacerGroups, *, causal
             posted = False
             if step + 1 < G:
                 if pkg_free is None:
-                    pkg_free, lse_free = torch.empty_like(pkg[a]), torch.empty_like(lse_pkg[a])
+                    pkg_free, stat_free = torch.empty_like(pkg[a]), torch.empty_like(stat_pkg[a])
                 ring.send_recv(pkg[a], pkg_free)
-                ring.send_recv(lse_pkg[a], lse_free)
+                ring.send_recv(stat_pkg[a], stat_free)
                 posted = True
             if a == 0 and step >= 2:
                 # acc_prev (the block of step - 1, complete) goes on; ours arrives from
@@ -265,15 +271,16 @@ def wallfacer_backward(dout, q, k, v, out, lse, plan: WallFacerGroups, *, causal
                 acc_in = ring.send_recv(acc_prev)
                 posted = True
             if posted:
-                # Safe: pkg[a], lse_pkg[a] and acc_prev are only read until wait(); receives
+                # Safe: pkg[a], stat_pkg[a] and acc_prev are only read until wait(); receives
                 # land in spare or fresh buffers that nothing reads before wait().
                 ring.commit()
             dq_a = dq[a] if dq is not None else torch.zeros_like(dq_own[0])
             for h, ki, diag in _pairs(q_ids[2 * a:2 * a + 2], k_ids, causal):
                 cm, h2 = divmod(ki, 2)
                 dq_b, dk_b, dv_b = kernels.attention_backward(
-                    pkg[a][1, h], pkg[a][0, h], kv[cm][0, h2], kv[cm][1, h2], pkg[a][2, h],
-                    lse_pkg[a][h], causal=diag, softmax_scale=softmax_scale)
+                    pkg[a][1, h], pkg[a][0, h], kv[cm][0, h2], kv[cm][1, h2], None,
+                    stat_pkg[a][0, h], causal=diag, softmax_scale=softmax_scale,
+                    delta=stat_pkg[a][1, h])
                 dq_a[h] += dq_b
                 dkv[cm, 0, h2] += dk_b
                 dkv[cm, 1, h2] += dv_b
@@ -285,11 +292,11 @@ def wallfacer_backward(dout, q, k, v, out, lse, plan: WallFacerGroups, *, causal
             del dq_a
             if step + 1 < G:
                 pkg[a], pkg_free = pkg_free, pkg[a]
-                lse_pkg[a], lse_free = lse_free, lse_pkg[a]
+                stat_pkg[a], stat_free = stat_free, stat_pkg[a]
         if step >= 1:
             acc_prev = dq
         acc_in = None
-    del pkg, pkg_free, lse_pkg, lse_free, kv
+    del pkg, pkg_free, stat_pkg, stat_free, kv
     if G > 1:
         # Last hop: the accumulator of step G-1 belongs to ring_next; ours comes from ring_prev.
         acc_in = ring.send_recv(acc_prev)
