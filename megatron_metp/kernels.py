@@ -246,37 +246,26 @@ def row_delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return (dout.to(out.dtype).to(acc) * out.to(acc)).sum(-1)
 
 
-def _delta_split(delta: torch.Tensor, dtype: torch.dtype):
-    """``delta`` (fp32/fp64) as ``w`` numbers of ``dtype`` whose sum is ``delta`` to the
-    statistics dtype's precision: one for fp32/fp64, hi + mid + lo (3 x 8 bits) for bf16/fp16."""
-    acc = acc_dtype(dtype)
-    delta = delta.to(acc)
-    if dtype in (torch.float32, torch.float64):
-        return [delta.to(dtype)]
-    parts, rest = [], delta
-    for _ in range(3):
-        part = rest.to(dtype)
-        parts.append(part)
-        rest = rest - part.to(acc)
-    return parts
+def _out_for_delta(dout: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """A stand-in ``o`` for the output, in ``dout``'s dtype, with rowsum(dout * o) = D.
 
-
-def _pad_for_delta(dout, q, k, v, delta, multiple: int = 1):
-    """Inputs for a fused backward that takes ``out`` but reads it only through
-    D = rowsum(dout * out): head dim d grows by w >= len(split) columns (rounded up to
-    ``multiple``), where q, k, v, out are 0 and dout is 1 in the first len(split) columns and
-    out holds the split of ``delta``. Scores (q k^T) and dP (dout v^T) are unchanged (zero
-    columns), rowsum(dout' * out') = D; the gradients' first d columns are the answer."""
-    parts = _delta_split(delta, q.dtype)
-    d = q.shape[-1]
-    w = -(-(d + len(parts)) // multiple) * multiple - d
-    pad = lambda t: torch.nn.functional.pad(t, (0, w))  # noqa: E731
-    dout_p = pad(dout)
-    dout_p[..., d:d + len(parts)] = 1.0
-    out_p = torch.zeros_like(dout_p)
-    for i, part in enumerate(parts):
-        out_p[..., d + i] = part
-    return dout_p, pad(q), pad(k), pad(v), out_p
+    The fused backward kernels (FlashAttention-2/3, PyTorch's flash kernels on CPU and CUDA,
+    cuDNN's) take ``out`` but read it only through D = rowsum(dout * out). ``o`` is parallel to
+    each row of ``dout``: o = D dout / |dout|^2, computed on dout scaled by its row maximum so
+    that nothing under- or overflows (|o| <= d max|out|; rows where dout is 0 have D = 0 and
+    get o = 0). Every term dout_i o_i has D's sign, so rounding ``o`` to bf16 changes D by at
+    most 2^-9 of |D| itself, never of the larger sum of |dout_i out_i| that rounding ``out``
+    to bf16 perturbs. One O(s d) elementwise pass per block, against the kernel's O(s^2 d);
+    the kernel's shapes, head dim and speed are unchanged.
+    """
+    acc = acc_dtype(dout.dtype)
+    g = dout.to(acc)
+    m = g.abs().amax(-1, keepdim=True)
+    nz = m > 0
+    u = g / torch.where(nz, m, torch.ones_like(m))  # |u| <= 1, max |u| = 1 where nz
+    n2 = (u * u).sum(-1, keepdim=True)  # >= 1 where nz
+    scale = delta.to(acc).unsqueeze(-1) / torch.where(nz, m * n2, torch.ones_like(m))
+    return torch.where(nz, scale * u, torch.zeros_like(u)).to(dout.dtype)
 
 
 def attention_backward(
@@ -298,10 +287,8 @@ def attention_backward(
 
     ``delta`` [b, n_q, s_q] (fp32; fp64 for fp64), = :func:`row_delta` (dout, out), may be
     given *instead of* ``out`` (pass ``out=None``): the backward needs only D of the output.
-    The math path uses it directly. The fused kernels take ``out`` and form D themselves, so
-    they get zero-padded inputs whose extra columns carry D (:func:`_pad_for_delta`): the
-    same gradients, at the cost of padded copies of the block's inputs (O(s d), against the
-    kernel's O(s^2 d)); on CUDA a head dim that would pass 256 takes the math path.
+    The math path uses it directly; the fused kernels, which take ``out`` and form D
+    themselves, get an output stand-in with the same D (:func:`_out_for_delta`).
     """
     rep = _check(q, k, v, causal)
     d = q.shape[-1]
@@ -313,13 +300,7 @@ def attention_backward(
     if delta is not None:
         if backend == "math":
             return _math_backward(dout, q, k, v, None, lse, causal, scale, rep, delta=delta)
-        multiple = 1 if backend == "torch_flash_cpu" else 8
-        if backend != "torch_flash_cpu" and d + 8 > 256:
-            return _math_backward(dout, q, k, v, None, lse, causal, scale, rep, delta=delta)
-        dout_p, q_p, k_p, v_p, out_p = _pad_for_delta(dout, q, k, v, delta, multiple)
-        dq, dk, dv = attention_backward(dout_p, q_p, k_p, v_p, out_p, lse, causal=causal,
-                                        softmax_scale=scale, backend=backend)
-        return dq[..., :d], dk[..., :d], dv[..., :d]
+        out = _out_for_delta(dout, delta)
     out = out.to(q.dtype)
     if backend == "torch_flash_cpu":
         lse_k = lse.to(acc_dtype(q.dtype))

@@ -99,12 +99,17 @@ def test_wallfacer_attention_p16(report):
 def test_backward_kernel_takes_d_instead_of_out(dtype):
     """WallFacer's backward sends D = rowsum(dout * out), not out: the kernel boundary's
     ``delta=`` path gives the gradients of the ``out`` path (CPU flash kernel and math path,
-    causal and full, GQA), to rounding of the padded kernel's sums."""
+    causal and full, GQA, and a row whose dout is 0), to rounding: the fused kernel gets an
+    output stand-in with the same D (kernels._out_for_delta)."""
     from megatron_metp import kernels
 
     g = torch.Generator().manual_seed(3)
     q, dout = (torch.randn(2, 4, 16, 8, generator=g).to(dtype) for _ in range(2))
     k, v = (torch.randn(2, 2, 16, 8, generator=g).to(dtype) for _ in range(2))
+    dout[0, 1, 5] = 0  # D = 0 there: the stand-in must be 0, not 0/0
+    # fp64/fp32: a few ulps of the gradients' magnitude (the stand-in's D differs from the
+    # kernel's own rowsum in the last bits). bf16: the gradients are rounded to bf16 (2^-8
+    # relative) and the stand-in moves D by at most 2^-9 |D|; 1e-2 covers both with margin.
     tol = {torch.float64: 1e-12, torch.float32: 1e-6, torch.bfloat16: 1e-2}[dtype]
     for backend in ("torch_flash_cpu", "math"):
         for causal in (True, False):
