@@ -88,23 +88,6 @@ def _gather(x: torch.Tensor, plan: WallFacerGroups, async_op: bool = False):
     return out.view((plan.team_size,) + tuple(x.shape)), work
 
 
-def _send_shards(shards: List[torch.Tensor], free: Optional[torch.Tensor], comm: P2PComm):
-    """Replace every shard of a team block by the peer's, one member shard at a time.
-
-    Only one spare shard is needed: a shard's memory becomes the next receive buffer as soon as
-    its send completed. Returns (new shards, spare). Used where nothing can be computed
-    meanwhile (the initial send, whose result step 0 needs).
-    """
-    for i in range(len(shards)):
-        if free is None:
-            free = torch.empty_like(shards[i])
-        comm.send_recv(shards[i], free)
-        comm.commit()
-        comm.wait()
-        shards[i], free = free, shards[i]
-    return shards, free
-
-
 def _gather_shards(x: torch.Tensor, plan: WallFacerGroups):
     """``x -> [x of member 0, ..., x of member C-1]``, each in its own storage (async).
 
@@ -120,19 +103,69 @@ def _gather_shards(x: torch.Tensor, plan: WallFacerGroups):
     return shards, dist.all_gather(shards, x, group=plan.team_group_pg, async_op=True)
 
 
-def _init_send(shards: List[torch.Tensor], plan: WallFacerGroups, reverse: bool = False):
-    """Alg. 2's initial send (``reverse``: its transpose, for the K/V gradients).
-
-    Returns (the shards this rank now holds, a spare shard buffer or None). A self-send keeps
-    the block in place (no copy).
-    """
+def _init_comm(plan: WallFacerGroups, reverse: bool = False) -> Optional[P2PComm]:
+    """Alg. 2's initial send (``reverse``: its transpose, for the K/V gradients); None for a
+    self-send, which keeps the block in place."""
     if plan.init_send_to == plan.idx:
-        return shards, None
+        return None
     send_to, recv_from = plan.init_send_to, plan.init_recv_from
     if reverse:
         send_to, recv_from = recv_from, send_to
-    return _send_shards(shards, None, P2PComm(plan.cp_group, send_to=send_to,
-                                               recv_from=recv_from))
+    return P2PComm(plan.cp_group, send_to=send_to, recv_from=recv_from)
+
+
+class _Pieces:
+    """A K/V block as 2C pieces ``[2 (k, v), b, n_kv, c, d]``, piece ``a * 2 + h`` = member a's
+    zigzag chunk h, each in its own storage.
+
+    Pieces move member shard by member shard (two pieces per batch). A piece's memory becomes
+    a receive buffer as soon as its send completed, so moving the whole block costs one spare
+    shard, not a second block, and the kernels can start on the first shard that arrived while
+    the next is in flight.
+    """
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, plan: WallFacerGroups):
+        """All-gather the team's K/V (async, one gather per zigzag chunk), every piece in its
+        own storage, so that a piece's memory is freed or reused on its own."""
+        C = plan.team_size
+        self.items: List[Optional[torch.Tensor]] = [None] * (2 * C)
+        self.works = []
+        for h in range(2):
+            shards, work = _gather_shards(torch.stack([k[h], v[h]]), plan)
+            for m, shard in enumerate(shards):
+                self.items[m * 2 + h] = shard
+            self.works.append(work)
+        self.spare: List[torch.Tensor] = []
+
+    def wait(self) -> None:
+        for w in self.works:
+            if w is not None:
+                w.wait()
+        self.works = []   # a Work holds the stacked local K/V until dropped
+
+    def post(self, comm: P2PComm, idx: List[int]) -> List[torch.Tensor]:
+        """Post sending pieces ``idx`` (one batch) and receiving their replacements; returns
+        the receive buffers."""
+        bufs = []
+        for i in idx:
+            buf = self.spare.pop() if self.spare else torch.empty_like(self.items[i])
+            comm.send_recv(self.items[i], buf)
+            bufs.append(buf)
+        comm.commit()
+        return bufs
+
+    def replace(self, comm: P2PComm, idx: List[int], bufs: List[torch.Tensor]) -> None:
+        """Complete the transfer of pieces ``idx``: ``bufs`` now hold them, their old memory is
+        spare."""
+        comm.wait()
+        for i, buf in zip(idx, bufs):
+            self.spare.append(self.items[i])
+            self.items[i] = buf
+
+
+def _shard(cm: int) -> List[int]:
+    """The pieces of member shard ``cm``: its two zigzag chunks."""
+    return [2 * cm, 2 * cm + 1]
 
 
 def wallfacer_forward(q, k, v, plan: WallFacerGroups, *, causal: bool,
@@ -141,76 +174,147 @@ def wallfacer_forward(q, k, v, plan: WallFacerGroups, *, causal: bool,
 
     ``stats`` (optional dict) receives ``work`` = chunk-pair units computed per ring step.
 
-    Memory: the travelling K/V block moves member shard by member shard, so a rank holds the
-    block plus one spare shard, 2 (C + 1) A_kv, rather than two blocks, 4 C A_kv; the output
-    accumulator is allocated after the initial send.
+    Overlap. The K/V block moves member shard by member shard (each shard's two zigzag
+    chunks in their own storages, :class:`_Pieces`): at step 0 the initial send of shard
+    cm + 1 is in flight while the kernels read shard cm (only shard 0 is waited for before the
+    first kernel); at steps 0..G-2 shard cm goes on round the sub-ring while the kernels read
+    it. With the zigzag layout every member shard has a visible chunk pair, so every transfer
+    has a kernel to hide behind. The last step runs query chunk by query chunk, so chunk 0's lse
+    all-gather (team group) runs while chunk 1 computes, and chunk 0's output reduce-scatter
+    while chunk 1 is rescaled.
+
+    Memory: the block, plus at step 0 the receive buffers of two shards (the initial send's
+    next shard and the ring's), later one: 2 C A_kv + 4 A_kv at most, where moving whole
+    blocks would take 4 C A_kv.
     """
     C, G = plan.team_size, plan.ring_length
     acc = kernels.acc_dtype(q.dtype)
-    # 1. Team all-gather. K/V first: the init send waits on it; the q gather overlaps the send.
-    kv_team, kv_work = _gather_shards(torch.stack([k, v]), plan)
+    # 1. Team all-gather. K/V first (the init send waits on it); the q gather overlaps the
+    #    init send of piece 0.
+    kv = _Pieces(k, v, plan)
     q_team, q_work = _gather_shards(q, plan)        # q_team[a]: member a's queries
-    if kv_work is not None:
-        kv_work.wait()
-        kv_work = None            # the Work holds the stacked local K/V until dropped
-    # 2. Initial send (Alg. 2): this rank now holds the K/V of team kv_team_at_step(idx, 0).
-    shards, free = _init_send(kv_team, plan)
-    del kv_team
-    if G == 1:
-        free = None               # no ring step follows: the spare shard is not needed
+    kv.wait()
+    # 2. Initial send (Alg. 2): afterwards this rank holds the K/V of team
+    #    kv_team_at_step(idx, 0). Piece 0 is needed before any kernel; the others move
+    #    during step 0 (below).
+    init = _init_comm(plan)
+    if init is not None:
+        kv.replace(init, _shard(0), kv.post(init, _shard(0)))
     if q_work is not None:
         q_work.wait()
         q_work = None
     q_ids = _team_chunks(plan, plan.team)
     b, n, c, d = q.shape[1:]
-    out_acc = torch.zeros((C, 2, b, n, c, d), dtype=acc, device=q.device)
-    lse_acc = torch.full((C, 2, b, n, c), float("-inf"), dtype=acc, device=q.device)
+    # Query-chunk major ([h, member, ...]), so that chunk h's team merge takes one
+    # contiguous block.
+    out_acc = torch.zeros((2, C, b, n, c, d), dtype=acc, device=q.device)
+    lse_acc = torch.full((2, C, b, n, c), float("-inf"), dtype=acc, device=q.device)
     ring = P2PComm(plan.cp_group, send_to=plan.ring_next, recv_from=plan.ring_prev) if G > 1 \
         else None
+    merge = _TeamMerge(out_acc, lse_acc, plan) if C > 1 else None
+
+    def compute(pairs):
+        units = 0.0
+        for qi, ki, diag in pairs:
+            a, h = divmod(qi, 2)
+            piece = kv.items[ki]
+            blk_out, blk_lse = kernels.attention_forward(
+                q_team[a][h], piece[0], piece[1], causal=diag, softmax_scale=softmax_scale)
+            kernels.merge_partial_(out_acc[h, a], lse_acc[h, a], blk_out, blk_lse)
+            units += 0.5 if diag else 1.0
+        return units
+
     work_per_step = []
-    # 3. G ring steps (Alg. 3). Within a step, member shard cm goes to ring_next while the
-    #    kernels read it (both only read it); the next block's shard cm lands in ``free``,
-    #    which nothing reads until wait(); then shard cm's memory is the next ``free``.
+    # 3. G ring steps (Alg. 3).
     for step in range(G):
         k_ids = _team_chunks(plan, cg.kv_team_at_step(plan.idx, step, plan.cp_size, C,
                                                         plan.placement))
+        pairs = list(_pairs(q_ids, k_ids, causal))
         units = 0.0
-        for cm in range(C):
-            if step + 1 < G:
-                if free is None:
-                    free = torch.empty_like(shards[cm])
-                ring.send_recv(shards[cm], free)
-                ring.commit()
-            kv = shards[cm]
-            for qi, h2, diag in _pairs(q_ids, k_ids[2 * cm:2 * cm + 2], causal):
-                a, h = divmod(qi, 2)
-                blk_out, blk_lse = kernels.attention_forward(
-                    q_team[a][h], kv[0, h2], kv[1, h2], causal=diag, softmax_scale=softmax_scale)
-                kernels.merge_partial_(out_acc[a, h], lse_acc[a, h], blk_out, blk_lse)
-                units += 0.5 if diag else 1.0
-            if step + 1 < G:
-                ring.wait()
-                shards[cm], free = free, shards[cm]
+        if step == G - 1 and step > 0:
+            # Last step (nothing travels on): query chunk by query chunk, each chunk's team
+            # merge posted as soon as its partials are final.
+            for h in range(2):
+                units += compute([pr for pr in pairs if pr[0] % 2 == h])
+                if merge is not None:
+                    merge.done(h)
+        else:
+            for cm in range(C):
+                nxt = None
+                if step == 0 and init is not None and cm + 1 < C:
+                    nxt = kv.post(init, _shard(cm + 1))   # the initial send, one shard ahead
+                fwd = kv.post(ring, _shard(cm)) if step + 1 < G else None   # shard cm goes on
+                units += compute([pr for pr in pairs if pr[1] // 2 == cm])
+                if nxt is not None:
+                    kv.replace(init, _shard(cm + 1), nxt)
+                if fwd is not None:
+                    kv.replace(ring, _shard(cm), fwd)
+                nxt = fwd = None
+            if step + 2 >= G:
+                kv.spare = []     # nothing moves after this step: drop the spare pieces
+            if step == G - 1 and merge is not None:
+                merge.done(0)
+                merge.done(1)
         work_per_step.append(units)
-    del shards, free, q_team, kv
+    kv = q_team = None   # free the block and the team's queries before the merge
     if stats is not None:
         stats["work"] = work_per_step
     # Causal, C > 1: a query chunk may see none of this member's keys (all later in the
-    # sequence): its partial stays out = 0, lse = -inf, and gets no weight below.
+    # sequence): its partial stays out = 0, lse = -inf, and gets no weight in the merge.
     if C == 1:
-        return out_acc[0].to(q.dtype), lse_acc[0]
-    # 4. The members' partial outputs cover disjoint key sets: the row's true lse is the
-    #    log-sum-exp of theirs, so exchange lse first, rescale, then a plain summing
-    #    reduce-scatter gives each member its own tokens' output.
-    lse_all, _ = _gather(lse_acc, plan)                                   # [C, C, 2, b, n, c]
-    lse_fin = torch.logsumexp(lse_all, dim=0)
-    del lse_all
-    weight = torch.exp(lse_acc - lse_fin).nan_to_num_(0.0)               # -inf - -inf: no weight
-    out_acc.mul_(weight.unsqueeze(-1))
-    del weight
-    out_local = out_acc.new_empty(out_acc.shape[1:])
-    dist.reduce_scatter_tensor(out_local, out_acc.flatten(0, 1), group=plan.team_group_pg)
-    return out_local.to(q.dtype), lse_fin[plan.member]
+        return out_acc[:, 0].to(q.dtype), lse_acc[:, 0]
+    return merge.result(q.dtype)
+
+
+class _TeamMerge:
+    """Step 4 of the forward, per query chunk h: the members' partial outputs cover disjoint
+    key sets, so the row's true lse is the log-sum-exp of theirs: all-gather the lse, rescale,
+    then a plain summing reduce-scatter gives each member its own tokens' output.
+
+    ``done(h)`` posts chunk h's lse all-gather as soon as its partials are final (chunk 0's
+    then runs while chunk 1 computes); ``result`` rescales and reduce-scatters (team group).
+    """
+
+    def __init__(self, out_acc, lse_acc, plan: WallFacerGroups):
+        self.out_acc, self.lse_acc, self.plan = out_acc, lse_acc, plan
+        self.lse_all, self.lse_fin = [None, None], [None, None]
+        self.out_local = None
+        self.gathers, self.scatters = [None, None], [None, None]
+
+    def done(self, h: int) -> None:
+        C = self.plan.team_size
+        self.lse_all[h] = self.lse_acc.new_empty((C,) + tuple(self.lse_acc.shape[1:]))
+        self.gathers[h] = dist.all_gather_into_tensor(
+            self.lse_all[h].view((-1,) + tuple(self.lse_all[h].shape[2:])), self.lse_acc[h],
+            group=self.plan.team_group_pg, async_op=True)
+
+    def _scatter(self, h: int) -> None:
+        self.gathers[h].wait()
+        self.gathers[h] = None
+        # lse_all[h] [C (holder), C (member), b, n, c]: the row's lse over the holders.
+        lse_fin = torch.logsumexp(self.lse_all[h], dim=0)
+        self.lse_all[h] = None
+        weight = torch.exp(self.lse_acc[h] - lse_fin).nan_to_num_(0.0)   # -inf - -inf: none
+        self.out_acc[h].mul_(weight.unsqueeze(-1))
+        del weight
+        self.lse_fin[h] = lse_fin[self.plan.member]
+        if self.out_local is None:
+            out = self.out_acc
+            self.out_local = out.new_empty(out.shape[:1] + out.shape[2:])
+        # Flat views: gloo wants output x C = input along dim 0.
+        self.scatters[h] = dist.reduce_scatter_tensor(
+            self.out_local[h].view(-1), self.out_acc[h].view(-1),
+            group=self.plan.team_group_pg, async_op=True)
+
+    def result(self, dtype):
+        """Called once the K/V block and the team's queries are freed: the rescale and the
+        output buffer then take their memory. Chunk 0's reduce-scatter runs while chunk 1 is
+        rescaled."""
+        self._scatter(0)
+        self._scatter(1)
+        for w in self.scatters:
+            w.wait()
+        return self.out_local.to(dtype), torch.stack(self.lse_fin)
 
 
 def wallfacer_backward(dout, q, k, v, out, lse, plan: WallFacerGroups, *, causal: bool,
@@ -219,10 +323,18 @@ def wallfacer_backward(dout, q, k, v, out, lse, plan: WallFacerGroups, *, causal
 
     The team's gradient partials live in one fp32 buffer ``grad_team [C, |q| + |k| + |v|]``
     (member-major: [dq | dk | dv] per member), so the final reduce-scatter needs no copy.
+
+    Overlap. The query package goes round the sub-ring member shard by member shard behind the
+    kernels of that shard, and the dq accumulator's hops behind member shard 0's. In the last
+    step, member shard a's dq goes its last hop while shard a + 1 computes, and the last query
+    shard runs K/V shard by K/V shard, each one's dK/dV going back to its team (the reversed
+    initial send) while the next computes. Exposed: the initial send (step 0's first query
+    shard reads every K/V shard), the last query shard's dq hop, the last K/V shard's return
+    and the team reduce-scatter.
     """
     C, G = plan.team_size, plan.ring_length
     acc = kernels.acc_dtype(q.dtype)
-    kv_team, kv_work = _gather_shards(torch.stack([k, v]), plan)
+    kv = _Pieces(k, v, plan)   # after the init send: team kv_team_at_step(idx, 0)
     # The query package [q | dout] and its row statistics [lse | D], D = rowsum(dout * out)
     # (all the backward kernels need of out: one value per query row, not d), as member shards
     # (own slot = a fresh copy, since received shards will be written into it).
@@ -230,11 +342,12 @@ def wallfacer_backward(dout, q, k, v, out, lse, plan: WallFacerGroups, *, causal
     pkg, pkg_work = _gather_shards(torch.stack([q, dout]), plan)
     stat_pkg, stat_work = _gather_shards(
         torch.stack([lse.to(acc), kernels.row_delta(dout, out.to(q.dtype))]), plan)
-    if kv_work is not None:
-        kv_work.wait()
-        kv_work = None
-    kv, _ = _init_send(kv_team, plan)        # stationary: team kv_team_at_step(idx, 0)
-    del kv_team
+    kv.wait()
+    init = _init_comm(plan)
+    if init is not None:
+        for cm in range(C):
+            kv.replace(init, _shard(cm), kv.post(init, _shard(cm)))
+    kv.spare = []
     for w in (pkg_work, stat_work):
         if w is not None:
             w.wait()
@@ -243,14 +356,19 @@ def wallfacer_backward(dout, q, k, v, out, lse, plan: WallFacerGroups, *, causal
     n_q, n_kv = q.numel(), 2 * k.numel()
     grad_team = torch.zeros((C, n_q + n_kv), dtype=acc, device=q.device)
     dq_own = grad_team[:, :n_q].view((C,) + tuple(q.shape))
-    dkv = grad_team[:, n_q:].view((C, 2) + tuple(k.shape))
+    # dK/dV by K/V piece: [C (member cm), 2 (chunk h2), 2 (k, v), ...]; piece cm * 2 + h2
+    dkv = grad_team[:, n_q:].view((C, 2, 2) + tuple(k.shape[1:]))
     ring = P2PComm(plan.cp_group, send_to=plan.ring_next, recv_from=plan.ring_prev) if G > 1 \
         else None
+    back = _init_comm(plan, reverse=True)
+    returns = _Return(back, dkv) if back is not None else None
+    last_hop = _LastHop(ring, dq_own) if G > 1 else None
     pkg_free = stat_free = None
     acc_prev = acc_in = None
     for step in range(G):
         q_ids = _team_chunks(plan, cg.q_team_at_step(plan.idx, step, plan.cp_size, C,
                                                        plan.placement))
+        last = step == G - 1
         # Step 0 is this rank's own team: its contribution is written in place and never
         # travels; later steps fill a fresh accumulator that will.
         # From step 2 on, the incoming accumulator (received during sub-step 0) *becomes* this
@@ -275,15 +393,19 @@ def wallfacer_backward(dout, q, k, v, out, lse, plan: WallFacerGroups, *, causal
                 # land in spare or fresh buffers that nothing reads before wait().
                 ring.commit()
             dq_a = dq[a] if dq is not None else torch.zeros_like(dq_own[0])
-            for h, ki, diag in _pairs(q_ids[2 * a:2 * a + 2], k_ids, causal):
-                cm, h2 = divmod(ki, 2)
-                dq_b, dk_b, dv_b = kernels.attention_backward(
-                    pkg[a][1, h], pkg[a][0, h], kv[cm][0, h2], kv[cm][1, h2], None,
-                    stat_pkg[a][0, h], causal=diag, softmax_scale=softmax_scale,
-                    delta=stat_pkg[a][1, h])
-                dq_a[h] += dq_b
-                dkv[cm, 0, h2] += dk_b
-                dkv[cm, 1, h2] += dv_b
+            pairs = list(_pairs(q_ids[2 * a:2 * a + 2], k_ids, causal))
+            if last and a == C - 1:
+                # The backward's last kernels, K/V member shard by member shard: a shard's
+                # dK/dV is final after its pairs, and goes home while the next shard computes
+                # (with the zigzag layout every query shard sees every K/V shard's early chunk,
+                # so each shard has kernels).
+                for cm in range(C):
+                    _backward_pairs([pr for pr in pairs if pr[1] // 2 == cm], pkg[a],
+                                    stat_pkg[a], kv, dq_a, dkv, softmax_scale)
+                    if returns is not None:
+                        returns.post(cm)
+            else:
+                _backward_pairs(pairs, pkg[a], stat_pkg[a], kv, dq_a, dkv, softmax_scale)
             if posted:
                 ring.wait()
             if dq is None:
@@ -293,36 +415,87 @@ def wallfacer_backward(dout, q, k, v, out, lse, plan: WallFacerGroups, *, causal
             if step + 1 < G:
                 pkg[a], pkg_free = pkg_free, pkg[a]
                 stat_pkg[a], stat_free = stat_free, stat_pkg[a]
+            if last and last_hop is not None and a < C - 1:
+                # Member shard a of the last step's accumulator is complete: its last hop (to
+                # ring_next, the owner) runs while shard a + 1 computes.
+                last_hop.post(dq, a)
         if step >= 1:
             acc_prev = dq
         acc_in = None
     del pkg, pkg_free, stat_pkg, stat_free, kv
-    if G > 1:
-        # Last hop: the accumulator of step G-1 belongs to ring_next; ours comes from ring_prev.
-        acc_in = ring.send_recv(acc_prev)
-        ring.commit()
-        ring.wait()
-        dq_own.add_(acc_in)
-        del acc_prev, acc_in
-    # dK/dV back to the team that owns these keys (the transpose of the init send), shard by
-    # shard into their rows of grad_team (a row is sent before it is overwritten).
-    if plan.init_send_to != plan.idx:
-        back = P2PComm(plan.cp_group, send_to=plan.init_recv_from, recv_from=plan.init_send_to)
-        tmp = torch.empty_like(dkv[0])
-        for i in range(C):
-            back.send_recv(dkv[i], tmp)
-            back.commit()
-            back.wait()
-            dkv[i].copy_(tmp)
-        del tmp
+    if last_hop is not None:
+        last_hop.post(acc_prev, C - 1)
+        last_hop.finish()
+        del acc_prev
+    if returns is not None:
+        returns.finish()
     if C == 1:
         res = grad_team[0]
     else:
         res = grad_team.new_empty(grad_team.shape[1:])
         dist.reduce_scatter_tensor(res, grad_team.view(-1), group=plan.team_group_pg)
     dq_l = res[:n_q].view(q.shape).to(q.dtype)
-    dkv_l = res[n_q:].view((2,) + tuple(k.shape))
-    return dq_l, dkv_l[0].to(k.dtype), dkv_l[1].to(v.dtype)
+    dkv_l = res[n_q:].view((2, 2) + tuple(k.shape[1:]))     # [chunk, (k, v), ...]
+    return dq_l, dkv_l[:, 0].to(k.dtype), dkv_l[:, 1].to(v.dtype)
+
+
+def _backward_pairs(pairs, pkg_a, stat_a, kv: _Pieces, dq_a, dkv, softmax_scale) -> None:
+    """The backward kernels of member shard a's (query chunk, K/V piece) pairs: dq into
+    ``dq_a``, dK/dV into their piece's rows of ``dkv``."""
+    for h, ki, diag in pairs:
+        piece = kv.items[ki]
+        dq_b, dk_b, dv_b = kernels.attention_backward(
+            pkg_a[1, h], pkg_a[0, h], piece[0], piece[1], None, stat_a[0, h], causal=diag,
+            softmax_scale=softmax_scale, delta=stat_a[1, h])
+        dq_a[h] += dq_b
+        g = dkv[ki // 2, ki % 2]
+        g[0] += dk_b
+        g[1] += dv_b
+
+
+class _Return:
+    """dK/dV back to the team that owns these keys (the reversed initial send), one member
+    shard at a time into its rows of ``grad_team`` (a shard is sent before its rows are
+    overwritten)."""
+
+    def __init__(self, comm: P2PComm, dkv):
+        self.comm, self.dkv = comm, dkv
+        self.pending = None   # (member shard, receive buffer)
+
+    def post(self, cm: int) -> None:
+        self.finish()
+        buf = torch.empty_like(self.dkv[cm])
+        self.comm.send_recv(self.dkv[cm], buf)
+        self.comm.commit()
+        self.pending = (cm, buf)
+
+    def finish(self) -> None:
+        if self.pending is not None:
+            self.comm.wait()
+            cm, buf = self.pending
+            self.dkv[cm].copy_(buf)
+            self.pending = None
+
+
+class _LastHop:
+    """The last step's dq accumulator to ring_next (the owner of those queries), member shard
+    by member shard; ours arrives from ring_prev and adds to ``dq_own``."""
+
+    def __init__(self, comm: P2PComm, dq_own):
+        self.comm, self.dq_own = comm, dq_own
+        self.pending = None   # (member, receive buffer)
+
+    def post(self, dq, a: int) -> None:
+        self.finish()
+        self.pending = (a, self.comm.send_recv(dq[a]))
+        self.comm.commit()
+
+    def finish(self) -> None:
+        if self.pending is not None:
+            self.comm.wait()
+            a, buf = self.pending
+            self.dq_own[a].add_(buf)
+            self.pending = None
 
 
 class WallFacerAttnFunc(torch.autograd.Function):
