@@ -191,14 +191,10 @@ def test_ffn_activation_ratio_within_one_over_p(activation_slopes, p, report):
     assert r <= 1.05 / p
 
 
-_ATTN_P2_SHORT = (
-    "measured: METP attention at p=2 peaks at 5.5 bsh/p in its forward (input excluded) against"
-    " TP's 4.5 bsh, ratio 0.613, 0.06% over 1.05 x 7/12 (the paper counts 3bsh/p^2 + bsh/p for"
-    " METP beyond its input); see docs/results.md")
-
-
-@pytest.mark.parametrize("p", [pytest.param(2, marks=pytest.mark.xfail(
-    strict=True, reason=_ATTN_P2_SHORT)), 4, 8])
+# p = 2 measured 0.613 (0.06 % over) while each head group ran its K/V ring whole: its Q/K/V and
+# output blocks were h/p wide. Long inputs now run the ring in query-group slices
+# (metp/attention.py head_chunks), which brings it under the bound.
+@pytest.mark.parametrize("p", [2, 4, 8])
 def test_attention_activation_ratio_within_eq10(activation_slopes, p, report):
     """Eq. 10: METP/TP peak of the attention's intermediate results <= (3+2p)/(p(4+p)) x 1.05."""
     r = activation_slopes[f"{p}/metp"]["attention"] / activation_slopes[f"{p}/tp"]["attention"]
