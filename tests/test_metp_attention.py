@@ -458,6 +458,14 @@ def _mha_cp_cases(kinds):
     mine = slice(lo, lo + m)  # this rank's global positions
     tp_cp = mpu.get_tensor_and_context_parallel_group()
     cp_group = mpu.get_context_parallel_group()
+    # Megatron-LM's route (initialize_metp() after Megatron initialises) gathers the layout
+    # instead of computing it from the rank generator: the same ring and blocks.
+    from megatron_metp import parallel_state as ps
+
+    gathered = ps._create_kv_rings(2, 2, None, None)
+    registered = ps.metp_kv_ring(mpu.get_tensor_model_parallel_group(), cp_group)
+    assert gathered[1] == registered[1]
+    assert dist.get_process_group_ranks(gathered[0]) == dist.get_process_group_ranks(registered[0])
     errs, rings = {}, None
     for kind in kinds:
         config, rope = _cfg(2, kind)
