@@ -14,13 +14,15 @@ reference is in ``tests/test_metp_attention.py``, the refusals in ``tests/test_v
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from megatron_metp import launch
 from megatron_metp.training import cli
 from tests._harness import run_ranks
 
-ITERS = 3  # step 1's loss checks the forward; steps 2-3 the gradients and the optimizer
+ITERS = 2  # step 1 checks the forward, step 2 the gradients and the optimizer step
 # Small enough for 8 ranks on 2 cores: 2 sequences of 32 tokens per iteration.
 COMMON = ["--seq-length", "32", "--micro-batch-size", "1", "--global-batch-size", "2",
           "--train-iters", str(ITERS), "--lr-warmup-iters", "0", "--hidden-dropout", "0",
@@ -40,7 +42,22 @@ def _train(argv_by_name):
     return out
 
 
-def _check(world, config, tp, report):
+def _one_layer(config, tmp_path):
+    """The shipped preset with one layer (8 ranks share 2 cores; a second layer would add
+    nothing CP-specific), as a --config path."""
+    import yaml
+
+    from megatron_metp.training.config import resolve_config_path
+
+    data = yaml.safe_load(resolve_config_path(config).read_text())
+    data.update(name=f"{config}-1-layer", num_layers=1)
+    path = tmp_path / f"{config}-1-layer.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def _check(world, config, tp, report, tmp_path):
+    config = _one_layer(config, tmp_path)
     argv = {
         "metp x cp": ["--config", config, "--tensor-parallel-mode", "metp",
                       "--tensor-model-parallel-size", str(tp), "--context-parallel-size", "2"],
@@ -54,23 +71,23 @@ def _check(world, config, tp, report):
     assert len(got) == len(ref) == ITERS
     assert ref[-1] < ref[0]  # it trains
     worst = max(abs(a - b) for a, b in zip(got, ref))
-    report(f"metp train {config} TP {tp} x CP 2 vs tp TP {tp} ({ITERS} it, fp32): max |dloss| "
+    report(f"metp train {Path(config).stem} TP {tp} x CP 2 vs tp TP {tp} ({ITERS} it, fp32): max |dloss| "
            f"{worst:.1e} (losses {ref[0]:.4f} -> {ref[-1]:.4f})")
     # Tolerance 1e-4 absolute on losses of ~5.5-6.3 (2e-5 relative), as test_train's --compare
     # between modes: the two runs do the same arithmetic in different orders (ring-merged
     # softmax blocks over 2 or 4 ranks in sequence-scrambled order, CP-summed instead of
     # DP-summed gradients, micro-batch accumulation instead of a DP all-reduce), a few fp32 ulps
-    # per step carried by Adam for 2 steps. A wrong causal block, RoPE position, position row,
+    # per step carried by Adam for 1 step. A wrong causal block, RoPE position, position row,
     # label slice or a missing CP reduction moves the loss by >1e-2 at the first step.
     assert worst <= 1e-4, (got, ref)
 
 
-def test_metp_tp4_cp2_gpt_losses_equal_tp(report):
-    _check(8, "tiny-gpt", 4, report)
+def test_metp_tp4_cp2_gpt_losses_equal_tp(report, tmp_path):
+    _check(8, "tiny-gpt", 4, report, tmp_path)
 
 
-def test_metp_tp2_cp2_llama_losses_equal_tp(report):
-    _check(4, "tiny-llama", 2, report)
+def test_metp_tp2_cp2_llama_losses_equal_tp(report, tmp_path):
+    _check(4, "tiny-llama", 2, report, tmp_path)
 
 
 CP_FLAGS = ["--tensor-parallel-mode", "metp", "--tensor-model-parallel-size", "4",
