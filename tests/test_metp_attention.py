@@ -444,7 +444,21 @@ def test_metp_attention_weights_and_ring_on_separate_groups(report):
 S_CP = 32  # 4 blocks of 8 tokens: each kernel call sees more than one row and column
 
 
-def _mha_cp_cases(kinds):
+def _mha_cp_cases(kinds, force_chunks):
+    # force_chunks: METP attention's head slices on (2 query groups per rank here: 2 ring passes
+    # per head group), as _mha_cases does; restored for the pooled worker's later tests.
+    from megatron_metp.metp import attention as metp_attention
+
+    saved = metp_attention.ATTN_MIN_TOKENS
+    if force_chunks:
+        metp_attention.ATTN_MIN_TOKENS = 1
+    try:
+        return _mha_cp_cases_run(kinds)
+    finally:
+        metp_attention.ATTN_MIN_TOKENS = saved
+
+
+def _mha_cp_cases_run(kinds):
     from megatron.core import parallel_state as mpu
 
     from megatron_metp.metp.attention import MetpSelfAttention
@@ -520,8 +534,9 @@ def _mha_cp_cases(kinds):
     return errs, rings
 
 
-def test_metp_mha_with_context_parallel_matches_fp64(report):
-    per_rank = run_ranks(4, _mha_cp_cases, ["mha", "gqa"])
+@pytest.mark.parametrize("force_chunks", [False, True], ids=["whole", "head-chunks"])
+def test_metp_mha_with_context_parallel_matches_fp64(force_chunks, report):
+    per_rank = run_ranks(4, _mha_cp_cases, ["mha", "gqa"], force_chunks)
     # The K/V ring is all 4 ranks, in global order (TP fastest), holding blocks 0, 2, 3, 1:
     # CP rank 0 holds chunks 0 and 3 of 4, CP rank 1 chunks 1 and 2.
     for rank, (_, (ring, blocks, weight)) in enumerate(per_rank):
@@ -533,4 +548,5 @@ def test_metp_mha_with_context_parallel_matches_fp64(report):
             worst[key] = max(worst.get(key, 0.0), *vals)
     for key in ("mha out", "mha dx", "mha dlinear_qkv.weight", "gqa out", "gqa dx",
                 "gqa dlinear_qkv.weight", "gqa dlinear_proj.weight"):
-        report(f"metp mha TP 2 x CP 2 {key} vs fp64: max {worst[key]:.1e} (x max|ref|)")
+        report(f"metp mha TP 2 x CP 2 ({'head chunks' if force_chunks else 'whole'}) {key} vs "
+               f"fp64: max {worst[key]:.1e} (x max|ref|)")
