@@ -287,11 +287,23 @@ def _initialize(tensor_model_parallel_size, pipeline_model_parallel_size, contex
     # planner has nothing to gather), for the METP weight groups.
     world = torch.distributed.get_world_size()
     tp, pp, cp = tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size
-    tp_lists = RankGenerator(tp=tp, ep=1, dp=world // (tp * pp * cp), pp=pp, cp=cp,
-                             order=order).get_ranks("tp")
+    gen = RankGenerator(tp=tp, ep=1, dp=world // (tp * pp * cp), pp=pp, cp=cp, order=order)
+    tp_lists = gen.get_ranks("tp")
+    # Under CP, METP's K/V ring needs each rank's TP and CP rank (group ranks count in sorted
+    # global order, as Megatron's own groups do) and its tensor-and-context ranks.
+    layout = {}
+    if cp > 1 and mode == "metp":
+        for tcp in gen.get_ranks("tp-cp"):
+            for g in tcp:
+                layout[g] = [None, None, tuple(sorted(tcp))]
+        for name, i in (("tp", 0), ("cp", 1)):
+            for ranks in gen.get_ranks(name):
+                for pos, g in enumerate(sorted(ranks)):
+                    layout[g][i] = pos
     metp_state.initialize_metp(
         tp_rank_lists=tp_lists,
-        timeout=datetime.timedelta(minutes=distributed_timeout_minutes))
+        timeout=datetime.timedelta(minutes=distributed_timeout_minutes),
+        kv_ring=(mode == "metp"), rank_layout={g: tuple(v) for g, v in layout.items()} or None)
     if mode == "wallfacer":
         from megatron_metp.wallfacer.scheduler import initialize_wallfacer
 

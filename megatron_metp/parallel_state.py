@@ -8,6 +8,15 @@ METP
     stream whose operations run in issue order, so head group j+1's prefetched broadcast would
     otherwise queue behind head group j's K/V ring instead of overlapping it.
 
+METP under context parallelism (``--context-parallel-size`` CP > 1)
+    The CP split comes first (Megatron's load-balanced layout, ``get_batch_on_this_cp_rank``:
+    CP rank c holds chunks c and 2CP-1-c of 2CP), then METP splits the CP rank's tokens
+    contiguously over its TP ranks. With an even TP size every rank then holds ONE contiguous
+    block of s/(TP CP) tokens, block :func:`zigzag_block` of the sequence. The outer level
+    (weights) stays on the TP group and its weight group; the K/V ring must visit every block
+    of the sequence, so it runs on a third group per tensor-and-context set of ranks, the
+    *K/V ring* (:func:`metp_kv_ring`), whose ranks carry their block indices.
+
 WallFacer
     Teams, team groups and sub-rings are carved out of Megatron's context-parallel group (see
     ``megatron_metp.wallfacer.groups``) and registered here with :func:`set_wallfacer_groups`.
@@ -18,26 +27,51 @@ Modules receive their groups explicitly at construction; no autograd Function re
 from __future__ import annotations
 
 import datetime
-from typing import Any, FrozenSet, Iterable, List, Optional
+from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Tuple
 
 import torch.distributed as dist
 
 _METP_GROUP: Optional[dist.ProcessGroup] = None
 _METP_WEIGHT_GROUP: Optional[dist.ProcessGroup] = None
 _WALLFACER_GROUPS: Optional[Any] = None
+# Under CP > 1: (K/V ring group, block index of each of its ranks), see metp_kv_ring.
+_METP_KV_RING: Optional[Tuple[dist.ProcessGroup, Tuple[int, ...]]] = None
+
+
+def zigzag_block(tp_rank: int, tp_size: int, cp_rank: int, cp_size: int) -> int:
+    """Index of the block of s/(TP CP) consecutive tokens that TP rank ``tp_rank`` of CP rank
+    ``cp_rank`` holds, when the CP split is Megatron's load-balanced one (CP rank c: chunks c
+    and 2CP-1-c of 2CP) and METP splits each CP rank's tokens contiguously over an even number
+    of TP ranks: the first TP/2 ranks share chunk c, the others chunk 2CP-1-c."""
+    if cp_size == 1:
+        return tp_rank
+    if tp_size % 2:
+        raise ValueError(f"METP with --context-parallel-size {cp_size} needs an even "
+                         f"--tensor-model-parallel-size, got {tp_size}")
+    half = tp_size // 2
+    chunk = cp_rank if tp_rank < half else 2 * cp_size - 1 - cp_rank
+    return chunk * half + tp_rank % half
 
 
 def initialize_metp(tp_group: Optional[dist.ProcessGroup] = None,
                     tp_rank_lists: Optional[List[List[int]]] = None,
-                    timeout: Optional[datetime.timedelta] = None) -> None:
+                    timeout: Optional[datetime.timedelta] = None,
+                    *,
+                    kv_ring: bool = True,
+                    rank_layout: Optional[Dict[int, Tuple[int, int, Tuple[int, ...]]]] = None
+                    ) -> None:
     """Register the METP ring and create its weight group. Call on every rank after Megatron's
     ``initialize_model_parallel``.
 
     ``tp_group`` defaults to Megatron's tensor-model-parallel group. ``tp_rank_lists``: every TP
     group's global ranks, the same on every rank (``new_group`` is collective over the world, so
     every rank creates every group in one order); default: gathered from all ranks.
+
+    Under Megatron's context parallelism (CP > 1) and with ``kv_ring``, also the K/V ring groups
+    (module docstring). ``rank_layout``: ``{global rank: (tp rank, cp rank, its tensor-and-
+    context ranks)}`` for every rank, the same on every rank; default: gathered from all ranks.
     """
-    global _METP_GROUP, _METP_WEIGHT_GROUP
+    global _METP_GROUP, _METP_WEIGHT_GROUP, _METP_KV_RING
     if tp_group is None:
         from megatron.core import parallel_state as mpu
 
@@ -60,6 +94,64 @@ def initialize_metp(tp_group: Optional[dist.ProcessGroup] = None,
             pg = dist.new_group(ranks, timeout=timeout)
             if ranks == mine:
                 _METP_WEIGHT_GROUP = pg
+    _METP_KV_RING = None
+    from megatron.core import parallel_state as mpu
+
+    cp = mpu.get_context_parallel_world_size() if mpu.model_parallel_is_initialized() else 1
+    if kv_ring and cp > 1:
+        _METP_KV_RING = _create_kv_rings(dist.get_world_size(tp_group), cp, rank_layout, timeout)
+
+
+def _create_kv_rings(tp: int, cp: int, rank_layout, timeout) -> Tuple[dist.ProcessGroup,
+                                                                      Tuple[int, ...]]:
+    """One group per tensor-and-context set of ranks (every rank creates every group, in one
+    order); returns this rank's group and the block index of each of its group ranks."""
+    from megatron.core import parallel_state as mpu
+
+    if rank_layout is None:
+        mine = (mpu.get_tensor_model_parallel_rank(), mpu.get_context_parallel_rank(),
+                tuple(sorted(dist.get_process_group_ranks(
+                    mpu.get_tensor_and_context_parallel_group()))))
+        gathered: List[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        rank_layout = dict(enumerate(gathered))
+    me = dist.get_rank()
+    result = None
+    for ranks in sorted({tuple(sorted(v[2])) for v in rank_layout.values()}):
+        pg = dist.new_group(list(ranks), timeout=timeout)
+        if me in ranks:
+            # new_group numbers its ranks in sorted order: group rank i is global ranks[i].
+            blocks = tuple(zigzag_block(rank_layout[g][0], tp, rank_layout[g][1], cp)
+                           for g in ranks)
+            if sorted(blocks) != list(range(tp * cp)):
+                raise RuntimeError(f"METP K/V ring over ranks {ranks}: blocks {blocks} do not "
+                                   f"cover the sequence once")
+            result = (pg, blocks)
+    return result
+
+
+def metp_kv_ring(tp_group: Optional[dist.ProcessGroup], cp_group: Optional[dist.ProcessGroup]):
+    """``(group, blocks)`` of METP attention's K/V ring: the TP group and ``None`` (block index
+    = ring rank) without context parallelism; under CP the K/V ring registered by
+    :func:`initialize_metp` (it must hold ``tp_group``'s and ``cp_group``'s ranks) and the block
+    index of each of its ranks. Read once, at construction."""
+    cp = cp_group.size() if cp_group is not None else 1
+    if cp == 1:
+        return tp_group, None
+    ring = _METP_KV_RING
+    if ring is None:
+        raise RuntimeError(
+            "METP under --context-parallel-size > 1 needs its K/V ring: call "
+            "megatron_metp.parallel_state.initialize_metp() after Megatron-Core's "
+            "initialize_model_parallel")
+    members = set(dist.get_process_group_ranks(ring[0]))
+    wanted = set(dist.get_process_group_ranks(cp_group))
+    if tp_group is not None:
+        wanted |= set(dist.get_process_group_ranks(tp_group))
+    if not wanted <= members:
+        raise RuntimeError(f"METP's K/V ring {sorted(members)} does not hold the TP and CP "
+                           f"ranks {sorted(wanted)}")
+    return ring
 
 
 def metp_weight_group(tp_group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
@@ -101,9 +193,10 @@ def get_wallfacer_groups() -> Any:
 def destroy() -> None:
     """Forget the plugin's groups. This only drops references; the groups themselves are ended
     by :func:`destroy_groups` (``megatron_metp.model.destroy_parallel`` does both)."""
-    global _METP_GROUP, _METP_WEIGHT_GROUP, _WALLFACER_GROUPS
+    global _METP_GROUP, _METP_WEIGHT_GROUP, _WALLFACER_GROUPS, _METP_KV_RING
     _METP_GROUP = None
     _METP_WEIGHT_GROUP = None
+    _METP_KV_RING = None
     _WALLFACER_GROUPS = None
 
 

@@ -23,10 +23,11 @@ tp         Megatron-Core's own rules: heads % p, query groups a multiple *or div
 metp       SP on when p > 1; hidden, heads, query groups, FFN and sequence all % p (each
            rank's ring step holds exactly one TP shard, so fewer groups than ranks cannot be
            replicated as Megatron's TP does); attention dropout 0, vanilla softmax, no
-           sliding window; no CP, MoE, MLA, legacy models, TP comm overlap, multi-token
-           prediction
+           sliding window; with CP > 1: p even, sequence % (p P) and % 2P, no
+           ``--cp-comm-type`` but p2p, no hierarchical CP; no MoE, MLA, legacy models, TP
+           comm overlap, multi-token prediction
 metp_mlp   the METP MLP with TP attention: FFN, hidden and sequence % p, SP on when p > 1,
-           TP's attention rules
+           TP's attention rules; no CP
 wallfacer  C >= 1 and C^2 | P; sequence % 2P (each rank holds chunks r and 2P-1-r); heads need
            not divide P; query groups divide heads and % TP; ``--cp-comm-type`` wallfacer;
            attention dropout 0, vanilla softmax, no sliding window; no hierarchical CP, MoE,
@@ -72,6 +73,8 @@ _UNSUPPORTED = {
          "the METP spec has its own attention"),
         ("heterogeneous_layers_config_path", "--heterogeneous-layers-config-path",
          "every layer uses the mode's one layer spec"),
+        ("hierarchical_context_parallel_sizes", "--hierarchical-context-parallel-sizes",
+         "METP's own K/V ring carries context parallelism (a2a+p2p is not used)"),
     ],
     "wallfacer": [
         ("num_experts", "--num-experts", "the WallFacer spec has no MoE layer"),
@@ -479,11 +482,24 @@ def _as_config_error(check: Callable, *args, **kwargs) -> None:
 
 def _check_metp(ns: Namespace, tp: int, cp: int, mode: str) -> None:
     """METP's rules live beside its modules (``validate_metp_mlp``, ``check_metp_attention_config``);
-    this adds the start-up-only ones (context parallelism, the sequence length)."""
+    this adds the start-up-only ones (context parallelism, the sequence length).
+
+    ``metp`` composes with Megatron's context parallelism (METP on the TP group, CP across it)
+    when the TP size is even (checked by ``check_metp_attention_config``), the sequence splits
+    into 2 CP chunks and then into TP blocks per CP rank (``_check_seq``: ``--seq-length`` a
+    multiple of TP x CP), and the CP communication is left to METP's own K/V ring (no
+    ``--cp-comm-type`` other than the default p2p). ``metp_mlp`` keeps Megatron's attention,
+    whose local core attention has no CP: refused."""
+    if cp > 1 and mode == "metp_mlp":
+        _fail(f"--tensor-parallel-mode metp_mlp does not compose with --context-parallel-size "
+              f"{cp} (its attention is Megatron's local core attention, which has no context "
+              f"parallelism): use --tensor-parallel-mode metp, or --context-parallel-size 1")
     if cp > 1:
-        _fail(f"--tensor-parallel-mode {mode} does not compose with --context-parallel-size {cp}: "
-              f"set --context-parallel-size 1 (METP already shards the sequence over the TP "
-              f"ring), or use --tensor-parallel-mode wallfacer for context parallelism")
+        other = [t for t in _cp_comm_types(ns) if t != "p2p"]
+        if other:
+            _fail(f"--cp-comm-type {' '.join(other)} conflicts with --tensor-parallel-mode metp "
+                  f"at --context-parallel-size {cp}: METP's own K/V ring carries context "
+                  f"parallelism; drop --cp-comm-type (or pass p2p)")
     from megatron_metp.metp.mlp import validate_metp_mlp
 
     view = _config_view(ns, tp, cp)
@@ -495,6 +511,8 @@ def _check_metp(ns: Namespace, tp: int, cp: int, mode: str) -> None:
     from megatron_metp.metp.attention import check_metp_attention_config
 
     _as_config_error(check_metp_attention_config, view, tp)
+    if cp > 1:  # each CP rank's tokens (2 load-balanced chunks) split into TP blocks
+        _check_seq(ns, tp, cp, mode)
 
 
 def _check_wallfacer(ns: Namespace, tp: int, cp: int) -> None:

@@ -431,3 +431,122 @@ def test_metp_attention_weights_and_ring_on_separate_groups(report):
     report(f"METP attention p=2 fwd+bwd, ops per process group: weight group {w!r} "
            f"{counts['broadcast']} broadcasts + {counts['reduce']} reduces; ring group {r!r} "
            f"{counts['send']} sends + {counts['recv']} receives")
+
+
+# ------------------------------------------------------------------------------------------
+# Issue 16 item 3: METP with Megatron's context parallelism, TP 2 x CP 2 on 4 ranks. The CP
+# split comes first (CP rank c: chunks c and 3-c of 4, as get_batch_on_this_cp_rank lays them
+# out), then each CP rank's tokens split contiguously over its 2 TP ranks: rank (t, c) holds one
+# block of S/4 tokens, block zigzag_block(t, 2, c, 2) of the sequence. The K/V ring visits all
+# 4 ranks out of sequence order, so a wrong causal block rule, RoPE position or dK/dV owner
+# shows up against the fp64 reference of the whole sequence.
+
+S_CP = 32  # 4 blocks of 8 tokens: each kernel call sees more than one row and column
+
+
+def _mha_cp_cases(kinds, force_chunks):
+    # force_chunks: METP attention's head slices on (2 query groups per rank here: 2 ring passes
+    # per head group), as _mha_cases does; restored for the pooled worker's later tests.
+    from megatron_metp.metp import attention as metp_attention
+
+    saved = metp_attention.ATTN_MIN_TOKENS
+    if force_chunks:
+        metp_attention.ATTN_MIN_TOKENS = 1
+    try:
+        return _mha_cp_cases_run(kinds)
+    finally:
+        metp_attention.ATTN_MIN_TOKENS = saved
+
+
+def _mha_cp_cases_run(kinds):
+    from megatron.core import parallel_state as mpu
+
+    from megatron_metp.metp.attention import MetpSelfAttention
+    from megatron_metp.parallel_state import zigzag_block
+    from tests._models import gather_full, setup
+
+    setup(tp=2, mode="metp", context_parallel_size=2)
+    t, c = mpu.get_tensor_model_parallel_rank(), mpu.get_context_parallel_rank()
+    m = S_CP // 4
+    lo = zigzag_block(t, 2, c, 2) * m
+    mine = slice(lo, lo + m)  # this rank's global positions
+    tp_cp = mpu.get_tensor_and_context_parallel_group()
+    cp_group = mpu.get_context_parallel_group()
+    # Megatron-LM's route (initialize_metp() after Megatron initialises) gathers the layout
+    # instead of computing it from the rank generator: the same ring and blocks.
+    from megatron_metp import parallel_state as ps
+
+    gathered = ps._create_kv_rings(2, 2, None, None)
+    registered = ps.metp_kv_ring(mpu.get_tensor_model_parallel_group(), cp_group)
+    assert gathered[1] == registered[1]
+    assert dist.get_process_group_ranks(gathered[0]) == dist.get_process_group_ranks(registered[0])
+    errs, rings = {}, None
+    for kind in kinds:
+        config, rope = _cfg(2, kind)
+        assert config.context_parallel_size == 2
+        torch.manual_seed(5)
+        attn = _build(config, "metp")
+        assert isinstance(attn, MetpSelfAttention)
+        # Three groups: weights on the TP ranks (weight group), K/V on all 4 ranks (its own).
+        rings = (sorted(dist.get_process_group_ranks(attn.kv_group)), attn.kv_blocks,
+                 sorted(dist.get_process_group_ranks(attn.weight_group)))
+        assert attn.kv_group not in (attn.weight_group, attn.tp_group)
+        with torch.no_grad():
+            for prm in attn.parameters():
+                prm.add_(0.05 * torch.randn_like(prm))  # nonzero biases too (same on every rank)
+        gen = torch.Generator().manual_seed(11)
+        x = torch.randn(S_CP, B, config.hidden_size, generator=gen)
+        g = torch.randn(S_CP, B, config.hidden_size, generator=gen)
+        # Megatron's RotaryEmbedding returns the CP rank's positions under CP (its two chunks).
+        freqs = None
+        if rope:
+            from megatron.core.models.common.embeddings.rotary_pos_embedding import (
+                RotaryEmbedding,
+            )
+
+            freqs = RotaryEmbedding(config.kv_channels, rotary_percent=1.0, cp_group=cp_group)(S_CP)
+            assert freqs.shape[0] == S_CP // 2
+        out, dx, grads = _run(attn, x[mine], g[mine], freqs)
+
+        full = {n: gather_full(prm.detach(), prm) for n, prm in attn.named_parameters()}
+        ref_out, ref_dx, ref_dw = R.attention_sublayer(full, config, x, g, rope)
+
+        # fp32 against fp64: same bound as the TP-only cases above (rtol 1e-5, atol 1e-5 x
+        # max|ref|): the ring adds 4 lse-merged blocks instead of 2, a few fp32 ulps each.
+        def close(name, a, e):
+            e = e.double()
+            torch.testing.assert_close(a.double(), e, rtol=1e-5, atol=1e-5 * e.abs().max().item(),
+                                       msg=lambda msg: f"cp {kind} {name}: {msg}")
+            diff = (a.double() - e).abs()
+            errs.setdefault(f"{kind} {name}", []).append(diff.max().item() / e.abs().max().item())
+
+        close("out", out, ref_out[mine])
+        close("dx", dx, ref_dx[mine])
+        for n, prm in attn.named_parameters():
+            # Each rank's gradient covers its own tokens: sum over CP (Megatron's DDP does it
+            # over DP x CP), and replicated parameters also over TP (sequence-parallel tags).
+            grad = grads[n].clone()
+            dist.all_reduce(grad, group=tp_cp if not getattr(prm, "tensor_model_parallel", False)
+                            else cp_group)
+            if getattr(prm, "tensor_model_parallel", False):
+                grad = gather_full(grad, prm)
+            close(f"d{n}", grad, ref_dw[n])
+    return errs, rings
+
+
+@pytest.mark.parametrize("force_chunks", [False, True], ids=["whole", "head-chunks"])
+def test_metp_mha_with_context_parallel_matches_fp64(force_chunks, report):
+    per_rank = run_ranks(4, _mha_cp_cases, ["mha", "gqa"], force_chunks)
+    # The K/V ring is all 4 ranks, in global order (TP fastest), holding blocks 0, 2, 3, 1:
+    # CP rank 0 holds chunks 0 and 3 of 4, CP rank 1 chunks 1 and 2.
+    for rank, (_, (ring, blocks, weight)) in enumerate(per_rank):
+        assert ring == [0, 1, 2, 3] and blocks == (0, 3, 1, 2), (ring, blocks)
+        assert weight == ([0, 1] if rank < 2 else [2, 3])
+    worst = {}
+    for errs, _ in per_rank:
+        for key, vals in errs.items():
+            worst[key] = max(worst.get(key, 0.0), *vals)
+    for key in ("mha out", "mha dx", "mha dlinear_qkv.weight", "gqa out", "gqa dx",
+                "gqa dlinear_qkv.weight", "gqa dlinear_proj.weight"):
+        report(f"metp mha TP 2 x CP 2 ({'head chunks' if force_chunks else 'whole'}) {key} vs "
+               f"fp64: max {worst[key]:.1e} (x max|ref|)")

@@ -53,6 +53,9 @@ GOOD = [
               "ffn_hidden_size": None, "hidden_size": 192, "num_attention_heads": 8}),
     ("metp", {"tensor_model_parallel_size": 1, "sequence_parallel": False, "world_size": 1,
               "global_batch_size": 1}),
+    ("metp", {"context_parallel_size": 2, "global_batch_size": 1}),  # TP 4 x CP 2, s = 64
+    ("metp", {"context_parallel_size": 4, "tensor_model_parallel_size": 2, "world_size": 8,
+              "global_batch_size": 1}),  # TP 2 x CP 4
     ("metp_mlp", {"group_query_attention": True, "num_query_groups": 2}),
     ("wallfacer", {}),
     ("wallfacer", {"wallfacer_team_size": 2, "context_parallel_size": 4, "world_size": 4}),
@@ -107,8 +110,22 @@ BAD = [
                          "global_batch_size": 1}, "--seq-length", "load-balanced"),
     ("metp-sp-off", "metp", {"sequence_parallel": False}, "--sequence-parallel",
      "sequence"),
-    ("metp-cp", "metp", {"context_parallel_size": 2, "world_size": 8, "global_batch_size": 1},
-     "--context-parallel-size", "wallfacer"),
+    # METP x CP (issue 16 item 3): allowed with an even TP size and s % (TP x CP) == 0 (GOOD);
+    # refused: an odd TP size, a sequence that does not split into TP blocks per CP rank, a CP
+    # communication type of Megatron's, hierarchical CP, and metp_mlp (Megatron's attention).
+    ("metp-cp-odd-tp", "metp", {"context_parallel_size": 2, "tensor_model_parallel_size": 1,
+                                "sequence_parallel": False, "world_size": 2,
+                                "global_batch_size": 1},
+     "--tensor-model-parallel-size", "even"),
+    ("metp-cp-seq", "metp", {"context_parallel_size": 2, "seq_length": 68,
+                             "global_batch_size": 1}, "--seq-length", "multiple of 16"),
+    ("metp-cp-comm-type-a2a", "metp", {"context_parallel_size": 2, "cp_comm_type": ["a2a"],
+                                       "global_batch_size": 1}, "--cp-comm-type", "K/V ring"),
+    ("metp-cp-hierarchical", "metp", {"context_parallel_size": 2, "global_batch_size": 1,
+                                      "hierarchical_context_parallel_sizes": [2, 1]},
+     "--hierarchical-context-parallel-sizes", "K/V ring"),
+    ("metp-mlp-cp", "metp_mlp", {"context_parallel_size": 2, "global_batch_size": 1},
+     "--context-parallel-size", "use --tensor-parallel-mode metp"),
     ("metp-moe", "metp", {"num_experts": 8}, "--num-experts", "drop --num-experts"),
     ("metp-mla", "metp", {"multi_latent_attention": True}, "--multi-latent-attention", "MLA"),
     ("metp-tp-overlap", "metp", {"tp_comm_overlap": True}, "--tp-comm-overlap", "overlap"),

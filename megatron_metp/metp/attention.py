@@ -34,6 +34,17 @@ paper's 2bsh/p.
 Communication per rank (payload, each broadcast or reduce counted once): forward 4h^2 of
 weights + 2(p-1)/p bsh of K/V; backward 8h^2 + 4(p-1)/p bsh (MHA, no bias; GQA replaces 3h^2 by
 h(h + 2 ng d) and 2bsh by 2bs ng d).
+
+With Megatron's context parallelism (CP > 1; METP on the TP group inside a node, CP across
+nodes): the CP split comes first (Megatron's load-balanced layout, CP rank c holds chunks c and
+2CP-1-c of 2CP), then the CP rank's tokens are split contiguously over its TP ranks, so with an
+even TP size every rank holds one block of s/(TP CP) consecutive tokens. The outer level is
+unchanged (weights broadcast and reduced over the TP ranks); the K/V ring runs over METP's K/V
+ring (``megatron_metp.parallel_state.metp_kv_ring``: the TP x CP ranks of this sequence, a group
+of its own) and decides the causal block rule from each block's place in the sequence. RoPE
+frequencies arrive for the CP rank's tokens (Megatron's ``RotaryEmbedding`` takes the CP rank's
+chunks); this rank's are its contiguous TP slice of them. Weight gradients are partial over the
+CP rank's tokens and summed over DP x CP by Megatron's DDP, as for every other parameter.
 """
 
 from __future__ import annotations
@@ -75,9 +86,12 @@ def check_metp_attention_config(config: TransformerConfig, p: int) -> None:
             "--tensor-parallel-mode metp needs --sequence-parallel when "
             "--tensor-model-parallel-size > 1 (METP keeps hidden states sequence-sharded)"
         )
-    if config.context_parallel_size != 1:
+    cp = config.context_parallel_size
+    if cp != 1 and p % 2:
         raise ValueError(
-            "--tensor-parallel-mode metp does not compose with --context-parallel-size > 1"
+            f"--tensor-parallel-mode metp with --context-parallel-size {cp} needs an even "
+            f"--tensor-model-parallel-size (got {p}): each TP rank must hold tokens of one of the "
+            f"CP rank's two load-balanced chunks; use an even TP size, or --context-parallel-size 1"
         )
     if config.attention_dropout and config.attention_dropout > 0:
         raise ValueError(
@@ -129,10 +143,11 @@ class _Plan:
     """
 
     def __init__(self, module: "MetpSelfAttention", freqs_shard_s, causal: bool, tokens: int):
-        self.group = module.tp_group  # the ring: K/V blocks (P2P)
+        self.group = module.kv_group  # the K/V ring (P2P): the TP group, or TP x CP under CP
+        self.blocks = module.kv_blocks  # each K/V ring rank's block in the sequence (None: ring order)
         self.weight_group = module.weight_group  # weight broadcasts and gradient reduces
-        self.p = module.world_size
-        self.rank = dist.get_rank(self.group) if self.p > 1 else 0
+        self.p = module.world_size  # the outer level: TP ranks (head groups)
+        self.rank = dist.get_rank(module.tp_group) if self.p > 1 else 0
         self.global_ranks = module._global_ranks
         self.groups_p = module.num_query_groups_per_partition
         self.heads_p = module.num_attention_heads_per_partition
@@ -273,7 +288,7 @@ class _MetpMHAFunction(torch.autograd.Function):
                     q, k = plan.post(q, k)
                 a_c, lse_c = ring_attention_forward(
                     plan.group, _bnsd(q), _bnsd(k), _bnsd(v), plan.causal, plan.scale,
-                    plan.backend,
+                    plan.backend, plan.blocks,
                 )
                 del q, k, v
                 # O_i += A_ij W_proj_j (this chunk's columns), no [s/p, b, h] temporary
@@ -343,6 +358,7 @@ class _MetpMHAFunction(torch.autograd.Function):
                 _, dk, dv = ring_attention_backward(
                     plan.group, da_c, _bnsd(q.detach()), _bnsd(k.detach()), _bnsd(v), a_c,
                     lse_c, plan.causal, plan.scale, plan.backend, with_dq=q_side,
+                    blocks=plan.blocks,
                 )
                 del da_c, q_side
                 dk = _sbnd(dk)
@@ -455,6 +471,12 @@ class MetpSelfAttention(SelfAttention):
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         p = pg_collection.tp.size()
         check_metp_attention_config(config, p)
+        if config.context_parallel_size != 1:
+            # The core attention module is never called (the ring is METP's core attention);
+            # the local one refuses CP, so none is built under CP.
+            import dataclasses
+
+            submodules = dataclasses.replace(submodules, core_attention=IdentityOp)
         super().__init__(config, submodules, layer_number, attn_mask_type=attn_mask_type,
                          cp_comm_type=cp_comm_type, pg_collection=pg_collection)
         # The attention kernel (megatron_metp.kernels.BACKENDS); None chooses per block.
@@ -471,6 +493,11 @@ class MetpSelfAttention(SelfAttention):
         from megatron_metp.parallel_state import metp_weight_group
 
         self.weight_group = metp_weight_group(self.tp_group)
+        # The K/V ring: the TP group, or under CP the TP x CP ranks of this sequence with each
+        # one's block index (megatron_metp.parallel_state.metp_kv_ring); read once here.
+        from megatron_metp.parallel_state import metp_kv_ring
+
+        self.kv_group, self.kv_blocks = metp_kv_ring(self.tp_group, pg_collection.cp)
         self._softmax_scale = (config.softmax_scale if config.softmax_scale is not None
                                else 1.0 / math.sqrt(self.hidden_size_per_attention_head))
 
@@ -513,15 +540,18 @@ class MetpSelfAttention(SelfAttention):
         freqs = None
         if rotary_pos_emb is not None:
             pair = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
-            # The embedding covers the full sequence; this rank's tokens are the contiguous
-            # chunk [rank * s/p, (rank + 1) * s/p): slice their global positions.
+            # The embedding covers the full sequence (under CP: the CP rank's tokens, in the
+            # order get_batch_on_this_cp_rank lays them out, as Megatron's RotaryEmbedding
+            # returns them); this rank's tokens are the contiguous chunk
+            # [rank * s/p, (rank + 1) * s/p) of it: slice their global positions.
             rank = dist.get_rank(self.tp_group) if self.world_size > 1 else 0
             lo = rank * s_shard
             for f in pair:
                 if f.shape[0] != s_shard * self.world_size:
                     raise ValueError(
-                        f"rotary_pos_emb covers {f.shape[0]} positions; expected the full "
-                        f"sequence of {s_shard * self.world_size} (--seq-length)"
+                        f"rotary_pos_emb covers {f.shape[0]} positions; expected the "
+                        f"{s_shard * self.world_size} of this context-parallel rank "
+                        f"(--seq-length / --context-parallel-size)"
                     )
             freqs = tuple(f[lo : lo + s_shard] for f in pair)
         plan = _Plan(self, freqs, causal, s_shard * hidden_states.shape[1])

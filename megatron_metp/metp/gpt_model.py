@@ -11,7 +11,13 @@ autograd.
 With ``shard_position_table`` (a learned position table, ``s`` equal to the table's length, the
 default positions) the embedding's table is sharded along positions over the ring
 (``metp.embedding``): each rank holds the rows of its own tokens, and the word lookup
-reduce-scatters straight to the sequence shard.
+reduce-scatters straight to the sequence shard. Under context parallelism (CP > 1) Megatron's
+replicated table is kept: a rank's positions then depend on its CP rank (two load-balanced
+chunks), while the parameter must be the same on every CP rank (DDP sums its gradient over
+DP x CP); the replicated table reads the CP rank's position ids and is exact.
+
+Under CP the labels, and the hidden states, are the CP rank's tokens (``get_batch_on_this_cp_
+rank``); the same TP slicing applies to them, and the trainer's loss function reduces over CP.
 
 The per-token losses of this rank's tokens are all-gathered (s floats per sequence, no
 gradient reduction: each rank's loss depends only on its own tokens), so the model returns the
@@ -38,7 +44,7 @@ class MetpGPTModel(GPTModel):
         super().__init__(*args, **kwargs)
         self.position_table_sharded = bool(
             shard_position_table and self.pre_process and self.embedding.add_position_embedding
-            and self.config.sequence_parallel)
+            and self.config.sequence_parallel and self.config.context_parallel_size == 1)
         if self.position_table_sharded:
             # Built after GPTModel's own embedding, from it: the same initial values, and the
             # replicated table is freed when this returns.

@@ -24,6 +24,11 @@ Causal with contiguous shards::
                2              [  #  |  #  |  \  |  .  ]    .  above: skipped (the block is
                3              [  #  |  #  |  #  |  \  ]       still forwarded on the ring)
 
+Under context parallelism the ring is longer than the TP group (METP's K/V ring, see
+``megatron_metp.parallel_state``) and ring order is not sequence order: ``blocks[i]`` is the index
+of ring rank i's block in the sequence (all blocks of s/p tokens, p = ring length), and the
+causal rule above reads those indices instead of the ring ranks (``blocks=None``: identity).
+
 Backward (Alg. 4): K/V make the same trip; dQ accumulates locally in fp32; the dK/dV of a block
 travel with it so they end at its owner. The owner keeps its own (step 0) contribution local;
 the travelling accumulator is born at rank src+1 and reaches the owner after p-1 hops, each
@@ -34,7 +39,7 @@ p-1 partial sums in bf16 would lose bits the TP baseline keeps).
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -64,13 +69,23 @@ def _travel_layout(t: torch.Tensor):
     return t.contiguous(), (0, 1, 2, 3)
 
 
-def _block_mode(causal: bool, rank: int, src: int) -> Optional[bool]:
-    """None: skip the block; otherwise the ``causal`` flag of the kernel call."""
+def _block_mode(causal: bool, q_block: int, k_block: int) -> Optional[bool]:
+    """None: skip the block; otherwise the ``causal`` flag of the kernel call. ``q_block`` /
+    ``k_block``: the sequence positions of the query and key blocks, in units of one block
+    (every rank holds one contiguous block of equal length)."""
     if not causal:
         return False
-    if src == rank:
+    if k_block == q_block:
         return True
-    return False if src < rank else None
+    return False if k_block < q_block else None
+
+
+def _block_of(blocks: Optional[Sequence[int]], p: int):
+    if blocks is None:
+        return lambda i: i
+    if len(blocks) != p:
+        raise ValueError(f"ring attention: {len(blocks)} block indices for a ring of {p} ranks")
+    return blocks.__getitem__
 
 
 def _post_next_kv(comm: RingComm, k_buf: DoubleBuffer, v_buf: DoubleBuffer) -> None:
@@ -89,11 +104,14 @@ def ring_attention_forward(
     causal: bool,
     softmax_scale: Optional[float] = None,
     backend: Optional[str] = None,
+    blocks: Optional[Sequence[int]] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Attention of this rank's queries to every rank's keys; returns ``(out, lse)``.
-    ``backend``: the kernel (``megatron_metp.kernels.BACKENDS``), None to choose per block."""
+    ``backend``: the kernel (``megatron_metp.kernels.BACKENDS``), None to choose per block.
+    ``blocks``: each ring rank's block index in the sequence (module docstring)."""
     p = dist.get_world_size(group) if group is not None or dist.is_initialized() else 1
     rank = dist.get_rank(group) if p > 1 else 0
+    block = _block_of(blocks, p)
     comm = RingComm(group) if p > 1 else None
     (k_base, k_back), (v_base, v_back) = _travel_layout(k), _travel_layout(v)
     k_buf, v_buf = DoubleBuffer(k_base), DoubleBuffer(v_base)
@@ -106,7 +124,7 @@ def ring_attention_forward(
             # previous step's kernel; on NCCL the batch is ordered after kernels already queued
             # on the compute stream, so it cannot overwrite them early.
             _post_next_kv(comm, k_buf, v_buf)
-        mode = _block_mode(causal, rank, src)
+        mode = _block_mode(causal, block(rank), block(src))
         if mode is not None:
             blk_out, blk_lse = attention_forward(
                 q, k_buf.current.permute(k_back), v_buf.current.permute(v_back),
@@ -137,16 +155,18 @@ def ring_attention_backward(
     softmax_scale: Optional[float] = None,
     backend: Optional[str] = None,
     with_dq: Optional[Callable[[torch.Tensor], None]] = None,
+    blocks: Optional[Sequence[int]] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of :func:`ring_attention_forward`: ``(dq, dk, dv)`` for this rank's shards.
 
     ``out`` / ``lse`` are this rank's merged forward results (the kernels recompute each
     block's probabilities from them). ``with_dq(dq)``: the caller's work on the finished ``dq``
     (q's dtype), run while the last dK/dV hop is in flight rather than after it (METP attention
-    back-projects dQ there); ``dq`` is returned as well.
+    back-projects dQ there); ``dq`` is returned as well. ``blocks``: as for the forward.
     """
     p = dist.get_world_size(group) if group is not None or dist.is_initialized() else 1
     rank = dist.get_rank(group) if p > 1 else 0
+    block = _block_of(blocks, p)
     acc = acc_dtype(q.dtype)
     kv_comm = RingComm(group) if p > 1 else None
     # A second ring for the gradient accumulators: their transfer overlaps the next block's
@@ -165,7 +185,7 @@ def ring_attention_backward(
         src = (rank - j) % p
         if j < p - 1:
             _post_next_kv(kv_comm, k_buf, v_buf)
-        mode = _block_mode(causal, rank, src)
+        mode = _block_mode(causal, block(rank), block(src))
         if mode is not None:
             dq_b, dk_b, dv_b = attention_backward(
                 dout, q, k_buf.current.permute(k_back), v_buf.current.permute(v_back), out, lse,
@@ -221,20 +241,21 @@ class RingAttentionFunction(torch.autograd.Function):
     """Autograd wrapper: fills ``ctx`` and delegates to the stateless functions above."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, softmax_scale, backend):
-        out, lse = ring_attention_forward(group, q, k, v, causal, softmax_scale, backend)
+    def forward(ctx, q, k, v, group, causal, softmax_scale, backend, blocks=None):
+        out, lse = ring_attention_forward(group, q, k, v, causal, softmax_scale, backend, blocks)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.causal, ctx.softmax_scale = group, causal, softmax_scale
-        ctx.backend = backend
+        ctx.backend, ctx.blocks = backend, blocks
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = ring_attention_backward(
-            ctx.group, dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale, ctx.backend
+            ctx.group, dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale, ctx.backend,
+            blocks=ctx.blocks,
         )
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 def ring_attention(
@@ -245,6 +266,9 @@ def ring_attention(
     causal: bool = True,
     softmax_scale: Optional[float] = None,
     backend: Optional[str] = None,
+    blocks: Optional[Sequence[int]] = None,
 ) -> torch.Tensor:
-    """Differentiable ring attention over ``group`` (shapes in the module docstring)."""
-    return RingAttentionFunction.apply(q, k, v, group, causal, softmax_scale, backend)
+    """Differentiable ring attention over ``group`` (shapes in the module docstring);
+    ``blocks``: each ring rank's block index in the sequence, None for ring order."""
+    return RingAttentionFunction.apply(q, k, v, group, causal, softmax_scale, backend,
+                                       None if blocks is None else tuple(blocks))
