@@ -246,7 +246,7 @@ def row_delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return (dout.to(out.dtype).to(acc) * out.to(acc)).sum(-1)
 
 
-def _out_for_delta(dout: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+def out_for_delta(dout: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     """A stand-in ``o`` for the output, in ``dout``'s dtype, with rowsum(dout * o) = D.
 
     The fused backward kernels (FlashAttention-2/3, PyTorch's flash kernels on CPU and CUDA,
@@ -288,7 +288,7 @@ def attention_backward(
     ``delta`` [b, n_q, s_q] (fp32; fp64 for fp64), = :func:`row_delta` (dout, out), may be
     given *instead of* ``out`` (pass ``out=None``): the backward needs only D of the output.
     The math path uses it directly; the fused kernels, which take ``out`` and form D
-    themselves, get an output stand-in with the same D (:func:`_out_for_delta`).
+    themselves, get an output stand-in with the same D (:func:`out_for_delta`).
     """
     rep = _check(q, k, v, causal)
     d = q.shape[-1]
@@ -300,7 +300,7 @@ def attention_backward(
     if delta is not None:
         if backend == "math":
             return _math_backward(dout, q, k, v, None, lse, causal, scale, rep, delta=delta)
-        out = _out_for_delta(dout, delta)
+        out = out_for_delta(dout, delta)
     out = out.to(q.dtype)
     if backend == "torch_flash_cpu":
         lse_k = lse.to(acc_dtype(q.dtype))

@@ -100,7 +100,7 @@ def test_backward_kernel_takes_d_instead_of_out(dtype):
     """WallFacer's backward sends D = rowsum(dout * out), not out: the kernel boundary's
     ``delta=`` path gives the gradients of the ``out`` path (CPU flash kernel and math path,
     causal and full, GQA, and a row whose dout is 0), to rounding: the fused kernel gets an
-    output stand-in with the same D (kernels._out_for_delta)."""
+    output stand-in with the same D (kernels.out_for_delta)."""
     from megatron_metp import kernels
 
     g = torch.Generator().manual_seed(3)

@@ -109,9 +109,10 @@ def check_metp_attention_config(config: TransformerConfig, p: int) -> None:
 
 
 # Head chunks run only when a rank has at least this many tokens: shorter inputs keep the whole
-# head group in one ring pass (their fp32 accumulators are small, and larger messages and GEMMs
-# suit short sequences better).
-ATTN_MIN_TOKENS = 1024
+# head group in one ring pass. Their fp32 accumulators are small, and slicing costs time there:
+# k times the kernels and messages, each 1/k the size (the ESTIMATED H100 timeline of LLaMA-7B
+# at p = 8 put it at +14 % of the step at 4k tokens per rank, +6 % at 16k, 1-2 % from 64k).
+ATTN_MIN_TOKENS = 8192
 
 
 def head_chunks(groups_p: int, heads_p: int, d: int, h: int, p: int, n: int) -> List[slice]:
@@ -122,7 +123,7 @@ def head_chunks(groups_p: int, heads_p: int, d: int, h: int, p: int, n: int) -> 
     width ``w``, i.e. 1.75 ``bsh/p`` for a whole head group (``w = h/p``) at p = 8. Running the
     head group in ``k`` slices of whole query groups (a slice's K/V heads with their query heads,
     so no K/V block travels twice) divides that by ``k``; ``k`` is the smallest divisor of the
-    group count with slices no wider than ``h / (4p)``. The ring then sends ``k`` times as many
+    group count with slices no wider than ``h / (4p)``, from ``ATTN_MIN_TOKENS`` tokens per rank. The ring then sends ``k`` times as many
     messages of ``1/k`` the size (the same bytes); every row's softmax is the same computation.
     GPT-175B at p = 8: 4 slices of 3 heads; LLaMA-7B: 4 of 1; LLaMA-70B (one query group per
     rank): 1.
@@ -369,7 +370,7 @@ class _MetpMHAFunction(torch.autograd.Function):
                 proj.add(blocks[2], _sbnd(dv))
                 del dk, dv, blocks
             red = [*proj.grads(), dw_proj_j]
-            del proj
+            proj = None  # its buffers are in red
             if plan.p > 1:
                 # Reduce to rank j (Alg. 6 line 11), completed one step later so it overlaps
                 # head group j + 1. Every rank posts the same collectives in the same order.
