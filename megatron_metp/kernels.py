@@ -251,21 +251,17 @@ def out_for_delta(dout: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
 
     The fused backward kernels (FlashAttention-2/3, PyTorch's flash kernels on CPU and CUDA,
     cuDNN's) take ``out`` but read it only through D = rowsum(dout * out). ``o`` is parallel to
-    each row of ``dout``: o = D dout / |dout|^2, computed on dout scaled by its row maximum so
-    that nothing under- or overflows (|o| <= d max|out|; rows where dout is 0 have D = 0 and
-    get o = 0). Every term dout_i o_i has D's sign, so rounding ``o`` to bf16 changes D by at
-    most 2^-9 of |D| itself, never of the larger sum of |dout_i out_i| that rounding ``out``
-    to bf16 perturbs. One O(s d) elementwise pass per block, against the kernel's O(s^2 d);
-    the kernel's shapes, head dim and speed are unchanged.
+    each row of ``dout``: o = dout D / |dout|^2, so |o| <= |out| row by row (Cauchy-Schwarz), and
+    rows where dout is 0 (D = 0 there) get o = 0. Every term dout_i o_i has D's sign, so the two
+    roundings to bf16 (the row's factor and the product) move D by at most about 2^-8 of |D|
+    itself, never of the larger sum of |dout_i out_i| that rounding ``out`` perturbs. Three
+    memory passes (the fp32 row norm, the product) per block, against the kernel's O(s^2 d)
+    work; the kernel's shapes, head dim and speed are unchanged.
     """
     acc = acc_dtype(dout.dtype)
-    g = dout.to(acc)
-    m = g.abs().amax(-1, keepdim=True)
-    nz = m > 0
-    u = g / torch.where(nz, m, torch.ones_like(m))  # |u| <= 1, max |u| = 1 where nz
-    n2 = (u * u).sum(-1, keepdim=True)  # >= 1 where nz
-    scale = delta.to(acc).unsqueeze(-1) / torch.where(nz, m * n2, torch.ones_like(m))
-    return torch.where(nz, scale * u, torch.zeros_like(u)).to(dout.dtype)
+    n2 = torch.linalg.vector_norm(dout, dim=-1, dtype=acc).square_()
+    factor = torch.where(n2 > 0, delta.to(acc) / n2, torch.zeros_like(n2))
+    return dout * factor.unsqueeze(-1).to(dout.dtype)
 
 
 def attention_backward(
