@@ -247,21 +247,39 @@ def row_delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 
 
 def out_for_delta(dout: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-    """A stand-in ``o`` for the output, in ``dout``'s dtype, with rowsum(dout * o) = D.
+    """A stand-in ``o`` for the output, in ``dout``'s dtype, with rowsum(dout * o) = D to the
+    precision of the statistics dtype.
 
     The fused backward kernels (FlashAttention-2/3, PyTorch's flash kernels on CPU and CUDA,
-    cuDNN's) take ``out`` but read it only through D = rowsum(dout * out). ``o`` is parallel to
-    each row of ``dout``: o = dout D / |dout|^2, so |o| <= |out| row by row (Cauchy-Schwarz), and
-    rows where dout is 0 (D = 0 there) get o = 0. Every term dout_i o_i has D's sign, so the two
-    roundings to bf16 (the row's factor and the product) move D by at most about 2^-8 of |D|
-    itself, never of the larger sum of |dout_i out_i| that rounding ``out`` perturbs. Three
-    memory passes (the fp32 row norm, the product) per block, against the kernel's O(s^2 d)
-    work; the kernel's shapes, head dim and speed are unchanged.
+    cuDNN's) take ``out`` but read it only through D = rowsum(dout * out), summed in fp32. ``o``
+    is zero except at the row's largest ``dout`` entries, which carry D in parts: the first
+    o_1 = D / dout_1 rounded to ``dout``'s dtype, the next the remainder over dout_2, and so on
+    (three parts for bf16/fp16, whose products dout_i o_i are exact in fp32: about 24 bits of D;
+    one for fp32/fp64). A part is used only where its ``dout`` entry is at least 2^-8 of the
+    largest, so |o| <= |D| / max|dout| <= sum |out| and nothing overflows; rows where dout is 0
+    (D = 0 there) get o = 0.
+
+    Why not a stand-in parallel to ``dout``: each of its entries is rounded, and D moves by up
+    to 2^-9 of itself. With a saturated softmax row (one key takes all the weight) dS = P (dP -
+    D) is a cancellation between D and the winning key's dP, which the kernels compute from the
+    same bf16 products; a D off by 2^-9 then shows in dQ at the scale of |k| (seen in
+    tests/test_reliability_numerics.py's large-logit case).
     """
     acc = acc_dtype(dout.dtype)
-    n2 = torch.linalg.vector_norm(dout, dim=-1, dtype=acc).square_()
-    factor = torch.where(n2 > 0, delta.to(acc) / n2, torch.zeros_like(n2))
-    return dout * factor.unsqueeze(-1).to(dout.dtype)
+    k = min(1 if dout.dtype in (torch.float32, torch.float64) else 3, dout.shape[-1])
+    _, idx = dout.abs().topk(k, dim=-1)                    # [..., k], largest first
+    g = dout.gather(-1, idx).to(acc)
+    floor = g[..., :1].abs() * 2.0 ** -8
+    rest = delta.to(acc)
+    parts = []
+    for i in range(k):
+        gi = g[..., i]
+        use = (gi != 0) & (gi.abs() >= floor[..., 0])
+        part = torch.where(use, rest / torch.where(use, gi, torch.ones_like(gi)),
+                           torch.zeros_like(gi)).to(dout.dtype)
+        rest = rest - gi * part.to(acc)
+        parts.append(part)
+    return torch.zeros_like(dout).scatter_(-1, idx, torch.stack(parts, -1))
 
 
 def attention_backward(
