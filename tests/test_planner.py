@@ -313,3 +313,39 @@ def test_stock_tp_layer_equals_hand_count(report):
         assert r["retained"] == hand, (name, r["retained"], hand)  # exact: bytes are counted
         report(f"stock tp layer {name} p={p}: {r['retained'] / s:,.0f} B per token = hand "
                f"count ({r['retained'] / (s // p * cfg.hidden_size * 2):.2f} bsh/p in bf16)")
+
+
+_OFFLOAD_SCRIPT = textwrap.dedent(
+    """
+    import json, warnings
+    warnings.filterwarnings("ignore")
+    from megatron_metp.training.config import load_config
+    from megatron_metp.measure.planner import Planner, PlanSettings
+    cfg = load_config("llama-70b")  # 5 layers per device
+    out = {}
+    for n in (0, 2, 4, 9):
+        pl = Planner(PlanSettings(offload_layers=n))
+        pt = pl.plan(cfg, "metp", 8, 262144)
+        out[n] = [pt.activation_bytes, pt.layer_retained, pt.host_bytes, pt.offloaded_layers,
+                  pt.layers]
+        pl.world.teardown()
+    print("RESULT", json.dumps(out))
+    """
+)
+
+
+def test_activation_offloading_plan(report):
+    """``metp plan --cpu-offloading-num-layers N``: N layers' saved activations leave the GPU
+    except one in flight, and the host holds N of them (LLaMA-70B, 5 layers, metp, p = 8)."""
+    res = {int(k): v for k, v in _run_fake(_OFFLOAD_SCRIPT).items()}
+    act0, R, host0, n0, L = res[0]
+    assert (host0, n0, L) == (0, 0, 5)
+    for n in (2, 4):
+        act, r, host, off, _ = res[n]
+        assert r == R and off == n
+        assert act0 - act == (n - 1) * R        # n layers leave, one stays resident in flight
+        assert host == n * R                    # pinned host memory per GPU
+    assert res[9][3] == 4 and res[9][0] == res[4][0]  # at most L - 1 layers
+    report(f"plan llama-70b metp p=8 s=256k: R = {R / 2**30:.2f} GiB per layer; offloading 4 of "
+           f"5 layers cuts activations {act0 / 2**30:.1f} -> {res[4][0] / 2**30:.1f} GiB and "
+           f"needs {res[4][2] / 2**30:.1f} GiB of host RAM per GPU")

@@ -66,6 +66,10 @@ def add_arguments(parser) -> None:
     a("--recompute-modules", default=None, metavar="M1,M2",
       help="Megatron's selective recompute in every mode (--recompute-granularity selective), "
            "e.g. layernorm: norm outputs are recomputed in backward")
+    a("--cpu-offloading-num-layers", type=int, default=0, metavar="N",
+      help="plan Megatron-LM's --cpu-offloading --cpu-offloading-num-layers N "
+           "(TransformerEngine, GPU only): N layers' saved activations in host memory, "
+           "printed per GPU; at most the layers per device - 1")
     a("--json", default=None, metavar="PATH", help="write every planned point as JSON")
     timeline_report.add_arguments(parser)
 
@@ -105,6 +109,9 @@ def _check(args) -> None:
                          f"peak FLOP/s, e.g. 0.5)")
     if args.json:
         check_output_file("--json", args.json)
+    if args.cpu_offloading_num_layers < 0:
+        raise ValueError(f"--cpu-offloading-num-layers {args.cpu_offloading_num_layers}: must be "
+                         f">= 0 (0 = no offloading)")
     bad = [m for m in _modules(args.recompute_modules) or [] if m not in RECOMPUTE_MODULES]
     if bad:
         raise ValueError(f"--recompute-modules {args.recompute_modules}: {bad[0]!r} is not one "
@@ -129,7 +136,8 @@ def run(args) -> int:
                             distributed_optimizer=args.use_distributed_optimizer,
                             efficiency=args.efficiency,
                             count_send_buffers=args.count_send_buffers,
-                            recompute_modules=_modules(args.recompute_modules))
+                            recompute_modules=_modules(args.recompute_modules),
+                            offload_layers=args.cpu_offloading_num_layers)
     planner = Planner(settings)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     cfgs = [load_config(n.strip()) for n in args.models.split(",") if n.strip()]
@@ -141,6 +149,10 @@ def run(args) -> int:
     if settings.recompute_modules:
         out.append(f"Selective recompute in every mode: --recompute-granularity selective "
                    f"--recompute-modules {' '.join(settings.recompute_modules)}\n")
+    if settings.offload_layers:
+        out.append(f"Activation offloading in every mode: --cpu-offloading "
+                   f"--cpu-offloading-num-layers {settings.offload_layers} (at most the layers "
+                   f"per device - 1; host RAM per GPU in the breakdown below)\n")
     out.append(f"## Per-rank memory of a training step, GiB (state + activation peak; "
                f"mode/TP in brackets; * = exceeds {settings.memory_gib:g} GiB with "
                f"{settings.reserve_gib:g} GiB reserve and {settings.fragmentation:.0%} "
@@ -165,8 +177,8 @@ def run(args) -> int:
         out.append("\n### Where the memory goes at the longest sequence (GiB per rank; R in "
                    "bsh/p, one bf16 [s/p, b, h] tensor)\n")
         out.append("| model | mode | s | state | layers' saved L R | R per layer | head H | "
-                   "last layer P1 |")
-        out.append("|---|---|---:|---:|---:|---:|---:|---:|")
+                   "last layer P1 | offloaded layers | host RAM per GPU |")
+        out.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         hidden = {c.name: c.hidden_size for c in cfgs}
         for pt in longest:
             bsh_p = pt["seq_length"] // pt["p"] * hidden[pt["model"]] * 2
@@ -175,7 +187,8 @@ def run(args) -> int:
                 f"{pt['state_bytes'] / GIB:.1f} | "
                 f"{pt['layers'] * pt['layer_retained'] / GIB:.1f} | "
                 f"{pt['layer_retained'] / bsh_p:.1f} | {pt['head_peak'] / GIB:.1f} | "
-                f"{pt['layer_peak'] / GIB:.1f} |")
+                f"{pt['layer_peak'] / GIB:.1f} | {pt['offloaded_layers']} | "
+                f"{pt['host_bytes'] / GIB:.1f} |")
     if lp:
         out.append(saved_tensor_tables(planner, cfgs, [m for m in modes if m in ("tp", "metp")],
                                        lp[0], _ints(args.time_seq_length)[0]))

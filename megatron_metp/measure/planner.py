@@ -81,6 +81,9 @@ class PlanSettings:
     count_send_buffers: bool = False
     # Megatron's selective recompute for every mode, e.g. ["layernorm"]; None: none.
     recompute_modules: Optional[List[str]] = None
+    # Megatron-LM's --cpu-offloading --cpu-offloading-num-layers N (TransformerEngine's CPU
+    # offload context): the saved activations of N layers go to host memory; see plan().
+    offload_layers: int = 0
 
 
 @dataclass
@@ -102,6 +105,8 @@ class PlanPoint:
     params_per_rank: int
     sent_bytes: float         # per rank per step, papers' convention, bf16
     comm_calls: int
+    offloaded_layers: int = 0
+    host_bytes: int = 0       # pinned host memory per GPU for the offloaded activations
     est_time_s: Dict[str, float] = field(default_factory=dict)
 
 
@@ -250,8 +255,16 @@ class Planner:
         # layer's and the head's (the head's peak includes its own, hence the subtraction).
         shared = max(lm.shared_buffer, head.shared_buffer if head else 0)
         head_extra = head_peak - (head.shared_buffer if head else 0)
-        act = x0 + max(L * lm.retained + shared + head_extra,
-                       (L - 1) * lm.retained + lm.peak - lm.shared_buffer + shared)
+        # Activation offloading (Megatron-LM --cpu-offloading, TransformerEngine's offload
+        # context, as many layers as asked, at most L - 1 since the last layer's backward starts
+        # at once): an offloaded layer's saved tensors are copied to pinned host memory while the
+        # next layer computes and reloaded while the layer after it runs its backward, so one
+        # offloaded layer's R stays resident at a time (double buffering keeps up to two; the
+        # estimate takes one). Host memory per GPU: N R.
+        n_off = min(st.offload_layers, L - 1)
+        resident = L - n_off + (1 if n_off else 0)
+        act = x0 + max(resident * lm.retained + shared + head_extra,
+                       (resident - 1) * lm.retained + lm.peak - lm.shared_buffer + shared)
         if st.count_send_buffers:
             act += lm.handle_allowance
         params = L * lm.params
@@ -276,7 +289,8 @@ class Planner:
             activation_bytes=act, handle_bytes=lm.handle_allowance, total_bytes=total,
             needed_bytes=needed, fits=needed <= st.memory_gib * GIB,
             layer_retained=lm.retained, layer_peak=lm.peak, head_peak=head_peak,
-            params_per_rank=params, sent_bytes=sent, comm_calls=calls)
+            params_per_rank=params, sent_bytes=sent, comm_calls=calls,
+            offloaded_layers=n_off, host_bytes=n_off * lm.retained)
         point.est_time_s = estimate_step_time(cfg, mode, p, s, sent, calls, st)
         return point
 
