@@ -6,6 +6,8 @@ q/k layernorm) so the pools are spun up once per world size.
 """
 
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -62,19 +64,27 @@ def _run(module, x_shard, g_shard, freqs):
     return out.detach(), x.grad, grads
 
 
-def _mha_cases(kinds):
-    # Every input here is short, so force METP attention's head chunks (head_chunks: a ring
-    # pass per slice of query groups) on: with p = 1 and 2 the head groups have 2-4 query groups
-    # and run as 2-4 slices; p = 4 (one query group per rank) runs whole. The pooled worker is
-    # reused by later tests: the threshold is restored on the way out.
+@contextlib.contextmanager
+def _head_slices(on: bool = True):
+    """Force METP attention's head slices (head_chunks: a ring pass per slice of query groups)
+    on for short inputs; the pooled worker is reused by later tests, so the threshold is
+    restored on the way out."""
     from megatron_metp.metp import attention as metp_attention
 
     saved = metp_attention.ATTN_MIN_TOKENS
-    metp_attention.ATTN_MIN_TOKENS = 1
+    if on:
+        metp_attention.ATTN_MIN_TOKENS = 1
     try:
-        return _mha_cases_run(kinds)
+        yield
     finally:
         metp_attention.ATTN_MIN_TOKENS = saved
+
+
+def _mha_cases(kinds):
+    # Every input here is short, so force the head slices on: with p = 1 and 2 the head groups
+    # have 2-4 query groups and run as 2-4 slices; p = 4 (one query group per rank) runs whole.
+    with _head_slices():
+        return _mha_cases_run(kinds)
 
 
 def _mha_cases_run(kinds):
@@ -446,16 +456,9 @@ S_CP = 32  # 4 blocks of 8 tokens: each kernel call sees more than one row and c
 
 def _mha_cp_cases(kinds, force_chunks):
     # force_chunks: METP attention's head slices on (2 query groups per rank here: 2 ring passes
-    # per head group), as _mha_cases does; restored for the pooled worker's later tests.
-    from megatron_metp.metp import attention as metp_attention
-
-    saved = metp_attention.ATTN_MIN_TOKENS
-    if force_chunks:
-        metp_attention.ATTN_MIN_TOKENS = 1
-    try:
+    # per head group), as _mha_cases does.
+    with _head_slices(force_chunks):
         return _mha_cp_cases_run(kinds)
-    finally:
-        metp_attention.ATTN_MIN_TOKENS = saved
 
 
 def _mha_cp_cases_run(kinds):

@@ -361,8 +361,8 @@ def wallfacer_backward(dout, q, k, v, out, lse, plan: WallFacerGroups, *, causal
     ring = P2PComm(plan.cp_group, send_to=plan.ring_next, recv_from=plan.ring_prev) if G > 1 \
         else None
     back = _init_comm(plan, reverse=True)
-    returns = _Return(back, dkv) if back is not None else None
-    last_hop = _LastHop(ring, dq_own) if G > 1 else None
+    returns = _ShardByShard(back, dkv, add=False) if back is not None else None
+    last_hop = _ShardByShard(ring, dq_own, add=True) if G > 1 else None
     pkg_free = stat_free = None
     acc_prev = acc_in = None
     for step in range(G):
@@ -403,7 +403,7 @@ def wallfacer_backward(dout, q, k, v, out, lse, plan: WallFacerGroups, *, causal
                     _backward_pairs([pr for pr in pairs if pr[1] // 2 == cm], pkg[a],
                                     stat_pkg[a], kv, dq_a, dkv, softmax_scale)
                     if returns is not None:
-                        returns.post(cm)
+                        returns.post(dkv, cm)
             else:
                 _backward_pairs(pairs, pkg[a], stat_pkg[a], kv, dq_a, dkv, softmax_scale)
             if posted:
@@ -453,48 +453,29 @@ def _backward_pairs(pairs, pkg_a, stat_a, kv: _Pieces, dq_a, dkv, softmax_scale)
         g[1] += dv_b
 
 
-class _Return:
-    """dK/dV back to the team that owns these keys (the reversed initial send), one member
-    shard at a time into its rows of ``grad_team`` (a shard is sent before its rows are
-    overwritten)."""
+class _ShardByShard:
+    """Member shards sent one at a time to a fixed peer, each posted once the previous one is
+    complete, so that one is in flight while the caller computes. The peer's shard i lands in
+    ``target[i]``: added (``add``; the dq accumulator's last hop into ``dq_own``) or copied over
+    the shard just sent (the dK/dV return into ``grad_team``'s rows)."""
 
-    def __init__(self, comm: P2PComm, dkv):
-        self.comm, self.dkv = comm, dkv
-        self.pending = None   # (member shard, receive buffer)
+    def __init__(self, comm: P2PComm, target, add: bool):
+        self.comm, self.target, self.add = comm, target, add
+        self.pending = None   # (shard, receive buffer)
 
-    def post(self, cm: int) -> None:
+    def post(self, src, i: int) -> None:
         self.finish()
-        buf = torch.empty_like(self.dkv[cm])
-        self.comm.send_recv(self.dkv[cm], buf)
-        self.comm.commit()
-        self.pending = (cm, buf)
-
-    def finish(self) -> None:
-        if self.pending is not None:
-            self.comm.wait()
-            cm, buf = self.pending
-            self.dkv[cm].copy_(buf)
-            self.pending = None
-
-
-class _LastHop:
-    """The last step's dq accumulator to ring_next (the owner of those queries), member shard
-    by member shard; ours arrives from ring_prev and adds to ``dq_own``."""
-
-    def __init__(self, comm: P2PComm, dq_own):
-        self.comm, self.dq_own = comm, dq_own
-        self.pending = None   # (member, receive buffer)
-
-    def post(self, dq, a: int) -> None:
-        self.finish()
-        self.pending = (a, self.comm.send_recv(dq[a]))
+        self.pending = (i, self.comm.send_recv(src[i]))
         self.comm.commit()
 
     def finish(self) -> None:
         if self.pending is not None:
             self.comm.wait()
-            a, buf = self.pending
-            self.dq_own[a].add_(buf)
+            i, buf = self.pending
+            if self.add:
+                self.target[i].add_(buf)
+            else:
+                self.target[i].copy_(buf)
             self.pending = None
 
 
