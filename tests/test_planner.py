@@ -329,6 +329,10 @@ _OFFLOAD_SCRIPT = textwrap.dedent(
         out[n] = [pt.activation_bytes, pt.layer_retained, pt.host_bytes, pt.offloaded_layers,
                   pt.layers]
         pl.world.teardown()
+    # A host budget below what 4 offloaded layers need: the point no longer fits.
+    pl = Planner(PlanSettings(offload_layers=4, host_memory_gib=out[4][2] / 2**30 - 0.5))
+    out["host_limited_fits"] = pl.plan(cfg, "metp", 8, 262144).fits
+    pl.world.teardown()
     print("RESULT", json.dumps(out))
     """
 )
@@ -337,7 +341,9 @@ _OFFLOAD_SCRIPT = textwrap.dedent(
 def test_activation_offloading_plan(report):
     """``metp plan --cpu-offloading-num-layers N``: N layers' saved activations leave the GPU
     except one in flight, and the host holds N of them (LLaMA-70B, 5 layers, metp, p = 8)."""
-    res = {int(k): v for k, v in _run_fake(_OFFLOAD_SCRIPT).items()}
+    raw = _run_fake(_OFFLOAD_SCRIPT)
+    assert raw.pop("host_limited_fits") is False  # --host-memory-gb below N R: does not fit
+    res = {int(k): v for k, v in raw.items()}
     act0, R, host0, n0, L = res[0]
     assert (host0, n0, L) == (0, 0, 5)
     for n in (2, 4):

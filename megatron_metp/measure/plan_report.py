@@ -70,6 +70,9 @@ def add_arguments(parser) -> None:
       help="plan Megatron-LM's --cpu-offloading --cpu-offloading-num-layers N "
            "(TransformerEngine, GPU only): N layers' saved activations in host memory, "
            "printed per GPU; at most the layers per device - 1")
+    a("--host-memory-gb", type=float, default=None, metavar="GIB",
+      help="with --cpu-offloading-num-layers: pinned host memory per GPU the offloaded "
+           "activations may use (a DGX H100: 2 TiB per node = 256 per GPU); default no limit")
     a("--json", default=None, metavar="PATH", help="write every planned point as JSON")
     timeline_report.add_arguments(parser)
 
@@ -112,6 +115,8 @@ def _check(args) -> None:
     if args.cpu_offloading_num_layers < 0:
         raise ValueError(f"--cpu-offloading-num-layers {args.cpu_offloading_num_layers}: must be "
                          f">= 0 (0 = no offloading)")
+    if args.host_memory_gb is not None and args.host_memory_gb <= 0:
+        raise ValueError(f"--host-memory-gb {args.host_memory_gb}: must be > 0 (GiB per GPU)")
     bad = [m for m in _modules(args.recompute_modules) or [] if m not in RECOMPUTE_MODULES]
     if bad:
         raise ValueError(f"--recompute-modules {args.recompute_modules}: {bad[0]!r} is not one "
@@ -137,7 +142,8 @@ def run(args) -> int:
                             efficiency=args.efficiency,
                             count_send_buffers=args.count_send_buffers,
                             recompute_modules=_modules(args.recompute_modules),
-                            offload_layers=args.cpu_offloading_num_layers)
+                            offload_layers=args.cpu_offloading_num_layers,
+                            host_memory_gib=args.host_memory_gb)
     planner = Planner(settings)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     cfgs = [load_config(n.strip()) for n in args.models.split(",") if n.strip()]

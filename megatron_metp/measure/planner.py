@@ -84,6 +84,9 @@ class PlanSettings:
     # Megatron-LM's --cpu-offloading --cpu-offloading-num-layers N (TransformerEngine's CPU
     # offload context): the saved activations of N layers go to host memory; see plan().
     offload_layers: int = 0
+    # Pinned host memory per GPU the offloaded activations may take (None: no limit); a point
+    # that needs more does not fit. A DGX H100 has 2 TiB per node, 256 GiB per GPU.
+    host_memory_gib: Optional[float] = None
 
 
 @dataclass
@@ -284,10 +287,11 @@ class Planner:
             # optimizer), (p-1)/p of each per rank. Analytic: the probe runs no optimizer.
             sent += (p - 1) / p * params * (4 + 2)
             calls += 2
+        host_ok = st.host_memory_gib is None or n_off * lm.retained <= st.host_memory_gib * GIB
         point = PlanPoint(
             model=cfg.name, mode=mode, p=p, seq_length=s, layers=L, state_bytes=state,
             activation_bytes=act, handle_bytes=lm.handle_allowance, total_bytes=total,
-            needed_bytes=needed, fits=needed <= st.memory_gib * GIB,
+            needed_bytes=needed, fits=needed <= st.memory_gib * GIB and host_ok,
             layer_retained=lm.retained, layer_peak=lm.peak, head_peak=head_peak,
             params_per_rank=params, sent_bytes=sent, comm_calls=calls,
             offloaded_layers=n_off, host_bytes=n_off * lm.retained)
