@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "megatron_metp"
 # Lowest first. A module may import its own layer and the layers below it, never one above.
 # Longest prefix wins (``measure.flops`` before ``measure``).
 LAYERS = [
-    ("core", ["comm", "kernels", "parallel_state", "errors"]),
+    ("core", ["comm", "kernels", "packing", "parallel_state", "errors"]),
     ("algorithms", ["metp", "wallfacer"]),
     ("integration", ["layers", "te_backend", "cpu_compat", "specs", "model", "validation",
                      "launch",
@@ -138,6 +138,6 @@ def test_top_level_shows_the_plugin():
     # here on purpose.
     top = {p.stem if p.is_file() else p.name for p in PACKAGE.iterdir()
            if (p.suffix == ".py" or (p / "__init__.py").exists()) and p.name != "__init__.py"}
-    assert top == {"comm", "kernels", "parallel_state", "errors", "metp", "wallfacer", "layers",
+    assert top == {"comm", "kernels", "packing", "parallel_state", "errors", "metp", "wallfacer", "layers",
                    "te_backend", "cpu_compat", "specs", "model", "validation", "megatron_lm",
                    "megatron_lm_hooks", "launch", "measure", "training"}

@@ -116,8 +116,9 @@ def _large_fp32():
 
 
 def _count_blocks(causal):
-    """Kernel calls per rank, forward and backward, with the kernels wrapped to count."""
-    import megatron_metp.metp.ring_attention as ra
+    """Kernel calls per rank, forward and backward, with the kernels wrapped to count (the
+    ring reaches them through ``megatron_metp.packing``'s block pieces)."""
+    import megatron_metp.kernels as ra
 
     calls = {"fwd": [], "bwd": []}
     fwd, bwd = ra.attention_forward, ra.attention_backward

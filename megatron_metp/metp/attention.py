@@ -65,6 +65,7 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_metp.metp.ring_attention import ring_attention_backward, ring_attention_forward
+from megatron_metp.packing import PackedLayout
 
 
 def check_metp_attention_config(config: TransformerConfig, p: int) -> None:
@@ -143,7 +144,9 @@ class _Plan:
     the two passes need, so nothing reads global state inside the Function.
     """
 
-    def __init__(self, module: "MetpSelfAttention", freqs_shard_s, causal: bool, tokens: int):
+    def __init__(self, module: "MetpSelfAttention", freqs_shard_s, causal: bool, tokens: int,
+                 layout=None):
+        self.layout = layout  # packed documents (megatron_metp.packing), or None
         self.group = module.kv_group  # the K/V ring (P2P): the TP group, or TP x CP under CP
         self.blocks = module.kv_blocks  # each K/V ring rank's block in the sequence (None: ring order)
         self.weight_group = module.weight_group  # weight broadcasts and gradient reduces
@@ -289,7 +292,7 @@ class _MetpMHAFunction(torch.autograd.Function):
                     q, k = plan.post(q, k)
                 a_c, lse_c = ring_attention_forward(
                     plan.group, _bnsd(q), _bnsd(k), _bnsd(v), plan.causal, plan.scale,
-                    plan.backend, plan.blocks,
+                    plan.backend, plan.blocks, plan.layout,
                 )
                 del q, k, v
                 # O_i += A_ij W_proj_j (this chunk's columns), no [s/p, b, h] temporary
@@ -359,7 +362,7 @@ class _MetpMHAFunction(torch.autograd.Function):
                 _, dk, dv = ring_attention_backward(
                     plan.group, da_c, _bnsd(q.detach()), _bnsd(k.detach()), _bnsd(v), a_c,
                     lse_c, plan.causal, plan.scale, plan.backend, with_dq=q_side,
-                    blocks=plan.blocks,
+                    blocks=plan.blocks, layout=plan.layout,
                 )
                 del da_c, q_side
                 dk = _sbnd(dk)
@@ -523,9 +526,8 @@ class MetpSelfAttention(SelfAttention):
                 "MetpSelfAttention: no cross attention or inference (KV cache); run inference "
                 "with --tensor-parallel-mode tp (checkpoints load across modes)"
             )
-        if packed_seq_params is not None or attention_bias is not None:
-            raise ValueError("MetpSelfAttention: no packed sequences or attention bias; drop "
-                             "sequence packing, or use --tensor-parallel-mode tp")
+        if attention_bias is not None:
+            raise ValueError("MetpSelfAttention: no attention bias; use --tensor-parallel-mode tp")
         if rotary_pos_cos is not None or rotary_pos_sin is not None:
             raise ValueError("MetpSelfAttention: rotary cos/sin tables (Megatron's inference "
                              "paths) are not supported; training passes rotary_pos_emb")
@@ -538,14 +540,27 @@ class MetpSelfAttention(SelfAttention):
         if self.config.no_rope_freq and self.config.no_rope_freq[self.layer_number - 1]:
             rotary_pos_emb = None
         s_shard = hidden_states.shape[0]
+        rank = dist.get_rank(self.tp_group) if self.world_size > 1 else 0
+        layout = None
+        if packed_seq_params is not None:
+            layout = self._packed_layout(packed_seq_params, hidden_states, causal)
         freqs = None
-        if rotary_pos_emb is not None:
+        if rotary_pos_emb is not None and layout is not None:
+            # Megatron's THD RoPE: each token at its position inside its document (the table
+            # covers max_seqlen positions for THD, the whole sequence otherwise).
+            pair = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
+            pos = layout.positions(rank * s_shard, s_shard, device=pair[0].device)
+            for f in pair:
+                if s_shard and f.shape[0] <= int(pos.max()):
+                    raise ValueError(f"rotary_pos_emb covers {f.shape[0]} positions; a packed "
+                                     f"document needs {int(pos.max()) + 1} (max_seqlen_q)")
+            freqs = tuple(f.index_select(0, pos) for f in pair)
+        elif rotary_pos_emb is not None:
             pair = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
             # The embedding covers the full sequence (under CP: the CP rank's tokens, in the
             # order get_batch_on_this_cp_rank lays them out, as Megatron's RotaryEmbedding
             # returns them); this rank's tokens are the contiguous chunk
             # [rank * s/p, (rank + 1) * s/p) of it: slice their global positions.
-            rank = dist.get_rank(self.tp_group) if self.world_size > 1 else 0
             lo = rank * s_shard
             for f in pair:
                 if f.shape[0] != s_shard * self.world_size:
@@ -555,7 +570,7 @@ class MetpSelfAttention(SelfAttention):
                         f"(--seq-length / --context-parallel-size)"
                     )
             freqs = tuple(f[lo : lo + s_shard] for f in pair)
-        plan = _Plan(self, freqs, causal, s_shard * hidden_states.shape[1])
+        plan = _Plan(self, freqs, causal, s_shard * hidden_states.shape[1], layout)
         norm_params = [prm for m in (self.q_layernorm, self.k_layernorm) if m is not None
                        for prm in m.parameters()]
         out = _MetpMHAFunction.apply(
@@ -569,3 +584,22 @@ class MetpSelfAttention(SelfAttention):
         if self.linear_proj.bias is not None:
             out = out + self.linear_proj.bias
         return out, None
+
+    def _packed_layout(self, params, hidden_states, causal: bool):
+        """Megatron's ``PackedSeqParams`` (THD, or the same documents in SBHD with b = 1) as
+        the ring's document layout; the sequence is this rank's tokens times the TP ranks."""
+        if params.qkv_format not in ("thd", "sbhd"):
+            raise ValueError(f"MetpSelfAttention: packed qkv_format {params.qkv_format!r}; "
+                             f"use 'thd' (or 'sbhd' with micro batch 1)")
+        if hidden_states.shape[1] != 1:
+            raise ValueError("MetpSelfAttention: packed sequences take one packed sequence per "
+                             f"micro batch (b = 1), got b = {hidden_states.shape[1]}")
+        if self.kv_blocks is not None or self.kv_group is not self.tp_group:
+            raise ValueError(
+                "MetpSelfAttention: packed sequences with --context-parallel-size > 1 are not "
+                "supported (Megatron's THD context parallelism splits each document into 2 x CP "
+                "chunks, a layout the METP ring does not use); use CP 1")
+        if not causal:
+            raise ValueError("MetpSelfAttention: packed sequences need the causal mask type")
+        return PackedLayout.from_packed_seq_params(
+            params, total=hidden_states.shape[0] * self.world_size)

@@ -45,13 +45,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_metp.comm import DoubleBuffer, RingComm
-from megatron_metp.kernels import (
-    acc_dtype,
-    attention_backward,
-    attention_forward,
-    merge_partial_,
-    merge_start,
-)
+from megatron_metp.kernels import acc_dtype
+from megatron_metp.packing import PackedLayout, backward_pieces, forward_pieces, whole
 
 # Layouts a [b, n, s, d] block may be stored in without a copy: bnsd itself, Megatron's
 # sbnd (a projection of [s, b, h] hidden states) and bsnd (flash-attn's).
@@ -80,6 +75,16 @@ def _block_mode(causal: bool, q_block: int, k_block: int) -> Optional[bool]:
     return False if k_block < q_block else None
 
 
+def _block_pieces(layout: Optional[PackedLayout], causal: bool, q_block: int, k_block: int,
+                  n: int):
+    """The kernel calls of one (query block, key block) pair: the whole block or nothing
+    (:func:`_block_mode`), or, for packed documents, the pieces they leave
+    (``megatron_metp.packing``); ``n``: tokens per block."""
+    if layout is None:
+        return whole(_block_mode(causal, q_block, k_block))
+    return layout.pieces(q_block * n, k_block * n, n, causal)
+
+
 def _block_of(blocks: Optional[Sequence[int]], p: int):
     if blocks is None:
         return lambda i: i
@@ -105,10 +110,12 @@ def ring_attention_forward(
     softmax_scale: Optional[float] = None,
     backend: Optional[str] = None,
     blocks: Optional[Sequence[int]] = None,
+    layout: Optional[PackedLayout] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Attention of this rank's queries to every rank's keys; returns ``(out, lse)``.
     ``backend``: the kernel (``megatron_metp.kernels.BACKENDS``), None to choose per block.
-    ``blocks``: each ring rank's block index in the sequence (module docstring)."""
+    ``blocks``: each ring rank's block index in the sequence (module docstring).
+    ``layout``: packed documents (``megatron_metp.packing``): attention only inside each."""
     p = dist.get_world_size(group) if group is not None or dist.is_initialized() else 1
     rank = dist.get_rank(group) if p > 1 else 0
     block = _block_of(blocks, p)
@@ -124,22 +131,21 @@ def ring_attention_forward(
             # previous step's kernel; on NCCL the batch is ordered after kernels already queued
             # on the compute stream, so it cannot overwrite them early.
             _post_next_kv(comm, k_buf, v_buf)
-        mode = _block_mode(causal, block(rank), block(src))
-        if mode is not None:
-            blk_out, blk_lse = attention_forward(
-                q, k_buf.current.permute(k_back), v_buf.current.permute(v_back),
-                causal=mode, softmax_scale=softmax_scale, backend=backend,
-            )
-            if out is None:
-                out, lse = merge_start(blk_out, blk_lse)
-            else:
-                merge_partial_(out, lse, blk_out, blk_lse)
-            del blk_out, blk_lse
+        out, lse = forward_pieces(
+            _block_pieces(layout, causal, block(rank), block(src), q.shape[2]), q,
+            k_buf.current.permute(k_back), v_buf.current.permute(v_back), out, lse,
+            softmax_scale=softmax_scale, backend=backend)
         if j < p - 1:
             comm.wait()
             k_buf.advance()
             v_buf.advance()
-    # The diagonal block is never skipped, so every row has seen at least one key.
+    if out is None:
+        # Packed, and every token of this rank is padding: nothing is visible to any row.
+        acc = acc_dtype(q.dtype)
+        out = torch.zeros(q.shape, dtype=acc, device=q.device)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
+    # Unpacked, the diagonal block is never skipped, so every row has seen a key; packed, a
+    # padding row keeps out = 0 and lse = -inf.
     return out.to(q.dtype), lse
 
 
@@ -156,13 +162,15 @@ def ring_attention_backward(
     backend: Optional[str] = None,
     with_dq: Optional[Callable[[torch.Tensor], None]] = None,
     blocks: Optional[Sequence[int]] = None,
+    layout: Optional[PackedLayout] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of :func:`ring_attention_forward`: ``(dq, dk, dv)`` for this rank's shards.
 
     ``out`` / ``lse`` are this rank's merged forward results (the kernels recompute each
     block's probabilities from them). ``with_dq(dq)``: the caller's work on the finished ``dq``
     (q's dtype), run while the last dK/dV hop is in flight rather than after it (METP attention
-    back-projects dQ there); ``dq`` is returned as well. ``blocks``: as for the forward.
+    back-projects dQ there); ``dq`` is returned as well. ``blocks``, ``layout``: as for the
+    forward.
     """
     p = dist.get_world_size(group) if group is not None or dist.is_initialized() else 1
     rank = dist.get_rank(group) if p > 1 else 0
@@ -185,19 +193,17 @@ def ring_attention_backward(
         src = (rank - j) % p
         if j < p - 1:
             _post_next_kv(kv_comm, k_buf, v_buf)
-        mode = _block_mode(causal, block(rank), block(src))
-        if mode is not None:
-            dq_b, dk_b, dv_b = attention_backward(
-                dout, q, k_buf.current.permute(k_back), v_buf.current.permute(v_back), out, lse,
-                causal=mode, softmax_scale=softmax_scale, backend=backend,
-            )
-            dq += dq_b
-            del dq_b
-        else:
-            dk_b = dv_b = None
+        dk_b, dv_b = backward_pieces(
+            _block_pieces(layout, causal, block(rank), block(src), q.shape[2]), dout, q,
+            k_buf.current.permute(k_back), v_buf.current.permute(v_back), out, lse, dq,
+            softmax_scale=softmax_scale, backend=backend)
         if j == 0:
-            # The owner's contribution never travels.
-            dk_own, dv_own = dk_b.to(acc), dv_b.to(acc)
+            # The owner's contribution never travels (zero for a rank of padding only).
+            if dk_b is None:
+                dk_own = torch.zeros(k.shape, dtype=acc, device=k.device)
+                dv_own = torch.zeros(v.shape, dtype=acc, device=v.device)
+            else:
+                dk_own, dv_own = dk_b.to(acc), dv_b.to(acc)
         else:
             if j == 1:
                 # The accumulator of block src is born here (src + 1 is its first visitor).
@@ -241,11 +247,12 @@ class RingAttentionFunction(torch.autograd.Function):
     """Autograd wrapper: fills ``ctx`` and delegates to the stateless functions above."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, softmax_scale, backend, blocks=None):
-        out, lse = ring_attention_forward(group, q, k, v, causal, softmax_scale, backend, blocks)
+    def forward(ctx, q, k, v, group, causal, softmax_scale, backend, blocks=None, layout=None):
+        out, lse = ring_attention_forward(group, q, k, v, causal, softmax_scale, backend, blocks,
+                                          layout)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.causal, ctx.softmax_scale = group, causal, softmax_scale
-        ctx.backend, ctx.blocks = backend, blocks
+        ctx.backend, ctx.blocks, ctx.layout = backend, blocks, layout
         return out
 
     @staticmethod
@@ -253,9 +260,9 @@ class RingAttentionFunction(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = ring_attention_backward(
             ctx.group, dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale, ctx.backend,
-            blocks=ctx.blocks,
+            blocks=ctx.blocks, layout=ctx.layout,
         )
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def ring_attention(
@@ -267,8 +274,10 @@ def ring_attention(
     softmax_scale: Optional[float] = None,
     backend: Optional[str] = None,
     blocks: Optional[Sequence[int]] = None,
+    layout: Optional[PackedLayout] = None,
 ) -> torch.Tensor:
     """Differentiable ring attention over ``group`` (shapes in the module docstring);
-    ``blocks``: each ring rank's block index in the sequence, None for ring order."""
+    ``blocks``: each ring rank's block index in the sequence, None for ring order;
+    ``layout``: packed documents, None for one sequence."""
     return RingAttentionFunction.apply(q, k, v, group, causal, softmax_scale, backend,
-                                       None if blocks is None else tuple(blocks))
+                                       None if blocks is None else tuple(blocks), layout)

@@ -55,8 +55,9 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_metp import kernels
+from megatron_metp import kernels, packing
 from megatron_metp.comm import P2PComm
+from megatron_metp.packing import PackedLayout
 from megatron_metp.wallfacer import config_generator as cg
 from megatron_metp.wallfacer import zigzag
 from megatron_metp.wallfacer.groups import WallFacerGroups
@@ -68,13 +69,22 @@ def _team_chunks(plan: WallFacerGroups, team: int) -> List[int]:
     return [c for pair in pairs for c in pair]
 
 
-def _pairs(q_ids: List[int], k_ids: List[int], causal: bool):
-    """(q index, k index, diagonal?) of every chunk pair that is not fully masked."""
+def _pairs(q_ids: List[int], k_ids: List[int], causal: bool,
+           layout: Optional[PackedLayout] = None, c: int = 0):
+    """(q index, k index, pieces) of every chunk pair that is not fully masked; ``pieces``
+    are the pair's kernel calls (``megatron_metp.packing``): the whole pair (causal on the
+    diagonal) or, with packed documents (``layout``; ``c`` tokens per chunk), what they leave."""
     for qi, qc in enumerate(q_ids):
         for ki, kc in enumerate(k_ids):
-            if causal and kc > qc:
-                continue
-            yield qi, ki, causal and kc == qc
+            if layout is None:
+                if causal and kc > qc:
+                    continue
+                pieces = packing.whole(causal and kc == qc)
+            else:
+                pieces = layout.pieces(qc * c, kc * c, c, causal)
+                if not pieces:
+                    continue
+            yield qi, ki, pieces
 
 
 def _gather(x: torch.Tensor, plan: WallFacerGroups, async_op: bool = False):
@@ -169,10 +179,13 @@ def _shard(cm: int) -> List[int]:
 
 
 def wallfacer_forward(q, k, v, plan: WallFacerGroups, *, causal: bool,
-                      softmax_scale: Optional[float] = None, stats: Optional[dict] = None):
+                      softmax_scale: Optional[float] = None, stats: Optional[dict] = None,
+                      layout: Optional[PackedLayout] = None):
     """Alg. 1 on chunk-major shards; returns ``(out [2,b,n,c,d], lse [2,b,n,c])``.
 
     ``stats`` (optional dict) receives ``work`` = chunk-pair units computed per ring step.
+    ``layout``: packed documents (``megatron_metp.packing``), attended each on its own; a
+    query row that sees no key (padding) ends with out = 0, lse = -inf.
 
     Overlap. The K/V block moves member shard by member shard (each shard's two zigzag
     chunks in their own storages, :class:`_Pieces`): at step 0 the initial send of shard
@@ -215,13 +228,12 @@ def wallfacer_forward(q, k, v, plan: WallFacerGroups, *, causal: bool,
 
     def compute(pairs):
         units = 0.0
-        for qi, ki, diag in pairs:
+        for qi, ki, pieces in pairs:
             a, h = divmod(qi, 2)
             piece = kv.items[ki]
-            blk_out, blk_lse = kernels.attention_forward(
-                q_team[a][h], piece[0], piece[1], causal=diag, softmax_scale=softmax_scale)
-            kernels.merge_partial_(out_acc[h, a], lse_acc[h, a], blk_out, blk_lse)
-            units += 0.5 if diag else 1.0
+            packing.forward_pieces(pieces, q_team[a][h], piece[0], piece[1], out_acc[h, a],
+                                   lse_acc[h, a], softmax_scale=softmax_scale)
+            units += packing.piece_work(pieces, c)
         return units
 
     work_per_step = []
@@ -229,7 +241,7 @@ def wallfacer_forward(q, k, v, plan: WallFacerGroups, *, causal: bool,
     for step in range(G):
         k_ids = _team_chunks(plan, cg.kv_team_at_step(plan.idx, step, plan.cp_size, C,
                                                         plan.placement))
-        pairs = list(_pairs(q_ids, k_ids, causal))
+        pairs = list(_pairs(q_ids, k_ids, causal, layout, c))
         units = 0.0
         if step == G - 1 and step > 0:
             # Last step (nothing travels on): query chunk by query chunk, each chunk's team
@@ -318,7 +330,8 @@ class _TeamMerge:
 
 
 def wallfacer_backward(dout, q, k, v, out, lse, plan: WallFacerGroups, *, causal: bool,
-                       softmax_scale: Optional[float] = None):
+                       softmax_scale: Optional[float] = None,
+                       layout: Optional[PackedLayout] = None):
     """Backward of :func:`wallfacer_forward`; returns ``(dq, dk, dv)`` like ``q, k, v``.
 
     The team's gradient partials live in one fp32 buffer ``grad_team [C, |q| + |k| + |v|]``
@@ -393,7 +406,7 @@ def wallfacer_backward(dout, q, k, v, out, lse, plan: WallFacerGroups, *, causal
                 # land in spare or fresh buffers that nothing reads before wait().
                 ring.commit()
             dq_a = dq[a] if dq is not None else torch.zeros_like(dq_own[0])
-            pairs = list(_pairs(q_ids[2 * a:2 * a + 2], k_ids, causal))
+            pairs = list(_pairs(q_ids[2 * a:2 * a + 2], k_ids, causal, layout, q.shape[3]))
             if last and a == C - 1:
                 # The backward's last kernels, K/V member shard by member shard: a shard's
                 # dK/dV is final after its pairs, and goes home while the next shard computes
@@ -442,12 +455,11 @@ def wallfacer_backward(dout, q, k, v, out, lse, plan: WallFacerGroups, *, causal
 def _backward_pairs(pairs, pkg_a, stat_a, kv: _Pieces, dq_a, dkv, softmax_scale) -> None:
     """The backward kernels of member shard a's (query chunk, K/V piece) pairs: dq into
     ``dq_a``, dK/dV into their piece's rows of ``dkv``."""
-    for h, ki, diag in pairs:
+    for h, ki, pieces in pairs:
         piece = kv.items[ki]
-        dq_b, dk_b, dv_b = kernels.attention_backward(
-            pkg_a[1, h], pkg_a[0, h], piece[0], piece[1], None, stat_a[0, h], causal=diag,
-            softmax_scale=softmax_scale, delta=stat_a[1, h])
-        dq_a[h] += dq_b
+        dk_b, dv_b = packing.backward_pieces(
+            pieces, pkg_a[1, h], pkg_a[0, h], piece[0], piece[1], None, stat_a[0, h], dq_a[h],
+            delta=stat_a[1, h], softmax_scale=softmax_scale)
         g = dkv[ki // 2, ki % 2]
         g[0] += dk_b
         g[1] += dv_b
@@ -484,18 +496,19 @@ class WallFacerAttnFunc(torch.autograd.Function):
     the backward never recomputes the forward's attention)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, plan, causal, softmax_scale):
-        out, lse = wallfacer_forward(q, k, v, plan, causal=causal, softmax_scale=softmax_scale)
+    def forward(ctx, q, k, v, plan, causal, softmax_scale, layout=None):
+        out, lse = wallfacer_forward(q, k, v, plan, causal=causal, softmax_scale=softmax_scale,
+                                     layout=layout)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan, ctx.causal, ctx.softmax_scale = plan, causal, softmax_scale
+        ctx.plan, ctx.causal, ctx.softmax_scale, ctx.layout = plan, causal, softmax_scale, layout
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = wallfacer_backward(dout, q, k, v, out, lse, ctx.plan, causal=ctx.causal,
-                                        softmax_scale=ctx.softmax_scale)
-        return dq, dk, dv, None, None, None
+                                        softmax_scale=ctx.softmax_scale, layout=ctx.layout)
+        return dq, dk, dv, None, None, None, None
 
 
 def to_chunk_major(x_sbnd: torch.Tensor) -> torch.Tensor:
@@ -511,11 +524,13 @@ def from_chunk_major(x: torch.Tensor) -> torch.Tensor:
 
 
 def wallfacer_attention(q, k, v, plan: WallFacerGroups, *, causal: bool,
-                        softmax_scale: Optional[float] = None) -> torch.Tensor:
+                        softmax_scale: Optional[float] = None,
+                        layout: Optional[PackedLayout] = None) -> torch.Tensor:
     """Differentiable WallFacer attention on Megatron-shaped shards.
 
     q [s/P, b, n, d], k / v [s/P, b, n_kv, d] (this rank's zigzag tokens) -> [s/P, b, n, d].
+    ``layout``: packed documents of the whole sequence (b = 1), None for one sequence.
     """
     out = WallFacerAttnFunc.apply(to_chunk_major(q), to_chunk_major(k), to_chunk_major(v),
-                                  plan, causal, softmax_scale)
+                                  plan, causal, softmax_scale, layout)
     return from_chunk_major(out)

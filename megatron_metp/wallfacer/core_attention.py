@@ -9,6 +9,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_metp.packing import PackedLayout
 from megatron_metp.wallfacer.attention import wallfacer_attention
 from megatron_metp.wallfacer.groups import WallFacerGroups
 
@@ -73,9 +74,8 @@ class WallFacerCoreAttention(MegatronModule):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
-        if packed_seq_params is not None or attention_bias is not None:
-            raise ValueError("WallFacer attention supports neither packed sequences nor an "
-                             "attention bias")
+        if attention_bias is not None:
+            raise ValueError("WallFacer attention does not support an attention bias")
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         if mask_type not in (AttnMaskType.causal, AttnMaskType.no_mask):
             raise ValueError(f"WallFacer attention supports the causal and no_mask attention "
@@ -84,7 +84,35 @@ class WallFacerCoreAttention(MegatronModule):
         if not causal and attention_mask is not None:
             raise ValueError("WallFacer attention cannot apply an arbitrary attention_mask; use "
                              "a causal or no_mask attention mask type")
+        layout = None
+        if packed_seq_params is not None:
+            query, key, value = self._packed_inputs(packed_seq_params, query, key, value)
+            layout = PackedLayout.from_packed_seq_params(
+                packed_seq_params, total=query.shape[0] * self.plan.cp_size)
         sq, b, np_, hn = query.shape
         out = wallfacer_attention(query, key, value, self.plan, causal=causal,
-                                  softmax_scale=self.softmax_scale)
+                                  softmax_scale=self.softmax_scale, layout=layout)
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            return out.reshape(sq, np_ * hn)   # Megatron's THD output [t, h]
         return out.reshape(sq, b, np_ * hn)
+
+    def _packed_inputs(self, params, query, key, value):
+        """Packed documents (Megatron's ``PackedSeqParams``) in WallFacer's own token layout:
+        the packed sequence (b = 1) is split like any sequence, zigzag over the CP ranks, and
+        ``cu_seqlens`` (padded ones if given) are positions in it. THD inputs arrive as
+        ``[t, n, d]`` (Megatron's attention squeezes b).
+
+        Positions are the caller's: Megatron's THD RoPE under CP assumes Transformer Engine's
+        per-document split (each document in 2 x CP chunks), not this layout, so RoPE models
+        pack with ``qkv_format='sbhd'`` (positions along the whole sequence: RoPE scores depend
+        only on the distance between tokens, so each document sees what it would alone)."""
+        if params.qkv_format == "thd":
+            query, key, value = (t.unsqueeze(1) if t.dim() == 3 else t
+                                 for t in (query, key, value))
+        elif params.qkv_format != "sbhd":
+            raise ValueError(f"WallFacer attention: packed qkv_format {params.qkv_format!r}; "
+                             f"use 'thd' or 'sbhd'")
+        if query.shape[1] != 1:
+            raise ValueError("WallFacer attention: packed sequences take one packed sequence "
+                             f"per micro batch (b = 1), got b = {query.shape[1]}")
+        return query, key, value

@@ -1,0 +1,177 @@
+"""Packed sequences: several documents in one sequence, attention only inside each document.
+
+Megatron describes a packed batch with ``PackedSeqParams``: ``cu_seqlens_q`` (the cumulative
+document lengths, [n_docs + 1], int32) and, when each document is padded (Transformer Engine's
+THD layout pads to a multiple of 2 x CP), ``cu_seqlens_q_padded`` with the padded offsets.
+Document i then holds the tokens ``[start_i, start_i + len_i)`` of the sequence, and the tokens
+``[start_i + len_i, start_{i+1})`` are padding, which attend to nothing and are seen by nobody.
+
+The rings (METP's K/V ring, WallFacer's chunk pairs) work in blocks of contiguous positions.
+:meth:`PackedLayout.pieces` cuts one (query block, key block) pair into the dense kernel calls
+the documents leave:
+
+* the same block (diagonal): one causal piece per document inside it;
+* a key block wholly before the query block: at most one document has tokens in both (it must
+  cover every position in between), giving one fully visible rectangle, or nothing;
+* a key block after the query block: nothing (causal).
+
+Every piece is a plain kernel call (``causal`` only on a square diagonal piece), so the same
+flash kernels run unchanged; a block no document crosses costs no kernel at all, and the FLOPs
+the counter sees are those of the pieces. Rows of a block that no piece covers get no
+contribution; a row no piece ever covers (padding) ends with ``out = 0`` and ``lse = -inf``.
+
+The helpers :func:`forward_pieces` / :func:`backward_pieces` run one block's pieces and merge
+them into the caller's accumulators (views of the rows and columns each piece covers).
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from megatron_metp import kernels
+
+ALL = slice(None)
+Piece = Tuple[slice, slice, bool]   # (query rows, key columns, causal) in block-local indices
+
+
+def _ints(t) -> List[int]:
+    if t is None:
+        return None
+    return [int(x) for x in (t.tolist() if isinstance(t, torch.Tensor) else t)]
+
+
+class PackedLayout:
+    """Where the documents of one packed sequence lie (global token positions).
+
+    ``cu_seqlens``: cumulative true lengths ``[0, l_0, l_0 + l_1, ...]``; ``cu_seqlens_padded``
+    (optional): cumulative padded lengths, i.e. document i starts at ``cu_seqlens_padded[i]``.
+    ``total``: the sequence length the tokens fill (the last padded offset if not given; a
+    longer sequence has padding at its end).
+    """
+
+    def __init__(self, cu_seqlens: Sequence[int], cu_seqlens_padded: Optional[Sequence[int]] = None,
+                 total: Optional[int] = None):
+        lens = _ints(cu_seqlens)
+        starts = _ints(cu_seqlens_padded) if cu_seqlens_padded is not None else lens
+        if len(lens) < 2 or lens[0] != 0 or len(starts) != len(lens) or starts[0] != 0:
+            raise ValueError("packed sequences: cu_seqlens (and cu_seqlens_padded) must start "
+                             "at 0 and have one entry per document plus one")
+        self.starts, self.ends = [], []
+        for i in range(len(lens) - 1):
+            length = lens[i + 1] - lens[i]
+            room = starts[i + 1] - starts[i]
+            if length < 0 or room < length:
+                raise ValueError(f"packed sequences: document {i} has {length} tokens but "
+                                 f"{room} positions (cu_seqlens_padded must not be shorter)")
+            self.starts.append(starts[i])
+            self.ends.append(starts[i] + length)
+        self.total = starts[-1] if total is None else int(total)
+        if self.total < starts[-1]:
+            raise ValueError(f"packed sequences: the documents fill {starts[-1]} positions, more "
+                             f"than the sequence's {self.total}")
+
+    @classmethod
+    def from_packed_seq_params(cls, params, total: Optional[int] = None) -> "PackedLayout":
+        """From Megatron's ``PackedSeqParams`` (self-attention: the query lengths)."""
+        cu = params.cu_seqlens_q
+        pad = getattr(params, "cu_seqlens_q_padded", None)
+        kv, kv_pad = params.cu_seqlens_kv, getattr(params, "cu_seqlens_kv_padded", None)
+        if kv is not None and _ints(kv) != _ints(cu) or (
+                kv_pad is not None and pad is not None and _ints(kv_pad) != _ints(pad)):
+            raise ValueError("packed sequences: self-attention needs cu_seqlens_kv equal to "
+                             "cu_seqlens_q (and the padded ones equal)")
+        return cls(cu, pad, total)
+
+    def pieces(self, q0: int, k0: int, n: int, causal: bool = True) -> List[Piece]:
+        """Kernel calls for queries ``[q0, q0 + n)`` against keys ``[k0, k0 + n)`` (positions
+        in the whole sequence), as block-local ``(rows, cols, causal)``; ``[]``: skip."""
+        q1, k1 = q0 + n, k0 + n
+        if causal and k0 > q0:
+            return []
+        if causal and k0 != q0 and k1 > q0:
+            raise ValueError("packed sequences: causal blocks must be equal or disjoint")
+        out: List[Piece] = []
+        for i in range(bisect.bisect_right(self.ends, q0), len(self.starts)):
+            ds, de = self.starts[i], self.ends[i]
+            if ds >= q1:
+                break
+            qa, qb = max(q0, ds), min(q1, de)
+            ka, kb = max(k0, ds), min(k1, de)
+            if qa >= qb or ka >= kb:
+                continue
+            diag = causal and k0 == q0
+            out.append((slice(qa - q0, qb - q0), slice(ka - k0, kb - k0), diag))
+        return out
+
+    def positions(self, start: int, n: int, device=None) -> torch.Tensor:
+        """Each token's position inside its document for tokens ``[start, start + n)`` (int64;
+        padding gets 0): what Megatron's THD RoPE uses."""
+        pos = torch.arange(start, start + n, dtype=torch.int64)
+        starts = torch.tensor(self.starts, dtype=torch.int64)
+        ends = torch.tensor(self.ends, dtype=torch.int64)
+        doc = (torch.searchsorted(starts, pos, right=True) - 1).clamp(min=0)
+        rel = pos - starts[doc]
+        pad = (pos < starts[doc]) | (pos >= ends[doc])
+        return rel.masked_fill(pad, 0).to(device)
+
+
+def whole(causal_block: Optional[bool]) -> List[Piece]:
+    """The pieces of an unpacked block: none (skipped) or the whole block."""
+    return [] if causal_block is None else [(ALL, ALL, causal_block)]
+
+
+def piece_work(pieces: List[Piece], n: int) -> float:
+    """Work of a block's pieces in units of one full n x n block (a causal piece = 1/2)."""
+    total = 0.0
+    for qs, ks, causal in pieces:
+        nq = len(range(n)[qs])
+        nk = len(range(n)[ks])
+        total += nq * nk * (0.5 if causal else 1.0)
+    return total / (n * n)
+
+
+def forward_pieces(pieces: List[Piece], q, k, v, out_acc, lse_acc, *, softmax_scale=None,
+                   backend=None):
+    """Attention of ``q [b, n, s, d]`` to ``k, v`` over ``pieces``, merged into the caller's
+    ``out_acc [b, n, s, d]`` / ``lse_acc [b, n, s]`` (fp32, updated in place). With
+    ``out_acc=None`` the accumulators are created (from the block itself when one piece covers
+    it). Returns ``(out_acc, lse_acc)`` (still None when ``pieces`` is empty)."""
+    for qs, ks, causal in pieces:
+        blk_out, blk_lse = kernels.attention_forward(
+            q[:, :, qs], k[:, :, ks], v[:, :, ks], causal=causal, softmax_scale=softmax_scale,
+            backend=backend)
+        if out_acc is None:
+            if qs == ALL:
+                out_acc, lse_acc = kernels.merge_start(blk_out, blk_lse)
+                continue
+            acc = kernels.acc_dtype(q.dtype)
+            out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
+            lse_acc = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
+        kernels.merge_partial_(out_acc[:, :, qs], lse_acc[:, :, qs], blk_out, blk_lse)
+    return out_acc, lse_acc
+
+
+def backward_pieces(pieces: List[Piece], dout, q, k, v, out, lse, dq_acc, *, delta=None,
+                    softmax_scale=None, backend=None):
+    """Backward of :func:`forward_pieces` for one block: dq added into ``dq_acc [b, n, s, d]``;
+    returns the block's ``(dk, dv)`` (None, None when ``pieces`` is empty). ``out`` or
+    ``delta`` as :func:`megatron_metp.kernels.attention_backward` takes them."""
+    dk = dv = None
+    for qs, ks, causal in pieces:
+        dq_b, dk_b, dv_b = kernels.attention_backward(
+            dout[:, :, qs], q[:, :, qs], k[:, :, ks], v[:, :, ks],
+            None if out is None else out[:, :, qs], lse[:, :, qs], causal=causal,
+            softmax_scale=softmax_scale, backend=backend,
+            delta=None if delta is None else delta[:, :, qs])
+        dq_acc[:, :, qs] += dq_b
+        if ks == ALL and dk is None:
+            dk, dv = dk_b, dv_b
+            continue
+        if dk is None:
+            dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+        dk[:, :, ks] += dk_b
+        dv[:, :, ks] += dv_b
+    return dk, dv

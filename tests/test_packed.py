@@ -1,0 +1,295 @@
+"""Packed sequences (Megatron's ``packed_seq_params``): several documents in one sequence.
+
+The reference runs each document on its own (single-process fp64 attention, or a whole fp64 GPT
+from the same weights) and places the results at the document's tokens; padding tokens get
+nothing (output 0, gradients 0). Against it: METP's K/V ring (p = 4), WallFacer (P = 4, C = 1
+and 2), and whole METP / WallFacer models on a packed THD batch.
+
+Layouts, s = 32 tokens over 4 ranks (8 each; WallFacer chunks of 4, zigzag):
+
+* ``docs``:    lengths 5, 14, 1, 7, 5: documents that cross blocks, a one-token document, one
+  ending exactly at a block edge;
+* ``padded``:  Transformer Engine's THD padding: true lengths 3, 6, 3 padded to 4, 8, 4, then
+  16 tokens of tail padding, so ranks 2 and 3 (METP) hold padding only: every row of theirs
+  attends to nothing (the NaN case of Megatron-LM #1764; the padding of TE #1368 / #1930).
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_metp.packing import PackedLayout
+from tests import _reference as R
+from tests._harness import run_ranks
+
+S = 32
+CASES = {
+    "docs": dict(cu=[0, 5, 19, 20, 27, 32], cu_pad=None),
+    "padded": dict(cu=[0, 3, 9, 12], cu_pad=[0, 4, 12, 16]),
+}
+
+
+def _docs(case):
+    """(start, end) of each document's real tokens, read from cu_seqlens directly."""
+    cu, pad = CASES[case]["cu"], CASES[case]["cu_pad"] or CASES[case]["cu"]
+    return [(pad[i], pad[i] + cu[i + 1] - cu[i]) for i in range(len(cu) - 1)]
+
+
+def _layout(case):
+    c = CASES[case]
+    return PackedLayout(torch.tensor(c["cu"], dtype=torch.int32),
+                        None if c["cu_pad"] is None else torch.tensor(c["cu_pad"],
+                                                                       dtype=torch.int32),
+                        total=S)
+
+
+def _reference(case, q, k, v, dout, scale):
+    """Each document alone (fp64, causal), [s, b, n, d] layout; padding rows stay zero."""
+    out, dq, dk, dv = (torch.zeros_like(t, dtype=torch.float64) for t in (q, q, k, v))
+    for a, e in _docs(case):
+        o, _, gq, gk, gv = R.attention_grads(q[a:e], k[a:e], v[a:e], dout[a:e], scale=scale,
+                                             causal=True, layout="sbhd")
+        out[a:e], dq[a:e], dk[a:e], dv[a:e] = o, gq, gk, gv
+    return out, dq, dk, dv
+
+
+def _close(got, ref):
+    """fp32 against fp64, rtol 1e-5 and atol 1e-5 x max|ref|: the error of fp32 attention at
+    these sizes is a few ulps of the largest entries (~1e-7 relative); a block attended across
+    documents, a lost piece or a padding row that is not zero is an error of order |ref|."""
+    assert torch.isfinite(got).all()
+    ref = ref.float()
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    return (got - ref).abs().max().item()
+
+
+def _inputs(seed, n=4, n_kv=2, d=8):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(S, 1, heads, d, generator=g, dtype=torch.float64)
+            for heads in (n, n_kv, n_kv, n)]
+
+
+def _expected_flops(case, q_range, k_ranges, n, d):
+    """Forward attention FLOPs of one rank's queries, from the documents alone: 4 n d per
+    (query, key) pair of the same document in each visible key block (a causal diagonal block
+    at half, as the op counter counts a causal kernel)."""
+    total = 0.0
+    qa, qb = q_range
+    for ka, kb in k_ranges:
+        if ka > qa:
+            continue
+        for a, e in _docs(case):
+            rows = max(0, min(qb, e) - max(qa, a))
+            cols = max(0, min(kb, e) - max(ka, a))
+            total += 4.0 * n * d * rows * cols * (0.5 if ka == qa else 1.0)
+    return total
+
+
+def _attention_task():
+    """METP's ring and WallFacer on every case; returns errors and FLOP counts per case."""
+    from megatron_metp.measure.op_trace import OpRecorder
+    from megatron_metp.metp.ring_attention import ring_attention
+    from megatron_metp.wallfacer import zigzag
+    from megatron_metp.wallfacer.attention import wallfacer_attention
+    from megatron_metp.wallfacer.groups import build_wallfacer_groups
+
+    p, r = dist.get_world_size(), dist.get_rank()
+    sl = S // p
+    res = {}
+    for case in CASES:
+        q, k, v, dout = _inputs(7)
+        scale = 8 ** -0.5
+        out_r, dq_r, dk_r, dv_r = _reference(case, q, k, v, dout, scale)
+        mine = slice(r * sl, (r + 1) * sl)
+        bnsd = lambda t: t[mine].permute(1, 2, 0, 3).float().requires_grad_()  # noqa: E731
+        ql, kl, vl = bnsd(q), bnsd(k), bnsd(v)
+        with OpRecorder() as rec:
+            out = ring_attention(ql, kl, vl, None, causal=True, softmax_scale=scale,
+                                 layout=_layout(case))
+        flops = sum(o.flops for o in rec.ops if o.kind == "compute" and "attention" in o.name)
+        with OpRecorder() as rec_whole:
+            ring_attention(ql.detach(), kl.detach(), vl.detach(), None, causal=True,
+                           softmax_scale=scale)
+        whole = sum(o.flops for o in rec_whole.ops
+                    if o.kind == "compute" and "attention" in o.name)
+        out.backward(dout[mine].permute(1, 2, 0, 3).float())
+        back = lambda t: t.permute(2, 0, 1, 3)  # noqa: E731
+        errs = [_close(back(out.detach()), out_r[mine]), _close(back(ql.grad), dq_r[mine]),
+                _close(back(kl.grad), dk_r[mine]), _close(back(vl.grad), dv_r[mine])]
+        blocks = [(i * sl, (i + 1) * sl) for i in range(p)]
+        expect = _expected_flops(case, blocks[r], blocks, 4, 8)
+        assert flops == expect, (case, flops, expect)
+        res[f"metp/{case}"] = dict(err=max(errs), flops=flops, whole=whole)
+        for C, placement in ((1, "p2p_intra"), (2, "collective_intra")):
+            plan = build_wallfacer_groups([list(range(p))], list(range(p)), None, C, placement)
+            shard = lambda t: zigzag.shard_sequence(t, plan.idx, p)  # noqa: E731
+            ql, kl, vl = (shard(t).float().requires_grad_() for t in (q, k, v))
+            out = wallfacer_attention(ql, kl, vl, plan, causal=True, softmax_scale=scale,
+                                      layout=_layout(case))
+            out.backward(shard(dout).float())
+            errs = [_close(out.detach(), shard(out_r)), _close(ql.grad, shard(dq_r)),
+                    _close(kl.grad, shard(dk_r)), _close(vl.grad, shard(dv_r))]
+            res[f"wallfacer C={C}/{case}"] = dict(err=max(errs))
+        dist.barrier()
+    return res
+
+
+def test_packed_attention_equals_documents_one_by_one(report):
+    per_rank = run_ranks(4, _attention_task)
+    for key in per_rank[0]:
+        err = max(r[key]["err"] for r in per_rank)
+        line = f"packed attention {key}: max|err| {err:.1e} (out, dq, dk, dv vs fp64 per doc)"
+        if "flops" in per_rank[0][key]:
+            f = [r[key]["flops"] for r in per_rank]
+            w = [r[key]["whole"] for r in per_rank]
+            line += (f"; forward attention FLOPs per rank {[int(x) for x in f]} against "
+                     f"{[int(x) for x in w]} unpacked")
+            assert sum(f) < sum(w)
+        report(line)
+    # The all-padding ranks of ``padded`` run no attention kernel at all.
+    assert per_rank[2]["metp/padded"]["flops"] == per_rank[3]["metp/padded"]["flops"] == 0
+
+
+def test_layout_pieces_and_positions():
+    """Unit rules, against hand-worked cases."""
+    lay = PackedLayout([0, 5, 19, 20, 27, 32])
+    # Diagonal block 8..16: document 1 (5..19) only, causal.
+    assert lay.pieces(8, 8, 8) == [(slice(0, 8), slice(0, 8), True)]
+    # Diagonal block 16..24: documents 1 (16..19), 2 (19..20), 3 (20..24).
+    assert lay.pieces(16, 16, 8) == [(slice(0, 3), slice(0, 3), True),
+                                     (slice(3, 4), slice(3, 4), True),
+                                     (slice(4, 8), slice(4, 8), True)]
+    # Keys 0..8 for queries 16..24: document 1 spans both (rows 16..19, keys 5..8).
+    assert lay.pieces(16, 0, 8) == [(slice(0, 3), slice(5, 8), False)]
+    # Keys 8..16 for queries 24..32: no document spans both; later keys: skipped.
+    assert lay.pieces(24, 8, 8) == [] and lay.pieces(8, 16, 8) == []
+    assert lay.positions(16, 8).tolist() == [11, 12, 13, 0, 0, 1, 2, 3]
+    pad = PackedLayout([0, 3, 9, 12], [0, 4, 12, 16], total=32)
+    assert pad.positions(0, 8).tolist() == [0, 1, 2, 0, 0, 1, 2, 3]
+    assert pad.pieces(0, 0, 8) == [(slice(0, 3), slice(0, 3), True),
+                                   (slice(4, 8), slice(4, 8), True)]
+    assert pad.pieces(16, 16, 8) == []
+    with pytest.raises(ValueError, match="document 0 has 4 tokens but 3"):
+        PackedLayout([0, 4], [0, 3])
+
+
+def _packed_batch(case, seed=5):
+    """tokens / labels / per-document position ids [1, S], the real-token mask, and Megatron's
+    THD ``PackedSeqParams``."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from tests import _models as M
+
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, M.VOCAB, (1, S + 1), generator=g)
+    c = CASES[case]
+    cu = torch.tensor(c["cu"], dtype=torch.int32)
+    pad = torch.tensor(c["cu_pad"] or c["cu"], dtype=torch.int32)
+    longest = int((pad[1:] - pad[:-1]).max())
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                             cu_seqlens_q_padded=None if c["cu_pad"] is None else pad,
+                             cu_seqlens_kv_padded=None if c["cu_pad"] is None else pad,
+                             max_seqlen_q=longest, max_seqlen_kv=longest)
+    mask = torch.zeros(1, S)
+    pos = torch.zeros(1, S, dtype=torch.long)
+    for a, e in _docs(case):
+        mask[0, a:e] = 1.0
+        pos[0, a:e] = torch.arange(e - a)
+    return dict(tokens=tokens[:, :-1].contiguous(), labels=tokens[:, 1:].contiguous(),
+                position_ids=pos, mask=mask, params=params)
+
+
+def _one_by_one(case, full, config, b, rope_on):
+    """The documents run one by one through the fp64 reference GPT (``R.gpt_loss``, TP = 1
+    weights ``full``): the mean loss over all real tokens, and its gradients by name."""
+    params = {n: t.double().requires_grad_() for n, t in full.items()}
+    n_real = b["mask"].sum()
+    total = 0.0
+    for a, e in _docs(case):
+        doc = dict(tokens=b["tokens"][:, a:e], labels=b["labels"][:, a:e],
+                   position_ids=torch.arange(e - a)[None])
+        loss, _ = R.gpt_loss(params, config, doc, rope_on)
+        total = total + loss * (e - a) / n_real
+    total.backward()
+    return total.detach(), {n: t.grad for n, t in params.items()}
+
+
+def _model_close(loss, grads, ref_loss, ref_grads, what):
+    """fp32 model against the fp64 reference: rtol 1e-5 and atol 1e-5 x max|ref| per tensor.
+    Two layers of fp32 attention, MLP, norms and cross entropy stay within ~1e-6 relative
+    (the parity tests measure that for unpacked batches); attending across documents, a RoPE
+    position counted from the sequence start instead of the document's, or a lost gradient
+    piece moves the loss or a gradient by far more."""
+    from tests import _models as M
+
+    torch.testing.assert_close(loss, ref_loss.float(), rtol=1e-5, atol=0.0)
+    return M.assert_close_dict(grads, {n: g.float() for n, g in ref_grads.items()},
+                               rtol=1e-5, atol_scale=1e-5, what=what)
+
+
+def _metp_model_task(case):
+    """METP, TP = 2, LLaMA-style (RoPE per document, GQA): one packed THD batch."""
+    from megatron.core.distributed import finalize_model_grads
+
+    from tests import _models as M
+
+    M.setup(tp=2, mode="metp")
+    model = M.build("metp", "llama", max_sequence_length=S, num_query_groups=2)
+    full = M.full_state(model)
+    ddp = M.wrap_ddp(model)
+    b = _packed_batch(case)
+    ddp.zero_grad_buffer()
+    loss_bs = ddp(b["tokens"], b["position_ids"], None, labels=b["labels"],
+                  packed_seq_params=b["params"])
+    loss = (loss_bs * b["mask"]).sum() / b["mask"].sum()
+    loss.backward()
+    finalize_model_grads([ddp])
+    grads = M.full_grads(model, {n: q.main_grad.detach().clone()
+                                 for n, q in model.named_parameters()})
+    ref_loss, ref_grads = _one_by_one(case, full, model.config, b, rope_on=True)
+    worst = _model_close(loss.detach(), grads, ref_loss, ref_grads, f"metp packed {case}")
+    return dict(loss=loss.item(), ref=ref_loss.item(), grad_err=worst)
+
+
+def _wallfacer_model_task(case):
+    """WallFacer, CP = 4, C = 2, GPT-style (learned positions: the batch's per-document
+    position ids): one packed THD batch, each rank on its zigzag tokens."""
+    from megatron.core import parallel_state as mpu
+
+    from megatron_metp.wallfacer import zigzag
+    from megatron_metp.wallfacer.scheduler import initialize_wallfacer
+    from tests import _models as M
+
+    cp = dist.get_world_size()
+    M.setup(tp=1, context_parallel_size=cp)
+    plan = initialize_wallfacer(2, "collective_intra")
+    model = M.build("wallfacer", "gpt", max_sequence_length=S, cp_comm_type="wallfacer")
+    full = M.full_state(model)
+    b = _packed_batch(case)
+    shard = lambda t: zigzag.shard_sequence(t, plan.idx, cp, dim=1)  # noqa: E731
+    logits = model(shard(b["tokens"]), shard(b["position_ids"]), None,
+                   packed_seq_params=b["params"])
+    losses = model.compute_language_model_loss(shard(b["labels"]),
+                                               logits.transpose(0, 1).contiguous())
+    loss_local = (losses * shard(b["mask"])).sum() / b["mask"].sum()
+    loss_local.backward()
+    group = mpu.get_context_parallel_group()
+    loss = loss_local.detach().clone()
+    dist.all_reduce(loss, group=group)
+    grads = {}
+    for n, q in model.named_parameters():
+        g = q.grad.detach().clone()
+        dist.all_reduce(g, group=group)
+        grads[n] = g
+    ref_loss, ref_grads = _one_by_one(case, full, model.config, b, rope_on=False)
+    worst = _model_close(loss, grads, ref_loss, ref_grads, f"wallfacer packed {case}")
+    return dict(loss=loss.item(), ref=ref_loss.item(), grad_err=worst)
+
+
+@pytest.mark.parametrize("mode,world", [("metp", 2), ("wallfacer", 4)])
+def test_packed_loss_equals_documents_one_by_one(mode, world, report):
+    task = _metp_model_task if mode == "metp" else _wallfacer_model_task
+    for case in CASES:
+        r = run_ranks(world, task, case)[0]
+        report(f"packed {mode} GPT ({case}): loss {r['loss']:.6f} vs one by one "
+               f"{r['ref']:.6f} (fp64); max|grad err| {r['grad_err']:.1e}")
