@@ -94,8 +94,9 @@ _UNSUPPORTED["metp_mlp"] = list(_UNSUPPORTED["metp"])  # its attention is Megatr
 # Transformer Engine does for a causal mask type), so packed documents would see each other.
 for _mode in ("metp", "wallfacer"):
     _UNSUPPORTED[_mode].append(
-        ("reset_attention_mask", "--reset-attention-mask", "its attention applies the causal "
-         "mask only and would attend across the packed documents' boundaries"))
+        ("reset_attention_mask", "--reset-attention-mask", "its attention takes documents as "
+         "packed_seq_params (cu_seqlens, as --sft batches carry them), not as a dense per-"
+         "document mask, which it would ignore and attend across the documents' boundaries"))
 
 
 def _fail(msg: str) -> None:
@@ -308,6 +309,7 @@ def validate_args(
     _check_batch(ns, dp)
     _check_schedule(ns)
     _check_features(ns, mode)
+    _check_packed(ns, mode, cp)
     _check_flash_attn(ns, flash_attn_available)
 
     if mode == "tp":
@@ -317,6 +319,20 @@ def validate_args(
     else:
         _check_wallfacer(ns, tp, cp)
     return ns
+
+
+def _check_packed(ns: Namespace, mode: str, cp: int) -> None:
+    """Packed THD batches (``--sft``): METP's ring and WallFacer take the documents of one
+    packed sequence split like any sequence (METP: contiguous TP shards; WallFacer: Megatron's
+    zigzag). Under CP, Megatron-LM's THD batches are cut per document by Transformer Engine's
+    partitioning instead, which neither uses."""
+    if not getattr(ns, "sft", False) or mode == "tp" or cp == 1:
+        return
+    fix = ("use --tensor-parallel-mode metp with --context-parallel-size 1, or tp"
+           if mode == "wallfacer" else "use --context-parallel-size 1")
+    _fail(f"--sft with --tensor-parallel-mode {mode} at context-parallel size {cp}: Megatron-LM "
+          f"splits packed (THD) batches per document over CP ranks (Transformer Engine's "
+          f"partitioning), which the {mode} attention does not use; {fix}")
 
 
 def _check_world(ns: Namespace, tp: int, cp: int, pp: int) -> Optional[int]:

@@ -217,9 +217,11 @@ def _one_by_one(case, full, config, b, rope_on):
 def _model_close(loss, grads, ref_loss, ref_grads, what):
     """fp32 model against the fp64 reference: rtol 1e-5 and atol 1e-5 x max|ref| per tensor.
     Two layers of fp32 attention, MLP, norms and cross entropy stay within ~1e-6 relative
-    (the parity tests measure that for unpacked batches); attending across documents, a RoPE
-    position counted from the sequence start instead of the document's, or a lost gradient
-    piece moves the loss or a gradient by far more."""
+    (the parity tests measure that for unpacked batches); attending across documents, a lost
+    piece, a padding token that is seen or a gradient that is not zero at padding moves the
+    loss or a gradient by far more (checked: with the layout dropped in either attention, both
+    model tests fail). RoPE positions counted from the sequence start would not show here:
+    rotary scores depend only on the distance between tokens."""
     from tests import _models as M
 
     torch.testing.assert_close(loss, ref_loss.float(), rtol=1e-5, atol=0.0)
