@@ -58,6 +58,13 @@ def add_arguments(parser) -> None:
       help="allocator fragmentation on top of tensor bytes (default 0.05)")
     a("--use-distributed-optimizer", action="store_true",
       help="shard fp32 master weights and Adam states over the data-parallel group")
+    a("--use-megatron-fsdp", action="store_true",
+      help="plan Megatron-FSDP (optim_grads_params: parameters, gradients and optimizer "
+           "state sharded over the data-parallel x context-parallel group, each layer "
+           "all-gathered when it runs); changes wallfacer, whose CP = p ranks share weights")
+    a("--wallfacer-team-size", type=int, default=1, metavar="C",
+      help="plan WallFacer with teams of C (C^2 divides p; default 1): C - 1 more "
+           "query/key/value shards at the attention peak")
     a("--efficiency", type=float, default=0.5,
       help="fraction of bf16 peak FLOP/s assumed by the time ESTIMATES (default 0.5)")
     a("--time-seq-length", default="128k", help="sequence of the comm/time table")
@@ -92,7 +99,7 @@ def _check(args) -> None:
     bad = [m for m in modes if m not in ALL_MODES]
     if bad or not modes:
         raise ValueError(f"--modes {args.modes!r}: metp plan supports {', '.join(ALL_MODES)} "
-                         "(wallfacer: team size 1, i.e. ring attention over CP = p)")
+                         "(wallfacer: team size --wallfacer-team-size, default 1)")
     for p in _ints(args.p) + _ints(args.longest_p):
         if p < 1:
             raise ValueError(f"--tensor-model-parallel-size {p}: must be >= 1")
@@ -112,6 +119,17 @@ def _check(args) -> None:
                          f"peak FLOP/s, e.g. 0.5)")
     if args.json:
         check_output_file("--json", args.json)
+    C = args.wallfacer_team_size
+    if C > 1 and "wallfacer" in modes:
+        for p in _ints(args.p) + _ints(args.longest_p):
+            if p % (C * C):
+                raise ValueError(f"--wallfacer-team-size {C}: C^2 = {C * C} must divide every "
+                                 f"--tensor-model-parallel-size, not {p} (drop it or pick C)")
+    elif C < 1:
+        raise ValueError(f"--wallfacer-team-size {C}: must be >= 1")
+    if args.use_megatron_fsdp and args.use_distributed_optimizer:
+        raise ValueError("--use-megatron-fsdp with --use-distributed-optimizer: Megatron-FSDP "
+                         "shards the optimizer itself; pass one of them")
     if args.cpu_offloading_num_layers < 0:
         raise ValueError(f"--cpu-offloading-num-layers {args.cpu_offloading_num_layers}: must be "
                          f">= 0 (0 = no offloading)")
@@ -143,7 +161,9 @@ def run(args) -> int:
                             count_send_buffers=args.count_send_buffers,
                             recompute_modules=_modules(args.recompute_modules),
                             offload_layers=args.cpu_offloading_num_layers,
-                            host_memory_gib=args.host_memory_gb)
+                            host_memory_gib=args.host_memory_gb,
+                            megatron_fsdp=args.use_megatron_fsdp,
+                            wallfacer_team=args.wallfacer_team_size)
     planner = Planner(settings)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     cfgs = [load_config(n.strip()) for n in args.models.split(",") if n.strip()]

@@ -34,6 +34,15 @@ Method (per rank; b = micro batch 1, s = sequence, p = parallel degree, L = laye
    (12 B): 18 B per parameter. With ``--use-distributed-optimizer`` the 12 B are sharded over the
    data-parallel (x context-parallel) group of size d: 6 + 12/d. Here every GPU is in the TP
    group (d = 1, 18 B) for tp and metp; for wallfacer (CP = p, TP = 1) d = p.
+   With Megatron-FSDP (``--use-megatron-fsdp``, ``--data-parallel-sharding-strategy
+   optim_grads_params``: ``megatron.core.distributed.fsdp``) all 18 B are sharded over that
+   group: 18 / d. Megatron-FSDP then all-gathers each layer's bf16 parameters before the layer
+   runs (and the next layer's while it runs) and reduce-scatters its fp32 gradient after the
+   layer's backward: at the last layer's backward peak the unsharded parameters of two layers
+   (2 x 2 B) and one layer's unsharded gradient (4 B) are live, 8 B per layer parameter, added
+   to the activation peak (:func:`fsdp_transient_bytes`). For tp and metp at d = 1 nothing
+   changes. WallFacer with a team of C (``wallfacer_team``) keeps C - 1 more query/key/value
+   shards at the attention peak (paper Eq. 7 - Eq. 6), added as ``auto`` does.
    The embedding (vocab-parallel word table, and a learned position table of s x h replicated on
    every rank, as Megatron's ``LanguageModelEmbedding`` keeps it, or 1/p of it under METP,
    ``position_table_params``) counts when the device holds the first layer.
@@ -87,6 +96,10 @@ class PlanSettings:
     # Pinned host memory per GPU the offloaded activations may take (None: no limit); a point
     # that needs more does not fit. A DGX H100 has 2 TiB per node, 256 GiB per GPU.
     host_memory_gib: Optional[float] = None
+    # Megatron-FSDP (optim_grads_params) instead of the distributed optimizer; see item 4.
+    megatron_fsdp: bool = False
+    # WallFacer's team size C (the probe runs C = 1; the team's extra shards are added).
+    wallfacer_team: int = 1
 
 
 @dataclass
@@ -113,10 +126,21 @@ class PlanPoint:
     est_time_s: Dict[str, float] = field(default_factory=dict)
 
 
-def optimizer_bytes_per_param(mode: str, p: int, distributed_optimizer: bool) -> float:
+def optimizer_bytes_per_param(mode: str, p: int, distributed_optimizer: bool,
+                              megatron_fsdp: bool = False) -> float:
     """Model-state bytes per parameter (see the module docstring, item 4)."""
     d = p if mode == "wallfacer" else 1
+    if megatron_fsdp:
+        return 18.0 / d
     return 6.0 + (12.0 / d if distributed_optimizer or mode == "wallfacer" else 12.0)
+
+
+def fsdp_transient_bytes(mode: str, p: int, layer_params_full: int) -> int:
+    """Megatron-FSDP's unsharded buffers at the last layer's backward peak (module docstring,
+    item 4): two layers' bf16 parameters and one layer's fp32 gradient; 0 when nothing is
+    sharded (d = 1)."""
+    d = p if mode == "wallfacer" else 1
+    return 0 if d == 1 else 8 * layer_params_full
 
 
 # ------------------------------------------------------------------------------------------
@@ -268,6 +292,11 @@ class Planner:
         resident = L - n_off + (1 if n_off else 0)
         act = x0 + max(resident * lm.retained + shared + head_extra,
                        (resident - 1) * lm.retained + lm.peak - lm.shared_buffer + shared)
+        if st.megatron_fsdp:
+            act += fsdp_transient_bytes(mode, p, lm.params)
+        if mode == "wallfacer" and st.wallfacer_team > 1:
+            heads_kv = cfg.num_attention_heads + 2 * cfg.num_query_groups
+            act += (st.wallfacer_team - 1) * b * s // p * heads_kv * cfg.kv_channels * 2
         if st.count_send_buffers:
             act += lm.handle_allowance
         params = L * lm.params
@@ -276,7 +305,8 @@ class Planner:
             if cfg.untie_embeddings_and_output_weights:               # else shared with output
                 params += padded_vocab(cfg, _tp(mode, p)) // _tp(mode, p) * h  # word table
             params += position_table_params(cfg, mode, p, s)
-        state = int(params * optimizer_bytes_per_param(mode, p, st.distributed_optimizer))
+        state = int(params * optimizer_bytes_per_param(mode, p, st.distributed_optimizer,
+                                                       st.megatron_fsdp))
         total = state + act
         needed = total * (1 + st.fragmentation) + st.reserve_gib * GIB
         sent = 2.0 * (L * lm.sent_elements + (head.sent_elements if head else 0.0))
@@ -285,8 +315,14 @@ class Planner:
             # Weights are replicated over CP: Megatron reduce-scatters the fp32 gradients over
             # the CP (x DP) group and all-gathers the updated bf16 parameters (distributed
             # optimizer), (p-1)/p of each per rank. Analytic: the probe runs no optimizer.
-            sent += (p - 1) / p * params * (4 + 2)
-            calls += 2
+            # Megatron-FSDP all-gathers the bf16 parameters twice (forward, and again for the
+            # backward) and reduce-scatters the fp32 gradient, per layer.
+            if st.megatron_fsdp:
+                sent += (p - 1) / p * params * (2 + 2 + 4)
+                calls += 3 * L
+            else:
+                sent += (p - 1) / p * params * (4 + 2)
+                calls += 2
         host_ok = st.host_memory_gib is None or n_off * lm.retained <= st.host_memory_gib * GIB
         point = PlanPoint(
             model=cfg.name, mode=mode, p=p, seq_length=s, layers=L, state_bytes=state,
