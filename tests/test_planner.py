@@ -407,7 +407,7 @@ def test_wallfacer_sharded_weights_plan(report):
     # Distributed optimizer over CP: bf16 param + fp32 grad whole (6 B), 12 B sharded over 8.
     assert st_d == int(params * (6 + 12 / p))
     # Megatron-FSDP optim_grads_params: all 18 B sharded over the 8 CP ranks.
-    assert st_f == int(params * 18 / p)
+    assert st_f == st_c == int(params * 18 / p)
     # Its transients: two layers' bf16 parameters and one layer's fp32 gradient, unsharded.
     assert act_f - act_d == 8 * layer
     # A team of 2 keeps one more q, k, v shard at the attention peak: s/p x (32 + 2 x 32)
