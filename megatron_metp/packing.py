@@ -75,7 +75,23 @@ class PackedLayout:
 
     @classmethod
     def from_packed_seq_params(cls, params, total: Optional[int] = None) -> "PackedLayout":
-        """From Megatron's ``PackedSeqParams`` (self-attention: the query lengths)."""
+        """From Megatron's ``PackedSeqParams`` (self-attention: the query lengths).
+
+        Reading ``cu_seqlens`` on the host synchronises with a GPU, so the layout is kept on
+        the ``params`` object the model hands to every layer: once per micro batch, not once
+        per layer (Megatron-LM builds a new ``PackedSeqParams`` for every batch)."""
+        cached = getattr(params, "_metp_packed_layout", None)
+        if cached is not None and cached.total == total:
+            return cached
+        layout = cls._from_params(params, total)
+        try:
+            params._metp_packed_layout = layout
+        except AttributeError:   # a frozen or slotted stand-in: no cache
+            pass
+        return layout
+
+    @classmethod
+    def _from_params(cls, params, total: Optional[int]) -> "PackedLayout":
         cu = params.cu_seqlens_q
         pad = getattr(params, "cu_seqlens_q_padded", None)
         kv, kv_pad = params.cu_seqlens_kv, getattr(params, "cu_seqlens_kv_padded", None)
