@@ -174,6 +174,10 @@ OTHER_BAD = [
     ("plan-fragmentation", ["plan", "--fragmentation", "-1"], "--fragmentation"),
     ("plan-reserve", ["plan", "--memory-gb", "4", "--reserve-gb", "8"], "--reserve-gb"),
     ("plan-json-under-file", ["plan", "--json", "{file}/plan.json"], "--json"),
+    ("plan-team-size", ["plan", "--modes", "wallfacer", "--p", "8", "--wallfacer-team-size", "3"],
+     "--wallfacer-team-size"),
+    ("plan-fsdp-and-dist-opt", ["plan", "--use-megatron-fsdp", "--use-distributed-optimizer"],
+     "--use-megatron-fsdp"),
 ]
 
 
