@@ -27,7 +27,7 @@ them into the caller's accumulators (views of the rows and columns each piece co
 from __future__ import annotations
 
 import bisect
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -41,6 +41,21 @@ def _ints(t) -> List[int]:
     if t is None:
         return None
     return [int(x) for x in (t.tolist() if isinstance(t, torch.Tensor) else t)]
+
+
+def _cached(params, key, build):
+    """``build()``, kept on the ``PackedSeqParams`` object under ``key`` (see
+    :meth:`PackedLayout.from_packed_seq_params`)."""
+    cache = getattr(params, "_metp_packed_layouts", None)
+    if cache is None:
+        cache = {}
+        try:
+            params._metp_packed_layouts = cache
+        except AttributeError:   # a frozen or slotted stand-in: no cache
+            pass
+    if key not in cache:
+        cache[key] = build()
+    return cache[key]
 
 
 class PackedLayout:
@@ -80,15 +95,7 @@ class PackedLayout:
         Reading ``cu_seqlens`` on the host synchronises with a GPU, so the layout is kept on
         the ``params`` object the model hands to every layer: once per micro batch, not once
         per layer (Megatron-LM builds a new ``PackedSeqParams`` for every batch)."""
-        cached = getattr(params, "_metp_packed_layout", None)
-        if cached is not None and cached.total == total:
-            return cached
-        layout = cls._from_params(params, total)
-        try:
-            params._metp_packed_layout = layout
-        except AttributeError:   # a frozen or slotted stand-in: no cache
-            pass
-        return layout
+        return _cached(params, (cls, total), lambda: cls._from_params(params, total))
 
     @classmethod
     def _from_params(cls, params, total: Optional[int]) -> "PackedLayout":
@@ -122,6 +129,11 @@ class PackedLayout:
             out.append((slice(qa - q0, qb - q0), slice(ka - k0, kb - k0), diag))
         return out
 
+    def chunk_pieces(self, q_chunk: int, k_chunk: int, c: int, causal: bool = True) -> List[Piece]:
+        """:meth:`pieces` of two chunks of ``c`` tokens given by their index in the sequence
+        (WallFacer's zigzag chunks)."""
+        return self.pieces(q_chunk * c, k_chunk * c, c, causal)
+
     def positions(self, start: int, n: int, device=None) -> torch.Tensor:
         """Each token's position inside its document for tokens ``[start, start + n)`` (int64;
         padding gets 0): what Megatron's THD RoPE uses."""
@@ -132,6 +144,73 @@ class PackedLayout:
         rel = pos - starts[doc]
         pad = (pos < starts[doc]) | (pos >= ends[doc])
         return rel.masked_fill(pad, 0).to(device)
+
+
+class CPDocumentLayout:
+    """Megatron-LM's packed THD batches under context parallelism: every document, padded to a
+    multiple of 2 x CP (``cu_seqlens_padded``), is cut into 2 CP equal chunks, and CP rank r
+    holds chunks r and 2 CP - 1 - r *of each document*, document after document (Transformer
+    Engine's ``thd_get_partitioned_indices``, which ``get_thd_batch_on_this_cp_rank`` applies;
+    Megatron's THD RoPE assumes the same split).
+
+    WallFacer's zigzag chunk ``a`` (a = r or 2 CP - 1 - r) is then the concatenation of every
+    document's chunk a: :meth:`chunk_major_index` reorders a rank's tokens into
+    ``[chunk r of each document | chunk 2 CP - 1 - r of each document]``, and
+    :meth:`chunk_pieces` gives the per-document kernel calls of two such chunks (causal: a
+    document's chunk sees its own earlier chunks whole and itself causally)."""
+
+    def __init__(self, cu_seqlens, cu_seqlens_padded, cp_size: int):
+        lens = _ints(cu_seqlens)
+        pad = _ints(cu_seqlens_padded) if cu_seqlens_padded is not None else lens
+        if len(lens) < 2 or len(pad) != len(lens) or lens[0] != 0 or pad[0] != 0:
+            raise ValueError("packed sequences: cu_seqlens (and cu_seqlens_padded) must start "
+                             "at 0 and have one entry per document plus one")
+        self.cp_size = cp_size
+        self.sizes, self.lengths, self.offsets = [], [], []
+        off = 0
+        for i in range(len(lens) - 1):
+            room, length = pad[i + 1] - pad[i], lens[i + 1] - lens[i]
+            if room % (2 * cp_size) or not 0 <= length <= room:
+                raise ValueError(
+                    f"packed sequences under CP {cp_size}: document {i} has {length} tokens in "
+                    f"{room} padded positions; Megatron-LM's THD split needs each padded length "
+                    f"a multiple of 2 x CP = {2 * cp_size} (cu_seqlens_padded)")
+            self.sizes.append(room // (2 * cp_size))
+            self.lengths.append(length)
+            self.offsets.append(off)
+            off += room // (2 * cp_size)
+        self.chunk = off   # tokens per zigzag chunk on every rank
+
+    @classmethod
+    def from_packed_seq_params(cls, params, cp_size: int) -> "CPDocumentLayout":
+        """From Megatron's ``PackedSeqParams``; kept on ``params`` as
+        :meth:`PackedLayout.from_packed_seq_params` does."""
+        return _cached(params, (cls, cp_size), lambda: cls(
+            params.cu_seqlens_q, getattr(params, "cu_seqlens_q_padded", None), cp_size))
+
+    def chunk_pieces(self, q_chunk: int, k_chunk: int, c: int, causal: bool = True) -> List[Piece]:
+        if c != self.chunk:
+            raise ValueError(f"packed sequences: chunks of {c} tokens, the documents give "
+                             f"{self.chunk} per chunk")
+        if causal and k_chunk > q_chunk:
+            return []
+        out: List[Piece] = []
+        for m, length, o in zip(self.sizes, self.lengths, self.offsets):
+            rq = min(max(length - q_chunk * m, 0), m)   # real tokens: a prefix of each chunk
+            rk = min(max(length - k_chunk * m, 0), m)
+            if rq and rk:
+                out.append((slice(o, o + rq), slice(o, o + rk), causal and k_chunk == q_chunk))
+        return out
+
+    def chunk_major_index(self, device=None) -> torch.Tensor:
+        """Local token order -> chunk-major order: ``x[index]`` puts a rank's tokens as
+        ``[chunk r of each document | chunk 2 CP - 1 - r of each document]``."""
+        parts = [torch.arange(2 * o + h * m, 2 * o + (h + 1) * m)
+                 for h in range(2) for m, o in zip(self.sizes, self.offsets)]
+        return torch.cat(parts).to(device)
+
+
+Layout = Union[PackedLayout, CPDocumentLayout]
 
 
 def whole(causal_block: Optional[bool]) -> List[Piece]:

@@ -12,6 +12,12 @@ Layouts, s = 32 tokens over 4 ranks (8 each; WallFacer chunks of 4, zigzag):
 * ``padded``:  Transformer Engine's THD padding: true lengths 3, 6, 3 padded to 4, 8, 4, then
   16 tokens of tail padding, so ranks 2 and 3 (METP) hold padding only: every row of theirs
   attends to nothing (the NaN case of Megatron-LM #1764; the padding of TE #1368 / #1930).
+
+WallFacer also takes Megatron-LM's own THD batches under CP (``--sft``): every document,
+padded to a multiple of 2 x CP, split into 2 CP chunks, rank r holding chunks r and 2 CP-1-r of
+each (Transformer Engine's ``thd_get_partitioned_indices``, emulated here by
+:func:`_thd_partition` from its definition); case ``thd_cp``: lengths 5, 11, 6 padded to 8, 16,
+8. Its model test runs LLaMA-style, so Megatron's own THD RoPE under CP is part of it.
 """
 
 import pytest
@@ -27,11 +33,27 @@ CASES = {
     "docs": dict(cu=[0, 5, 19, 20, 27, 32], cu_pad=None),
     "padded": dict(cu=[0, 3, 9, 12], cu_pad=[0, 4, 12, 16]),
 }
+THD_CP = dict(cu=[0, 5, 16, 22], cu_pad=[0, 8, 24, 32])
+
+
+def _thd_partition(r, cp, pad=THD_CP["cu_pad"]):
+    """Token indices CP rank r holds in Megatron-LM's THD split: chunks r and 2 cp - 1 - r of
+    each padded document, document after document."""
+    idx = []
+    for a, e in zip(pad[:-1], pad[1:]):
+        m = (e - a) // (2 * cp)
+        for chunk in (r, 2 * cp - 1 - r):
+            idx += range(a + chunk * m, a + (chunk + 1) * m)
+    return torch.tensor(idx)
+
+
+def _case(case):
+    return THD_CP if case == "thd_cp" else CASES[case]
 
 
 def _docs(case):
     """(start, end) of each document's real tokens, read from cu_seqlens directly."""
-    cu, pad = CASES[case]["cu"], CASES[case]["cu_pad"] or CASES[case]["cu"]
+    cu, pad = _case(case)["cu"], _case(case)["cu_pad"] or _case(case)["cu"]
     return [(pad[i], pad[i] + cu[i + 1] - cu[i]) for i in range(len(cu) - 1)]
 
 
@@ -88,6 +110,7 @@ def _expected_flops(case, q_range, k_ranges, n, d):
 def _attention_task():
     """METP's ring and WallFacer on every case; returns errors and FLOP counts per case."""
     from megatron_metp.measure.op_trace import OpRecorder
+    from megatron_metp.packing import CPDocumentLayout
     from megatron_metp.metp.ring_attention import ring_attention
     from megatron_metp.wallfacer import zigzag
     from megatron_metp.wallfacer.attention import wallfacer_attention
@@ -131,6 +154,22 @@ def _attention_task():
                     _close(kl.grad, shard(dk_r)), _close(vl.grad, shard(dv_r))]
             res[f"wallfacer C={C}/{case}"] = dict(err=max(errs))
         dist.barrier()
+    # WallFacer on Megatron-LM's THD split under CP (through its core attention's reordering).
+    q, k, v, dout = _inputs(11)
+    out_r, dq_r, dk_r, dv_r = _reference("thd_cp", q, k, v, dout, scale)
+    lay = CPDocumentLayout(THD_CP["cu"], THD_CP["cu_pad"], p)
+    mine = _thd_partition(r, p)
+    order = lay.chunk_major_index()
+    for C, placement in ((1, "p2p_intra"), (2, "collective_intra")):
+        plan = build_wallfacer_groups([list(range(p))], list(range(p)), None, C, placement)
+        assert plan.idx == r
+        ql, kl, vl = (t[mine][order].float().requires_grad_() for t in (q, k, v))
+        out = wallfacer_attention(ql, kl, vl, plan, causal=True, softmax_scale=scale,
+                                  layout=lay)
+        out.backward(dout[mine][order].float())
+        errs = [_close(out.detach(), out_r[mine][order]), _close(ql.grad, dq_r[mine][order]),
+                _close(kl.grad, dk_r[mine][order]), _close(vl.grad, dv_r[mine][order])]
+        res[f"wallfacer C={C}/thd_cp (Megatron-LM's THD split)"] = dict(err=max(errs))
     return res
 
 
@@ -173,20 +212,20 @@ def test_layout_pieces_and_positions():
         PackedLayout([0, 4], [0, 3])
 
 
-def _packed_batch(case, seed=5):
+def _packed_batch(case, seed=5, qkv_format="thd"):
     """tokens / labels / per-document position ids [1, S], the real-token mask, and Megatron's
-    THD ``PackedSeqParams``."""
+    ``PackedSeqParams``."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from tests import _models as M
 
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, M.VOCAB, (1, S + 1), generator=g)
-    c = CASES[case]
+    c = _case(case)
     cu = torch.tensor(c["cu"], dtype=torch.int32)
     pad = torch.tensor(c["cu_pad"] or c["cu"], dtype=torch.int32)
     longest = int((pad[1:] - pad[:-1]).max())
-    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+    params = PackedSeqParams(qkv_format=qkv_format, cu_seqlens_q=cu, cu_seqlens_kv=cu,
                              cu_seqlens_q_padded=None if c["cu_pad"] is None else pad,
                              cu_seqlens_kv_padded=None if c["cu_pad"] is None else pad,
                              max_seqlen_q=longest, max_seqlen_kv=longest)
@@ -254,8 +293,10 @@ def _metp_model_task(case):
 
 
 def _wallfacer_model_task(case):
-    """WallFacer, CP = 4, C = 2, GPT-style (learned positions: the batch's per-document
-    position ids): one packed THD batch, each rank on its zigzag tokens."""
+    """WallFacer, CP = 4, C = 2, one packed batch. ``docs`` / ``padded``: GPT-style (learned
+    positions: the batch's per-document position ids), the packed sequence split zigzag like any
+    sequence (``sbhd``); ``thd_cp``: LLaMA-style (RoPE, GQA), Megatron-LM's THD split under CP
+    and Megatron's THD RoPE."""
     from megatron.core import parallel_state as mpu
 
     from megatron_metp.wallfacer import zigzag
@@ -265,10 +306,17 @@ def _wallfacer_model_task(case):
     cp = dist.get_world_size()
     M.setup(tp=1, context_parallel_size=cp)
     plan = initialize_wallfacer(2, "collective_intra")
-    model = M.build("wallfacer", "gpt", max_sequence_length=S, cp_comm_type="wallfacer")
+    thd = case == "thd_cp"
+    style = "llama" if thd else "gpt"
+    model = M.build("wallfacer", style, max_sequence_length=S, cp_comm_type="wallfacer",
+                    **({"num_query_groups": 2} if thd else {}))
     full = M.full_state(model)
-    b = _packed_batch(case)
-    shard = lambda t: zigzag.shard_sequence(t, plan.idx, cp, dim=1)  # noqa: E731
+    b = _packed_batch(case, qkv_format="thd" if thd else "sbhd")
+    if thd:
+        mine = _thd_partition(plan.idx, cp)
+        shard = lambda t: t.index_select(1, mine)  # noqa: E731
+    else:
+        shard = lambda t: zigzag.shard_sequence(t, plan.idx, cp, dim=1)  # noqa: E731
     logits = model(shard(b["tokens"]), shard(b["position_ids"]), None,
                    packed_seq_params=b["params"])
     losses = model.compute_language_model_loss(shard(b["labels"]),
@@ -283,7 +331,7 @@ def _wallfacer_model_task(case):
         g = q.grad.detach().clone()
         dist.all_reduce(g, group=group)
         grads[n] = g
-    ref_loss, ref_grads = _one_by_one(case, full, model.config, b, rope_on=False)
+    ref_loss, ref_grads = _one_by_one(case, full, model.config, b, rope_on=thd)
     worst = _model_close(loss, grads, ref_loss, ref_grads, f"wallfacer packed {case}")
     return dict(loss=loss.item(), ref=ref_loss.item(), grad_err=worst)
 
@@ -291,7 +339,7 @@ def _wallfacer_model_task(case):
 @pytest.mark.parametrize("mode,world", [("metp", 2), ("wallfacer", 4)])
 def test_packed_loss_equals_documents_one_by_one(mode, world, report):
     task = _metp_model_task if mode == "metp" else _wallfacer_model_task
-    for case in CASES:
+    for case in list(CASES) + (["thd_cp"] if mode == "wallfacer" else []):
         r = run_ranks(world, task, case)[0]
         report(f"packed {mode} GPT ({case}): loss {r['loss']:.6f} vs one by one "
                f"{r['ref']:.6f} (fp64); max|grad err| {r['grad_err']:.1e}")

@@ -57,7 +57,6 @@ import torch.distributed as dist
 
 from megatron_metp import kernels, packing
 from megatron_metp.comm import P2PComm
-from megatron_metp.packing import PackedLayout
 from megatron_metp.wallfacer import config_generator as cg
 from megatron_metp.wallfacer import zigzag
 from megatron_metp.wallfacer.groups import WallFacerGroups
@@ -70,7 +69,7 @@ def _team_chunks(plan: WallFacerGroups, team: int) -> List[int]:
 
 
 def _pairs(q_ids: List[int], k_ids: List[int], causal: bool,
-           layout: Optional[PackedLayout] = None, c: int = 0):
+           layout=None, c: int = 0):
     """(q index, k index, pieces) of every chunk pair that is not fully masked; ``pieces``
     are the pair's kernel calls (``megatron_metp.packing``): the whole pair (causal on the
     diagonal) or, with packed documents (``layout``; ``c`` tokens per chunk), what they leave."""
@@ -81,7 +80,7 @@ def _pairs(q_ids: List[int], k_ids: List[int], causal: bool,
                     continue
                 pieces = packing.whole(causal and kc == qc)
             else:
-                pieces = layout.pieces(qc * c, kc * c, c, causal)
+                pieces = layout.chunk_pieces(qc, kc, c, causal)
                 if not pieces:
                     continue
             yield qi, ki, pieces
@@ -180,7 +179,7 @@ def _shard(cm: int) -> List[int]:
 
 def wallfacer_forward(q, k, v, plan: WallFacerGroups, *, causal: bool,
                       softmax_scale: Optional[float] = None, stats: Optional[dict] = None,
-                      layout: Optional[PackedLayout] = None):
+                      layout: Optional[packing.Layout] = None):
     """Alg. 1 on chunk-major shards; returns ``(out [2,b,n,c,d], lse [2,b,n,c])``.
 
     ``stats`` (optional dict) receives ``work`` = chunk-pair units computed per ring step.
@@ -331,7 +330,7 @@ class _TeamMerge:
 
 def wallfacer_backward(dout, q, k, v, out, lse, plan: WallFacerGroups, *, causal: bool,
                        softmax_scale: Optional[float] = None,
-                       layout: Optional[PackedLayout] = None):
+                       layout: Optional[packing.Layout] = None):
     """Backward of :func:`wallfacer_forward`; returns ``(dq, dk, dv)`` like ``q, k, v``.
 
     The team's gradient partials live in one fp32 buffer ``grad_team [C, |q| + |k| + |v|]``
@@ -525,7 +524,7 @@ def from_chunk_major(x: torch.Tensor) -> torch.Tensor:
 
 def wallfacer_attention(q, k, v, plan: WallFacerGroups, *, causal: bool,
                         softmax_scale: Optional[float] = None,
-                        layout: Optional[PackedLayout] = None) -> torch.Tensor:
+                        layout: Optional[packing.Layout] = None) -> torch.Tensor:
     """Differentiable WallFacer attention on Megatron-shaped shards.
 
     q [s/P, b, n, d], k / v [s/P, b, n_kv, d] (this rank's zigzag tokens) -> [s/P, b, n, d].

@@ -5,11 +5,12 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+import torch
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_metp.packing import PackedLayout
+from megatron_metp.packing import CPDocumentLayout, PackedLayout
 from megatron_metp.wallfacer.attention import wallfacer_attention
 from megatron_metp.wallfacer.groups import WallFacerGroups
 
@@ -84,28 +85,39 @@ class WallFacerCoreAttention(MegatronModule):
         if not causal and attention_mask is not None:
             raise ValueError("WallFacer attention cannot apply an arbitrary attention_mask; use "
                              "a causal or no_mask attention mask type")
-        layout = None
+        layout = order = None
         if packed_seq_params is not None:
             query, key, value = self._packed_inputs(packed_seq_params, query, key, value)
-            layout = PackedLayout.from_packed_seq_params(
-                packed_seq_params, total=query.shape[0] * self.plan.cp_size)
+            if packed_seq_params.qkv_format == "thd" and self.plan.cp_size > 1:
+                layout = CPDocumentLayout.from_packed_seq_params(packed_seq_params,
+                                                                 self.plan.cp_size)
+                # Megatron-LM's THD split, document by document -> WallFacer's two chunks.
+                order = layout.chunk_major_index(query.device)
+                query, key, value = (t.index_select(0, order) for t in (query, key, value))
+            else:
+                layout = PackedLayout.from_packed_seq_params(
+                    packed_seq_params, total=query.shape[0] * self.plan.cp_size)
         sq, b, np_, hn = query.shape
         out = wallfacer_attention(query, key, value, self.plan, causal=causal,
                                   softmax_scale=self.softmax_scale, layout=layout)
+        if order is not None:
+            out = torch.empty_like(out).index_copy_(0, order, out)   # back to the THD order
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             return out.reshape(sq, np_ * hn)   # Megatron's THD output [t, h]
         return out.reshape(sq, b, np_ * hn)
 
     def _packed_inputs(self, params, query, key, value):
-        """Packed documents (Megatron's ``PackedSeqParams``) in WallFacer's own token layout:
-        the packed sequence (b = 1) is split like any sequence, zigzag over the CP ranks, and
-        ``cu_seqlens`` (padded ones if given) are positions in it. THD inputs arrive as
-        ``[t, n, d]`` (Megatron's attention squeezes b).
+        """Packed documents (Megatron's ``PackedSeqParams``, b = 1), in one of two layouts:
 
-        Positions are the caller's: Megatron's THD RoPE under CP assumes Transformer Engine's
-        per-document split (each document in 2 x CP chunks), not this layout, so RoPE models
-        pack with ``qkv_format='sbhd'`` (positions along the whole sequence: RoPE scores depend
-        only on the distance between tokens, so each document sees what it would alone)."""
+        * ``thd`` (Megatron-LM's ``--sft`` batches): each document split over the CP ranks by
+          ``get_thd_batch_on_this_cp_rank`` (Transformer Engine's partitioning: chunks r and
+          2 CP - 1 - r of every document), the split Megatron's THD RoPE assumes too
+          (``packing.CPDocumentLayout``); inputs arrive as ``[t, n, d]`` (Megatron's attention
+          squeezes b);
+        * ``sbhd``: the packed sequence split like any sequence, zigzag over the CP ranks, and
+          ``cu_seqlens`` positions in it (``packing.PackedLayout``); RoPE then runs along the
+          whole sequence, which changes no score inside a document (rotary scores depend
+          only on the distance between tokens)."""
         if params.qkv_format == "thd":
             query, key, value = (t.unsqueeze(1) if t.dim() == 3 else t
                                  for t in (query, key, value))
