@@ -322,17 +322,15 @@ def validate_args(
 
 
 def _check_packed(ns: Namespace, mode: str, cp: int) -> None:
-    """Packed THD batches (``--sft``): METP's ring and WallFacer take the documents of one
-    packed sequence split like any sequence (METP: contiguous TP shards; WallFacer: Megatron's
-    zigzag). Under CP, Megatron-LM's THD batches are cut per document by Transformer Engine's
-    partitioning instead, which neither uses."""
-    if not getattr(ns, "sft", False) or mode == "tp" or cp == 1:
+    """Packed THD batches (``--sft``). Under CP, Megatron-LM splits them per document over the
+    CP ranks (Transformer Engine's partitioning): WallFacer takes that split
+    (``packing.CPDocumentLayout``); METP's K/V ring under CP does not."""
+    if not getattr(ns, "sft", False) or mode not in ("metp", "metp_mlp") or cp == 1:
         return
-    fix = ("use --tensor-parallel-mode metp with --context-parallel-size 1, or tp"
-           if mode == "wallfacer" else "use --context-parallel-size 1")
-    _fail(f"--sft with --tensor-parallel-mode {mode} at context-parallel size {cp}: Megatron-LM "
-          f"splits packed (THD) batches per document over CP ranks (Transformer Engine's "
-          f"partitioning), which the {mode} attention does not use; {fix}")
+    _fail(f"--sft with --tensor-parallel-mode {mode} at --context-parallel-size {cp}: "
+          f"Megatron-LM splits packed (THD) batches per document over the CP ranks, which "
+          f"METP's K/V ring does not use; use --context-parallel-size 1, or --tensor-parallel-"
+          f"mode wallfacer")
 
 
 def _check_world(ns: Namespace, tp: int, cp: int, pp: int) -> Optional[int]:
