@@ -32,6 +32,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 
 from megatron_metp import kernels
+from megatron_metp.parallel_state import zigzag_block
 
 ALL = slice(None)
 Piece = Tuple[slice, slice, bool]   # (query rows, key columns, causal) in block-local indices
@@ -131,8 +132,14 @@ class PackedLayout:
 
     def chunk_pieces(self, q_chunk: int, k_chunk: int, c: int, causal: bool = True) -> List[Piece]:
         """:meth:`pieces` of two chunks of ``c`` tokens given by their index in the sequence
-        (WallFacer's zigzag chunks)."""
+        (WallFacer's zigzag chunks; METP's ring blocks)."""
         return self.pieces(q_chunk * c, k_chunk * c, c, causal)
+
+    block_pieces = chunk_pieces
+
+    def block_positions(self, block: int, n: int, device=None) -> torch.Tensor:
+        """:meth:`positions` of block ``block`` of ``n`` tokens."""
+        return self.positions(block * n, n, device)
 
     def positions(self, start: int, n: int, device=None) -> torch.Tensor:
         """Each token's position inside its document for tokens ``[start, start + n)`` (int64;
@@ -210,7 +217,74 @@ class CPDocumentLayout:
         return torch.cat(parts).to(device)
 
 
-Layout = Union[PackedLayout, CPDocumentLayout]
+class CPBlockLayout:
+    """METP under context parallelism on Megatron-LM's THD batches: CP rank c holds chunks c
+    and 2 CP - 1 - c of every document (:class:`CPDocumentLayout`'s split), and METP cuts that
+    rank's tokens into TP contiguous blocks of ``n``. Ring block ``b`` is the one
+    ``parallel_state.zigzag_block`` numbers (TP rank t of CP rank c); it holds *segments*:
+    runs of consecutive positions of one document. Two segments of one document are the same
+    run or disjoint, so a (query block, key block) pair's pieces are: the same segment, causal;
+    an earlier segment of the document, whole; a later one, nothing (causal)."""
+
+    def __init__(self, cu_seqlens, cu_seqlens_padded, tp_size: int, cp_size: int):
+        docs = CPDocumentLayout(cu_seqlens, cu_seqlens_padded, cp_size)
+        if tp_size % 2:
+            raise ValueError(f"METP with context parallelism needs an even TP size, got "
+                             f"{tp_size}")
+        local = 2 * docs.chunk                     # tokens per CP rank
+        if local % tp_size:
+            raise ValueError(f"packed sequences: {local} tokens per CP rank do not split into "
+                             f"{tp_size} TP blocks")
+        self.n = local // tp_size
+        self.tp, self.cp = tp_size, cp_size
+        # Runs of CP rank c's tokens, in its order: (local start, length, doc, first position).
+        self.segments = {}
+        for c in range(cp_size):
+            runs, at = [], 0
+            for d, (m, length) in enumerate(zip(docs.sizes, docs.lengths)):
+                for chunk in (c, 2 * cp_size - 1 - c):
+                    runs.append((at, m, d, chunk * m, length))
+                    at += m
+            for t in range(tp_size):
+                lo, hi, segs = t * self.n, (t + 1) * self.n, []
+                for start, m, d, first, length in runs:
+                    a, e = max(lo, start), min(hi, start + m)
+                    if a >= e:
+                        continue
+                    pos = first + (a - start)
+                    real = min(max(length - pos, 0), e - a)   # padding ends each document
+                    segs.append((a - lo, e - a, real, d, pos))
+                self.segments[zigzag_block(t, tp_size, c, cp_size)] = segs
+
+    @classmethod
+    def from_packed_seq_params(cls, params, tp_size: int, cp_size: int) -> "CPBlockLayout":
+        return _cached(params, (cls, tp_size, cp_size), lambda: cls(
+            params.cu_seqlens_q, getattr(params, "cu_seqlens_q_padded", None), tp_size, cp_size))
+
+    def block_pieces(self, q_block: int, k_block: int, n: int, causal: bool = True) -> List[Piece]:
+        if n != self.n:
+            raise ValueError(f"packed sequences: blocks of {n} tokens, the documents give "
+                             f"{self.n} per TP rank")
+        out: List[Piece] = []
+        for oq, _, rq, dq, pq in self.segments[q_block]:
+            for ok, _, rk, dk, pk in self.segments[k_block]:
+                if dq != dk or not rq or not rk:
+                    continue
+                if q_block == k_block and oq == ok:
+                    out.append((slice(oq, oq + rq), slice(ok, ok + rk), causal))
+                elif pk < pq or not causal:
+                    out.append((slice(oq, oq + rq), slice(ok, ok + rk), False))
+        return out
+
+    def block_positions(self, block: int, n: int, device=None) -> torch.Tensor:
+        """Each token's position inside its document (padding: 0), as Megatron's THD RoPE."""
+        pos = torch.zeros(n, dtype=torch.int64)
+        for off, length, real, _, first in self.segments[block]:
+            pos[off:off + real] = torch.arange(first, first + real)
+        return pos.to(device)
+
+
+Layout = Union[PackedLayout, CPDocumentLayout, CPBlockLayout]
 
 
 def whole(causal_block: Optional[bool]) -> List[Piece]:

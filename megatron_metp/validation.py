@@ -309,7 +309,6 @@ def validate_args(
     _check_batch(ns, dp)
     _check_schedule(ns)
     _check_features(ns, mode)
-    _check_packed(ns, mode, cp)
     _check_flash_attn(ns, flash_attn_available)
 
     if mode == "tp":
@@ -319,18 +318,6 @@ def validate_args(
     else:
         _check_wallfacer(ns, tp, cp)
     return ns
-
-
-def _check_packed(ns: Namespace, mode: str, cp: int) -> None:
-    """Packed THD batches (``--sft``). Under CP, Megatron-LM splits them per document over the
-    CP ranks (Transformer Engine's partitioning): WallFacer takes that split
-    (``packing.CPDocumentLayout``); METP's K/V ring under CP does not."""
-    if not getattr(ns, "sft", False) or mode not in ("metp", "metp_mlp") or cp == 1:
-        return
-    _fail(f"--sft with --tensor-parallel-mode {mode} at --context-parallel-size {cp}: "
-          f"Megatron-LM splits packed (THD) batches per document over the CP ranks, which "
-          f"METP's K/V ring does not use; use --context-parallel-size 1, or --tensor-parallel-"
-          f"mode wallfacer")
 
 
 def _check_world(ns: Namespace, tp: int, cp: int, pp: int) -> Optional[int]:

@@ -336,10 +336,47 @@ def _wallfacer_model_task(case):
     return dict(loss=loss.item(), ref=ref_loss.item(), grad_err=worst)
 
 
-@pytest.mark.parametrize("mode,world", [("metp", 2), ("wallfacer", 4)])
-def test_packed_loss_equals_documents_one_by_one(mode, world, report):
-    task = _metp_model_task if mode == "metp" else _wallfacer_model_task
-    for case in list(CASES) + (["thd_cp"] if mode == "wallfacer" else []):
+def _metp_cp_model_task(case):
+    """METP TP = 2 x CP = 2, LLaMA-style (RoPE, GQA) on Megatron-LM's THD split: each CP rank
+    runs its documents' chunks c and 2CP-1-c, METP cuts them into TP blocks."""
+    from megatron.core import parallel_state as mpu
+
+    from tests import _models as M
+
+    M.setup(tp=2, mode="metp", context_parallel_size=2)
+    model = M.build("metp", "llama", max_sequence_length=S, num_query_groups=2)
+    full = M.full_state(model)
+    b = _packed_batch(case)
+    mine = _thd_partition(mpu.get_context_parallel_rank(), 2)
+    shard = lambda t: t.index_select(1, mine)  # noqa: E731
+    loss_bs = model(shard(b["tokens"]), shard(b["position_ids"]), None,
+                    labels=shard(b["labels"]), packed_seq_params=b["params"])
+    (loss_bs * shard(b["mask"])).sum().div(b["mask"].sum()).backward()
+    cp_group, tp_group = mpu.get_context_parallel_group(), mpu.get_tensor_model_parallel_group()
+    loss = (loss_bs.detach() * shard(b["mask"])).sum() / b["mask"].sum()
+    dist.all_reduce(loss, group=cp_group)
+    grads = {}
+    for n, q in model.named_parameters():
+        g = q.grad.detach().clone()
+        if getattr(q, "sequence_parallel", False):
+            dist.all_reduce(g, group=tp_group)   # norms see this TP rank's tokens only
+        dist.all_reduce(g, group=cp_group)
+        grads[n] = M.gather_full(g, q)
+    ref_loss, ref_grads = _one_by_one(case, full, model.config, b, rope_on=True)
+    worst = _model_close(loss, grads, ref_loss, ref_grads, f"metp x cp packed {case}")
+    return dict(loss=loss.item(), ref=ref_loss.item(), grad_err=worst)
+
+
+_TASKS = {"metp": (2, ["docs", "padded"]), "wallfacer": (4, ["docs", "padded", "thd_cp"]),
+          "metp x cp": (4, ["thd_cp"])}
+
+
+@pytest.mark.parametrize("mode", list(_TASKS))
+def test_packed_loss_equals_documents_one_by_one(mode, report):
+    task = {"metp": _metp_model_task, "wallfacer": _wallfacer_model_task,
+            "metp x cp": _metp_cp_model_task}[mode]
+    world, cases = _TASKS[mode]
+    for case in cases:
         r = run_ranks(world, task, case)[0]
         report(f"packed {mode} GPT ({case}): loss {r['loss']:.6f} vs one by one "
                f"{r['ref']:.6f} (fp64); max|grad err| {r['grad_err']:.1e}")

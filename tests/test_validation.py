@@ -59,6 +59,7 @@ GOOD = [
     ("metp_mlp", {"group_query_attention": True, "num_query_groups": 2}),
     ("metp", {"sft": True}),  # packed THD batches at CP 1
     ("wallfacer", {"sft": True}),  # Megatron-LM's THD split under CP
+    ("metp", {"sft": True, "context_parallel_size": 2, "global_batch_size": 1}),  # the same
     ("wallfacer", {}),
     ("wallfacer", {"wallfacer_team_size": 2, "context_parallel_size": 4, "world_size": 4}),
     ("wallfacer", {"num_attention_heads": 6, "hidden_size": 48}),  # heads need not divide P
@@ -146,10 +147,6 @@ BAD = [
      "packed_seq_params"),
     ("wf-reset-mask", "wallfacer", {"reset_attention_mask": True}, "--reset-attention-mask",
      "packed_seq_params"),
-    # Packed THD batches (--sft): METP at CP 1 and WallFacer take them (tests/test_packed.py);
-    # under CP Megatron-LM partitions them per document, which METP's K/V ring does not use.
-    ("metp-sft-cp", "metp", {"sft": True, "context_parallel_size": 2, "global_batch_size": 1},
-     "--sft", "--context-parallel-size 1"),
     ("metp-seq", "metp", {"seq_length": 30}, "--seq-length", "s/p"),
     ("metp-heterogeneous", "metp", {"heterogeneous_layers_config_path": "layers.json"},
      "--heterogeneous-layers-config-path", "one layer spec"),

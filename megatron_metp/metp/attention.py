@@ -65,7 +65,7 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_metp.metp.ring_attention import ring_attention_backward, ring_attention_forward
-from megatron_metp.packing import PackedLayout
+from megatron_metp.packing import CPBlockLayout, PackedLayout
 
 
 def check_metp_attention_config(config: TransformerConfig, p: int) -> None:
@@ -549,7 +549,9 @@ class MetpSelfAttention(SelfAttention):
             # Megatron's THD RoPE: each token at its position inside its document (the table
             # covers max_seqlen positions for THD, the whole sequence otherwise).
             pair = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
-            pos = layout.positions(rank * s_shard, s_shard, device=pair[0].device)
+            ring_rank = dist.get_rank(self.kv_group) if self.kv_group is not None else 0
+            block = self.kv_blocks[ring_rank] if self.kv_blocks is not None else rank
+            pos = layout.block_positions(block, s_shard, device=pair[0].device)
             for f in pair:
                 if s_shard and f.shape[0] <= int(pos.max()):
                     raise ValueError(f"rotary_pos_emb covers {f.shape[0]} positions; a packed "
@@ -594,12 +596,16 @@ class MetpSelfAttention(SelfAttention):
         if hidden_states.shape[1] != 1:
             raise ValueError("MetpSelfAttention: packed sequences take one packed sequence per "
                              f"micro batch (b = 1), got b = {hidden_states.shape[1]}")
-        if self.kv_blocks is not None or self.kv_group is not self.tp_group:
-            raise ValueError(
-                "MetpSelfAttention: packed sequences with --context-parallel-size > 1 are not "
-                "supported (Megatron's THD context parallelism splits each document into 2 x CP "
-                "chunks, a layout the METP ring does not use); use CP 1")
         if not causal:
             raise ValueError("MetpSelfAttention: packed sequences need the causal mask type")
+        if self.kv_blocks is not None:
+            # Under CP: Megatron-LM's THD split (each document's chunks c and 2CP-1-c on CP
+            # rank c), then METP's contiguous TP blocks of that rank's tokens.
+            if params.qkv_format != "thd":
+                raise ValueError("MetpSelfAttention: packed sequences under context "
+                                 "parallelism come as Megatron-LM's THD batches "
+                                 "(qkv_format 'thd', get_thd_batch_on_this_cp_rank)")
+            return CPBlockLayout.from_packed_seq_params(
+                params, self.world_size, len(self.kv_blocks) // self.world_size)
         return PackedLayout.from_packed_seq_params(
             params, total=hidden_states.shape[0] * self.world_size)

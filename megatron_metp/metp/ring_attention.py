@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from megatron_metp.comm import DoubleBuffer, RingComm
 from megatron_metp.kernels import acc_dtype
-from megatron_metp.packing import PackedLayout, backward_pieces, forward_pieces, whole
+from megatron_metp.packing import Layout, backward_pieces, forward_pieces, whole
 
 # Layouts a [b, n, s, d] block may be stored in without a copy: bnsd itself, Megatron's
 # sbnd (a projection of [s, b, h] hidden states) and bsnd (flash-attn's).
@@ -75,14 +75,13 @@ def _block_mode(causal: bool, q_block: int, k_block: int) -> Optional[bool]:
     return False if k_block < q_block else None
 
 
-def _block_pieces(layout: Optional[PackedLayout], causal: bool, q_block: int, k_block: int,
-                  n: int):
+def _block_pieces(layout, causal: bool, q_block: int, k_block: int, n: int):
     """The kernel calls of one (query block, key block) pair: the whole block or nothing
     (:func:`_block_mode`), or, for packed documents, the pieces they leave
     (``megatron_metp.packing``); ``n``: tokens per block."""
     if layout is None:
         return whole(_block_mode(causal, q_block, k_block))
-    return layout.pieces(q_block * n, k_block * n, n, causal)
+    return layout.block_pieces(q_block, k_block, n, causal)
 
 
 def _block_of(blocks: Optional[Sequence[int]], p: int):
@@ -110,7 +109,7 @@ def ring_attention_forward(
     softmax_scale: Optional[float] = None,
     backend: Optional[str] = None,
     blocks: Optional[Sequence[int]] = None,
-    layout: Optional[PackedLayout] = None,
+    layout: Optional[Layout] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Attention of this rank's queries to every rank's keys; returns ``(out, lse)``.
     ``backend``: the kernel (``megatron_metp.kernels.BACKENDS``), None to choose per block.
@@ -162,7 +161,7 @@ def ring_attention_backward(
     backend: Optional[str] = None,
     with_dq: Optional[Callable[[torch.Tensor], None]] = None,
     blocks: Optional[Sequence[int]] = None,
-    layout: Optional[PackedLayout] = None,
+    layout: Optional[Layout] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of :func:`ring_attention_forward`: ``(dq, dk, dv)`` for this rank's shards.
 
@@ -274,7 +273,7 @@ def ring_attention(
     softmax_scale: Optional[float] = None,
     backend: Optional[str] = None,
     blocks: Optional[Sequence[int]] = None,
-    layout: Optional[PackedLayout] = None,
+    layout: Optional[Layout] = None,
 ) -> torch.Tensor:
     """Differentiable ring attention over ``group`` (shapes in the module docstring);
     ``blocks``: each ring rank's block index in the sequence, None for ring order;
