@@ -210,6 +210,20 @@ def test_layout_pieces_and_positions():
     assert pad.pieces(16, 16, 8) == []
     with pytest.raises(ValueError, match="document 0 has 4 tokens but 3"):
         PackedLayout([0, 4], [0, 3])
+    # METP x CP on THD_CP, TP 2 x CP 2: CP rank 0 holds d0 0-1, d0 6-7, d1 0-3 | d1 12-15,
+    # d2 0-1, d2 6-7 (chunks 0 and 3 of each document); block 0 = its first TP half, block 1 =
+    # CP rank 1's first half: d0 2-3, d0 4-5, d1 4-7 (d0 has 5 real tokens: 5 is padding).
+    from megatron_metp.packing import CPBlockLayout
+
+    cpb = CPBlockLayout(THD_CP["cu"], THD_CP["cu_pad"], 2, 2)
+    assert cpb.block_positions(0, 8).tolist() == [0, 1, 0, 0, 0, 1, 2, 3]
+    assert cpb.block_positions(1, 8).tolist() == [2, 3, 4, 0, 4, 5, 6, 7]
+    assert cpb.block_pieces(0, 0, 8) == [(slice(0, 2), slice(0, 2), True),
+                                         (slice(4, 8), slice(4, 8), True)]
+    assert cpb.block_pieces(1, 0, 8) == [(slice(0, 2), slice(0, 2), False),
+                                         (slice(2, 3), slice(0, 2), False),
+                                         (slice(4, 8), slice(4, 8), False)]
+    assert cpb.block_pieces(0, 1, 8) == []   # later positions of the same documents
 
 
 def _packed_batch(case, seed=5, qkv_format="thd"):
