@@ -6,9 +6,17 @@ THD layout pads to a multiple of 2 x CP), ``cu_seqlens_q_padded`` with the padde
 Document i then holds the tokens ``[start_i, start_i + len_i)`` of the sequence, and the tokens
 ``[start_i + len_i, start_{i+1})`` are padding, which attend to nothing and are seen by nobody.
 
-The rings (METP's K/V ring, WallFacer's chunk pairs) work in blocks of contiguous positions.
-:meth:`PackedLayout.pieces` cuts one (query block, key block) pair into the dense kernel calls
-the documents leave:
+Three layouts, one per way the tokens reach a rank; each gives the pieces of a block pair
+(``block_pieces`` for METP's ring blocks, ``chunk_pieces`` for WallFacer's zigzag chunks):
+
+* :class:`PackedLayout`: the packed sequence split like any sequence (METP at CP = 1: contiguous
+  TP shards; WallFacer with ``sbhd`` packs: Megatron's zigzag); blocks are ranges of positions;
+* :class:`CPDocumentLayout`: Megatron-LM's THD batches under CP (``--sft``), each document cut
+  into 2 CP chunks and rank r holding chunks r and 2CP-1-r of each (WallFacer);
+* :class:`CPBlockLayout`: the same THD split, then METP's TP blocks of each CP rank's tokens.
+
+For :class:`PackedLayout`, :meth:`PackedLayout.pieces` cuts one (query block, key block) pair
+into the dense kernel calls the documents leave:
 
 * the same block (diagonal): one causal piece per document inside it;
 * a key block wholly before the query block: at most one document has tokens in both (it must
