@@ -67,7 +67,37 @@ def _cached(params, key, build):
     return cache[key]
 
 
-class PackedLayout:
+def _check_self_attention(params) -> None:
+    """Self-attention: the key/value lengths must be the query lengths."""
+    cu, pad = params.cu_seqlens_q, getattr(params, "cu_seqlens_q_padded", None)
+    kv, kv_pad = params.cu_seqlens_kv, getattr(params, "cu_seqlens_kv_padded", None)
+    if kv is not None and _ints(kv) != _ints(cu) or (
+            kv_pad is not None and pad is not None and _ints(kv_pad) != _ints(pad)):
+        raise ValueError("packed sequences: self-attention needs cu_seqlens_kv equal to "
+                         "cu_seqlens_q (and the padded ones equal)")
+
+
+class _Memo:
+    """What a layout computes per (block pair) or per device, kept for its life (one micro
+    batch): the rings ask for the same pieces at every head group, chunk, forward, backward and
+    recompute, and a tensor moved to a GPU once is not copied (nor synchronised) again."""
+
+    def _memo(self, key, build):
+        memo = self.__dict__.setdefault("_memo_store", {})
+        if key not in memo:
+            memo[key] = build()
+        return memo[key]
+
+    def block_positions(self, block: int, n: int, device=None) -> torch.Tensor:
+        """Each token's position inside its document for ring block ``block`` of ``n`` tokens
+        (int64, padding 0: what Megatron's THD RoPE uses); on ``device``, cached."""
+        host = self._memo(("pos", block, n, None), lambda: self._block_positions(block, n))
+        if device is None or torch.device(device).type == "cpu":
+            return host
+        return self._memo(("pos", block, n, str(device)), lambda: host.to(device))
+
+
+class PackedLayout(_Memo):
     """Where the documents of one packed sequence lie (global token positions).
 
     ``cu_seqlens``: cumulative true lengths ``[0, l_0, l_0 + l_1, ...]``; ``cu_seqlens_padded``
@@ -108,18 +138,15 @@ class PackedLayout:
 
     @classmethod
     def _from_params(cls, params, total: Optional[int]) -> "PackedLayout":
-        cu = params.cu_seqlens_q
-        pad = getattr(params, "cu_seqlens_q_padded", None)
-        kv, kv_pad = params.cu_seqlens_kv, getattr(params, "cu_seqlens_kv_padded", None)
-        if kv is not None and _ints(kv) != _ints(cu) or (
-                kv_pad is not None and pad is not None and _ints(kv_pad) != _ints(pad)):
-            raise ValueError("packed sequences: self-attention needs cu_seqlens_kv equal to "
-                             "cu_seqlens_q (and the padded ones equal)")
-        return cls(cu, pad, total)
+        _check_self_attention(params)
+        return cls(params.cu_seqlens_q, getattr(params, "cu_seqlens_q_padded", None), total)
 
     def pieces(self, q0: int, k0: int, n: int, causal: bool = True) -> List[Piece]:
         """Kernel calls for queries ``[q0, q0 + n)`` against keys ``[k0, k0 + n)`` (positions
         in the whole sequence), as block-local ``(rows, cols, causal)``; ``[]``: skip."""
+        return self._memo(("pieces", q0, k0, n, causal), lambda: self._pieces(q0, k0, n, causal))
+
+    def _pieces(self, q0: int, k0: int, n: int, causal: bool) -> List[Piece]:
         q1, k1 = q0 + n, k0 + n
         if causal and k0 > q0:
             return []
@@ -145,9 +172,8 @@ class PackedLayout:
 
     block_pieces = chunk_pieces
 
-    def block_positions(self, block: int, n: int, device=None) -> torch.Tensor:
-        """:meth:`positions` of block ``block`` of ``n`` tokens."""
-        return self.positions(block * n, n, device)
+    def _block_positions(self, block: int, n: int) -> torch.Tensor:
+        return self.positions(block * n, n)
 
     def positions(self, start: int, n: int, device=None) -> torch.Tensor:
         """Each token's position inside its document for tokens ``[start, start + n)`` (int64;
@@ -161,7 +187,7 @@ class PackedLayout:
         return rel.masked_fill(pad, 0).to(device)
 
 
-class CPDocumentLayout:
+class CPDocumentLayout(_Memo):
     """Megatron-LM's packed THD batches under context parallelism: every document, padded to a
     multiple of 2 x CP (``cu_seqlens_padded``), is cut into 2 CP equal chunks, and CP rank r
     holds chunks r and 2 CP - 1 - r *of each document*, document after document (Transformer
@@ -200,10 +226,15 @@ class CPDocumentLayout:
     def from_packed_seq_params(cls, params, cp_size: int) -> "CPDocumentLayout":
         """From Megatron's ``PackedSeqParams``; kept on ``params`` as
         :meth:`PackedLayout.from_packed_seq_params` does."""
+        _check_self_attention(params)
         return _cached(params, (cls, cp_size), lambda: cls(
             params.cu_seqlens_q, getattr(params, "cu_seqlens_q_padded", None), cp_size))
 
     def chunk_pieces(self, q_chunk: int, k_chunk: int, c: int, causal: bool = True) -> List[Piece]:
+        return self._memo(("pieces", q_chunk, k_chunk, c, causal),
+                          lambda: self._chunk_pieces(q_chunk, k_chunk, c, causal))
+
+    def _chunk_pieces(self, q_chunk: int, k_chunk: int, c: int, causal: bool) -> List[Piece]:
         if c != self.chunk:
             raise ValueError(f"packed sequences: chunks of {c} tokens, the documents give "
                              f"{self.chunk} per chunk")
@@ -219,13 +250,16 @@ class CPDocumentLayout:
 
     def chunk_major_index(self, device=None) -> torch.Tensor:
         """Local token order -> chunk-major order: ``x[index]`` puts a rank's tokens as
-        ``[chunk r of each document | chunk 2 CP - 1 - r of each document]``."""
-        parts = [torch.arange(2 * o + h * m, 2 * o + (h + 1) * m)
-                 for h in range(2) for m, o in zip(self.sizes, self.offsets)]
-        return torch.cat(parts).to(device)
+        ``[chunk r of each document | chunk 2 CP - 1 - r of each document]`` (cached per
+        device)."""
+        def build():
+            parts = [torch.arange(2 * o + h * m, 2 * o + (h + 1) * m)
+                     for h in range(2) for m, o in zip(self.sizes, self.offsets)]
+            return torch.cat(parts).to(device)
+        return self._memo(("order", str(device)), build)
 
 
-class CPBlockLayout:
+class CPBlockLayout(_Memo):
     """METP under context parallelism on Megatron-LM's THD batches: CP rank c holds chunks c
     and 2 CP - 1 - c of every document (:class:`CPDocumentLayout`'s split), and METP cuts that
     rank's tokens into TP contiguous blocks of ``n``. Ring block ``b`` is the one
@@ -245,7 +279,9 @@ class CPBlockLayout:
                              f"{tp_size} TP blocks")
         self.n = local // tp_size
         self.tp, self.cp = tp_size, cp_size
-        # Runs of CP rank c's tokens, in its order: (local start, length, doc, first position).
+        # Runs of CP rank c's tokens, in its order: (local start, length, doc, first position,
+        # the document's true length); a block's segments: (offset in the block, length, real
+        # tokens, doc, first position).
         self.segments = {}
         for c in range(cp_size):
             runs, at = [], 0
@@ -266,30 +302,36 @@ class CPBlockLayout:
 
     @classmethod
     def from_packed_seq_params(cls, params, tp_size: int, cp_size: int) -> "CPBlockLayout":
+        _check_self_attention(params)
         return _cached(params, (cls, tp_size, cp_size), lambda: cls(
             params.cu_seqlens_q, getattr(params, "cu_seqlens_q_padded", None), tp_size, cp_size))
 
     def block_pieces(self, q_block: int, k_block: int, n: int, causal: bool = True) -> List[Piece]:
+        return self._memo(("pieces", q_block, k_block, n, causal),
+                          lambda: self._block_pieces(q_block, k_block, n, causal))
+
+    def _block_pieces(self, q_block: int, k_block: int, n: int, causal: bool) -> List[Piece]:
         if n != self.n:
             raise ValueError(f"packed sequences: blocks of {n} tokens, the documents give "
                              f"{self.n} per TP rank")
+        by_doc = {}   # the key block's real segments, by document
+        for ok, _, rk, dk, pk in self.segments[k_block]:
+            if rk:
+                by_doc.setdefault(dk, []).append((ok, rk, pk))
         out: List[Piece] = []
         for oq, _, rq, dq, pq in self.segments[q_block]:
-            for ok, _, rk, dk, pk in self.segments[k_block]:
-                if dq != dk or not rq or not rk:
-                    continue
+            for ok, rk, pk in by_doc.get(dq, ()) if rq else ():
                 if q_block == k_block and oq == ok:
                     out.append((slice(oq, oq + rq), slice(ok, ok + rk), causal))
                 elif pk < pq or not causal:
                     out.append((slice(oq, oq + rq), slice(ok, ok + rk), False))
         return out
 
-    def block_positions(self, block: int, n: int, device=None) -> torch.Tensor:
-        """Each token's position inside its document (padding: 0), as Megatron's THD RoPE."""
+    def _block_positions(self, block: int, n: int) -> torch.Tensor:
         pos = torch.zeros(n, dtype=torch.int64)
-        for off, length, real, _, first in self.segments[block]:
+        for off, _, real, _, first in self.segments[block]:
             pos[off:off + real] = torch.arange(first, first + real)
-        return pos.to(device)
+        return pos
 
 
 Layout = Union[PackedLayout, CPDocumentLayout, CPBlockLayout]
@@ -314,8 +356,8 @@ def forward_pieces(pieces: List[Piece], q, k, v, out_acc, lse_acc, *, softmax_sc
                    backend=None):
     """Attention of ``q [b, n, s, d]`` to ``k, v`` over ``pieces``, merged into the caller's
     ``out_acc [b, n, s, d]`` / ``lse_acc [b, n, s]`` (fp32, updated in place). With
-    ``out_acc=None`` the accumulators are created (from the block itself when one piece covers
-    it). Returns ``(out_acc, lse_acc)`` (still None when ``pieces`` is empty)."""
+    ``out_acc=None`` the accumulators are created (from the kernel's output itself when the
+    piece is the whole block, :data:`ALL`). Returns ``(out_acc, lse_acc)`` (still None when ``pieces`` is empty)."""
     for qs, ks, causal in pieces:
         blk_out, blk_lse = kernels.attention_forward(
             q[:, :, qs], k[:, :, ks], v[:, :, ks], causal=causal, softmax_scale=softmax_scale,
@@ -334,7 +376,8 @@ def forward_pieces(pieces: List[Piece], q, k, v, out_acc, lse_acc, *, softmax_sc
 def backward_pieces(pieces: List[Piece], dout, q, k, v, out, lse, dq_acc, *, delta=None,
                     softmax_scale=None, backend=None):
     """Backward of :func:`forward_pieces` for one block: dq added into ``dq_acc [b, n, s, d]``;
-    returns the block's ``(dk, dv)`` (None, None when ``pieces`` is empty). ``out`` or
+    returns the block's ``(dk, dv)`` (None, None when ``pieces`` is empty; k's dtype for the
+    whole block, the statistics dtype when summed from pieces). ``out`` or
     ``delta`` as :func:`megatron_metp.kernels.attention_backward` takes them."""
     dk = dv = None
     for qs, ks, causal in pieces:
@@ -348,7 +391,10 @@ def backward_pieces(pieces: List[Piece], dout, q, k, v, out, lse, dq_acc, *, del
             dk, dv = dk_b, dv_b
             continue
         if dk is None:
-            dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+            # Several pieces may share key columns: sum them in the statistics dtype.
+            acc = kernels.acc_dtype(k.dtype)
+            dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+            dv = torch.zeros(v.shape, dtype=acc, device=v.device)
         dk[:, :, ks] += dk_b
         dv[:, :, ks] += dv_b
     return dk, dv

@@ -394,3 +394,105 @@ def test_packed_loss_equals_documents_one_by_one(mode, report):
         r = run_ranks(world, task, case)[0]
         report(f"packed {mode} GPT ({case}): loss {r['loss']:.6f} vs one by one "
                f"{r['ref']:.6f} (fp64); max|grad err| {r['grad_err']:.1e}")
+
+
+def _covered(pieces, nq, nk):
+    """How many pieces cover each (row, column) of a block: a causal piece (square, on the
+    diagonal of its own rows and columns) covers its lower triangle."""
+    cover = torch.zeros(nq, nk, dtype=torch.int64)
+    for qs, ks, causal in pieces:
+        rows, cols = range(nq)[qs], range(nk)[ks]
+        assert len(rows) and len(cols) and rows.step == cols.step == 1
+        tri = torch.ones(len(rows), len(cols), dtype=torch.int64)
+        if causal:
+            assert len(rows) == len(cols)
+            tri = tri.tril()
+        cover[rows.start:rows.stop, cols.start:cols.stop] += tri
+    return cover
+
+
+def _visible(q_tokens, k_tokens, doc, pos, causal):
+    """The rule itself, token by token: same document, real tokens, key not after query."""
+    vis = torch.zeros(len(q_tokens), len(k_tokens), dtype=torch.int64)
+    for i, a in enumerate(q_tokens):
+        for j, b in enumerate(k_tokens):
+            vis[i, j] = int(doc[a] >= 0 and doc[a] == doc[b] and (not causal or pos[b] <= pos[a]))
+    return vis
+
+
+def _random_docs(g, n_docs, mult):
+    """(cu_seqlens, cu_seqlens_padded, doc id and position of each padded token; -1: pad)."""
+    cu, pad, doc, pos = [0], [0], [], []
+    for d in range(n_docs):
+        length = int(torch.randint(0, 14, (1,), generator=g))
+        room = -(-length // mult) * mult + mult * int(torch.randint(0, 2, (1,), generator=g))
+        cu.append(cu[-1] + length)
+        pad.append(pad[-1] + room)
+        doc += [d] * length + [-1] * (room - length)
+        pos += list(range(length)) + [0] * (room - length)
+    return cu, pad, doc, pos
+
+
+def test_layouts_cover_exactly_the_visible_pairs():
+    """Random documents (empty ones and padding included), causal and not: for every block pair
+    of every layout the pieces cover each visible (query, key) pair exactly once and nothing
+    else, causal pieces are square, and the RoPE positions are each token's in its document."""
+    from megatron_metp.packing import CPBlockLayout, CPDocumentLayout
+    from megatron_metp.parallel_state import zigzag_block
+
+    g = torch.Generator().manual_seed(0)
+    checked = 0
+    for trial in range(40):
+        cp = 1 + trial % 3
+        tp = 2 * (1 + trial % 2)
+        cu, pad, doc, pos = _random_docs(g, 1 + trial % 5, 2 * cp * tp)
+        total = pad[-1]
+        if total == 0:
+            continue
+        # METP at CP 1 / WallFacer sbhd: contiguous blocks of the whole sequence.
+        lay = PackedLayout(cu, pad)
+        n = total // tp
+        for causal in (True, False):
+            for qb in range(tp):
+                for kb in range(tp):
+                    qt, kt = range(qb * n, (qb + 1) * n), range(kb * n, (kb + 1) * n)
+                    assert torch.equal(_covered(lay.block_pieces(qb, kb, n, causal), n, n),
+                                       _visible(qt, kt, doc, pos, causal))
+                    checked += 1
+        for qb in range(tp):
+            assert lay.block_positions(qb, n).tolist() == pos[qb * n:(qb + 1) * n]
+        # Megatron-LM's THD split under CP: rank r holds chunks r and 2cp-1-r of each document.
+        local = []
+        for r in range(cp):
+            idx = []
+            for a, e in zip(pad[:-1], pad[1:]):
+                m = (e - a) // (2 * cp)
+                for chunk in (r, 2 * cp - 1 - r):
+                    idx += range(a + chunk * m, a + (chunk + 1) * m)
+            local.append(idx)
+        cpd = CPDocumentLayout(cu, pad, cp)
+        chunks = {}
+        for r in range(cp):
+            ordered = [local[r][i] for i in cpd.chunk_major_index().tolist()]
+            chunks[r], chunks[2 * cp - 1 - r] = ordered[:cpd.chunk], ordered[cpd.chunk:]
+        for causal in (True, False):
+            for qc in chunks:
+                for kc in chunks:
+                    c = cpd.chunk
+                    assert torch.equal(_covered(cpd.chunk_pieces(qc, kc, c, causal), c, c),
+                                       _visible(chunks[qc], chunks[kc], doc, pos, causal))
+                    checked += 1
+        # METP x CP: that split, then TP blocks of each CP rank's tokens.
+        cpb = CPBlockLayout(cu, pad, tp, cp)
+        blocks = {zigzag_block(t, tp, r, cp): local[r][t * cpb.n:(t + 1) * cpb.n]
+                  for r in range(cp) for t in range(tp)}
+        for causal in (True, False):
+            for qb in blocks:
+                for kb in blocks:
+                    assert torch.equal(
+                        _covered(cpb.block_pieces(qb, kb, cpb.n, causal), cpb.n, cpb.n),
+                        _visible(blocks[qb], blocks[kb], doc, pos, causal))
+                    checked += 1
+        for b, toks in blocks.items():
+            assert cpb.block_positions(b, cpb.n).tolist() == [pos[t] for t in toks]
+    assert checked > 1000

@@ -551,11 +551,14 @@ class MetpSelfAttention(SelfAttention):
             pair = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
             ring_rank = dist.get_rank(self.kv_group) if self.kv_group is not None else 0
             block = self.kv_blocks[ring_rank] if self.kv_blocks is not None else rank
-            pos = layout.block_positions(block, s_shard, device=pair[0].device)
+            # The range check reads the host copy (no GPU sync); the device copy is made once
+            # per micro batch (the layout keeps both).
+            need = int(layout.block_positions(block, s_shard).max()) + 1 if s_shard else 0
             for f in pair:
-                if s_shard and f.shape[0] <= int(pos.max()):
+                if f.shape[0] < need:
                     raise ValueError(f"rotary_pos_emb covers {f.shape[0]} positions; a packed "
-                                     f"document needs {int(pos.max()) + 1} (max_seqlen_q)")
+                                     f"document needs {need} (max_seqlen_q)")
+            pos = layout.block_positions(block, s_shard, device=pair[0].device)
             freqs = tuple(f.index_select(0, pos) for f in pair)
         elif rotary_pos_emb is not None:
             pair = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2

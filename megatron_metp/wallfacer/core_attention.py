@@ -117,8 +117,14 @@ class WallFacerCoreAttention(MegatronModule):
         * ``sbhd``: the packed sequence split like any sequence, zigzag over the CP ranks, and
           ``cu_seqlens`` positions in it (``packing.PackedLayout``); RoPE then runs along the
           whole sequence, which changes no score inside a document (rotary scores depend
-          only on the distance between tokens)."""
+          only on the distance between tokens). Megatron sizes the rotary table from
+          ``max_seqlen_q`` when packed parameters are given: set it to the sequence length."""
         if params.qkv_format == "thd":
+            if self.plan.cp_size > 1 and self.plan.layout != "zigzag":
+                raise ValueError(
+                    f"WallFacer attention: THD batches under CP come in Megatron-LM's split "
+                    f"(chunks r and 2CP-1-r of each document), which needs the zigzag token "
+                    f"layout, not {self.plan.layout!r}")
             query, key, value = (t.unsqueeze(1) if t.dim() == 3 else t
                                  for t in (query, key, value))
         elif params.qkv_format != "sbhd":
