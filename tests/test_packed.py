@@ -224,6 +224,16 @@ def test_layout_pieces_and_positions():
                                          (slice(2, 3), slice(0, 2), False),
                                          (slice(4, 8), slice(4, 8), False)]
     assert cpb.block_pieces(0, 1, 8) == []   # later positions of the same documents
+    # Kept for the layout's life (the rings ask at every head group, pass and recompute).
+    assert cpb.block_pieces(1, 0, 8) is cpb.block_pieces(1, 0, 8)
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cross = PackedSeqParams(qkv_format="thd", cu_seqlens_q=torch.tensor([0, 8]),
+                            cu_seqlens_kv=torch.tensor([0, 4]))
+    for build in (lambda: CPBlockLayout.from_packed_seq_params(cross, 2, 2),
+                  lambda: PackedLayout.from_packed_seq_params(cross, 8)):
+        with pytest.raises(ValueError, match="cu_seqlens_kv"):
+            build()
 
 
 def _packed_batch(case, seed=5, qkv_format="thd"):
