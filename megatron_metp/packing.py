@@ -88,6 +88,15 @@ class _Memo:
             memo[key] = build()
         return memo[key]
 
+    def block_pieces(self, q_block: int, k_block: int, n: int, causal: bool = True) -> List[Piece]:
+        """The pieces of query block ``q_block`` against key block ``k_block`` (``n`` tokens
+        each: METP's ring blocks, WallFacer's zigzag chunks), cached."""
+        return self._memo(("pieces", q_block, k_block, n, causal),
+                          lambda: self._block_pieces(q_block, k_block, n, causal))
+
+    def chunk_pieces(self, q_chunk: int, k_chunk: int, c: int, causal: bool = True) -> List[Piece]:
+        return self.block_pieces(q_chunk, k_chunk, c, causal)
+
     def block_positions(self, block: int, n: int, device=None) -> torch.Tensor:
         """Each token's position inside its document for ring block ``block`` of ``n`` tokens
         (int64, padding 0: what Megatron's THD RoPE uses); on ``device``, cached."""
@@ -144,9 +153,6 @@ class PackedLayout(_Memo):
     def pieces(self, q0: int, k0: int, n: int, causal: bool = True) -> List[Piece]:
         """Kernel calls for queries ``[q0, q0 + n)`` against keys ``[k0, k0 + n)`` (positions
         in the whole sequence), as block-local ``(rows, cols, causal)``; ``[]``: skip."""
-        return self._memo(("pieces", q0, k0, n, causal), lambda: self._pieces(q0, k0, n, causal))
-
-    def _pieces(self, q0: int, k0: int, n: int, causal: bool) -> List[Piece]:
         q1, k1 = q0 + n, k0 + n
         if causal and k0 > q0:
             return []
@@ -165,12 +171,9 @@ class PackedLayout(_Memo):
             out.append((slice(qa - q0, qb - q0), slice(ka - k0, kb - k0), diag))
         return out
 
-    def chunk_pieces(self, q_chunk: int, k_chunk: int, c: int, causal: bool = True) -> List[Piece]:
-        """:meth:`pieces` of two chunks of ``c`` tokens given by their index in the sequence
-        (WallFacer's zigzag chunks; METP's ring blocks)."""
-        return self.pieces(q_chunk * c, k_chunk * c, c, causal)
-
-    block_pieces = chunk_pieces
+    def _block_pieces(self, q_block: int, k_block: int, n: int, causal: bool) -> List[Piece]:
+        # Blocks (chunks) are ranges of positions of the whole sequence.
+        return self.pieces(q_block * n, k_block * n, n, causal)
 
     def _block_positions(self, block: int, n: int) -> torch.Tensor:
         return self.positions(block * n, n)
@@ -230,11 +233,7 @@ class CPDocumentLayout(_Memo):
         return _cached(params, (cls, cp_size), lambda: cls(
             params.cu_seqlens_q, getattr(params, "cu_seqlens_q_padded", None), cp_size))
 
-    def chunk_pieces(self, q_chunk: int, k_chunk: int, c: int, causal: bool = True) -> List[Piece]:
-        return self._memo(("pieces", q_chunk, k_chunk, c, causal),
-                          lambda: self._chunk_pieces(q_chunk, k_chunk, c, causal))
-
-    def _chunk_pieces(self, q_chunk: int, k_chunk: int, c: int, causal: bool) -> List[Piece]:
+    def _block_pieces(self, q_chunk: int, k_chunk: int, c: int, causal: bool) -> List[Piece]:
         if c != self.chunk:
             raise ValueError(f"packed sequences: chunks of {c} tokens, the documents give "
                              f"{self.chunk} per chunk")
@@ -305,10 +304,6 @@ class CPBlockLayout(_Memo):
         _check_self_attention(params)
         return _cached(params, (cls, tp_size, cp_size), lambda: cls(
             params.cu_seqlens_q, getattr(params, "cu_seqlens_q_padded", None), tp_size, cp_size))
-
-    def block_pieces(self, q_block: int, k_block: int, n: int, causal: bool = True) -> List[Piece]:
-        return self._memo(("pieces", q_block, k_block, n, causal),
-                          lambda: self._block_pieces(q_block, k_block, n, causal))
 
     def _block_pieces(self, q_block: int, k_block: int, n: int, causal: bool) -> List[Piece]:
         if n != self.n:
