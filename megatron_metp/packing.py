@@ -53,8 +53,8 @@ def _ints(t) -> List[int]:
 
 
 def _cached(params, key, build):
-    """``build()``, kept on the ``PackedSeqParams`` object under ``key`` (see
-    :meth:`PackedLayout.from_packed_seq_params`)."""
+    """``build()`` after the self-attention check, kept on the ``PackedSeqParams`` object under
+    ``key`` (see :meth:`PackedLayout.from_packed_seq_params`)."""
     cache = getattr(params, "_metp_packed_layouts", None)
     if cache is None:
         cache = {}
@@ -63,12 +63,14 @@ def _cached(params, key, build):
         except AttributeError:   # a frozen or slotted stand-in: no cache
             pass
     if key not in cache:
+        _check_self_attention(params)
         cache[key] = build()
     return cache[key]
 
 
 def _check_self_attention(params) -> None:
-    """Self-attention: the key/value lengths must be the query lengths."""
+    """Self-attention: the key/value lengths must be the query lengths. Reads ``cu_seqlens``
+    on the host, so it runs inside a layout's cached build (once per micro batch)."""
     cu, pad = params.cu_seqlens_q, getattr(params, "cu_seqlens_q_padded", None)
     kv, kv_pad = params.cu_seqlens_kv, getattr(params, "cu_seqlens_kv_padded", None)
     if kv is not None and _ints(kv) != _ints(cu) or (
@@ -143,12 +145,8 @@ class PackedLayout(_Memo):
         Reading ``cu_seqlens`` on the host synchronises with a GPU, so the layout is kept on
         the ``params`` object the model hands to every layer: once per micro batch, not once
         per layer (Megatron-LM builds a new ``PackedSeqParams`` for every batch)."""
-        return _cached(params, (cls, total), lambda: cls._from_params(params, total))
-
-    @classmethod
-    def _from_params(cls, params, total: Optional[int]) -> "PackedLayout":
-        _check_self_attention(params)
-        return cls(params.cu_seqlens_q, getattr(params, "cu_seqlens_q_padded", None), total)
+        return _cached(params, (cls, total), lambda: cls(
+            params.cu_seqlens_q, getattr(params, "cu_seqlens_q_padded", None), total))
 
     def pieces(self, q0: int, k0: int, n: int, causal: bool = True) -> List[Piece]:
         """Kernel calls for queries ``[q0, q0 + n)`` against keys ``[k0, k0 + n)`` (positions
@@ -229,7 +227,6 @@ class CPDocumentLayout(_Memo):
     def from_packed_seq_params(cls, params, cp_size: int) -> "CPDocumentLayout":
         """From Megatron's ``PackedSeqParams``; kept on ``params`` as
         :meth:`PackedLayout.from_packed_seq_params` does."""
-        _check_self_attention(params)
         return _cached(params, (cls, cp_size), lambda: cls(
             params.cu_seqlens_q, getattr(params, "cu_seqlens_q_padded", None), cp_size))
 
@@ -301,7 +298,6 @@ class CPBlockLayout(_Memo):
 
     @classmethod
     def from_packed_seq_params(cls, params, tp_size: int, cp_size: int) -> "CPBlockLayout":
-        _check_self_attention(params)
         return _cached(params, (cls, tp_size, cp_size), lambda: cls(
             params.cu_seqlens_q, getattr(params, "cu_seqlens_q_padded", None), tp_size, cp_size))
 
