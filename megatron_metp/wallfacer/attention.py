@@ -86,17 +86,6 @@ def _pairs(q_ids: List[int], k_ids: List[int], causal: bool,
             yield qi, ki, pieces
 
 
-def _gather(x: torch.Tensor, plan: WallFacerGroups, async_op: bool = False):
-    """``x [...] -> [C, ...]`` over the team (member-major); C = 1 is a view, no copy."""
-    if plan.team_size == 1:
-        return x.unsqueeze(0), None
-    x = x.contiguous()
-    # gloo wants the output concatenated along dim 0; the [C, ...] view is the same memory.
-    out = x.new_empty((plan.team_size * x.shape[0],) + tuple(x.shape[1:]))
-    work = dist.all_gather_into_tensor(out, x, group=plan.team_group_pg, async_op=async_op)
-    return out.view((plan.team_size,) + tuple(x.shape)), work
-
-
 def _gather_shards(x: torch.Tensor, plan: WallFacerGroups):
     """``x -> [x of member 0, ..., x of member C-1]``, each in its own storage (async).
 
