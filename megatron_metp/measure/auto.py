@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 from megatron_metp.measure.planner import (
-    ALPHA_S, BUS_EFFICIENCY, GIB, GPUS, PlanSettings, Planner, seq_label, step_time)
+    ALPHA_S, BUS_EFFICIENCY, GIB, GPUS, PlanSettings, Planner, seq_label, step_time,
+    team_shard_bytes)
 
 # Per-GPU InfiniBand bandwidth per direction (GB/s): DGX H100 has one 400 Gb/s NDR ConnectX-7
 # per GPU, DGX A100 one 200 Gb/s HDR ConnectX-6 per GPU (NVIDIA's DGX data sheets).
@@ -88,12 +89,10 @@ def candidates(cfg, p: int, s: int, *, planner: Planner, gpu: str = "H100",
     comp = base.est_time_s[f"{gpu}_compute"]
     ring_coll, ring_p2p = _wallfacer_attention_bytes(cfg, p, s, b, 1)
     other = base.sent_bytes - L * (ring_coll + ring_p2p)  # the weights' gradient collectives
-    a_q = b * s // p * cfg.num_attention_heads * cfg.kv_channels
-    a_kv = b * s // p * cfg.num_query_groups * cfg.kv_channels
     for C in valid_team_sizes(p):
         G = p // (C * C)                                  # sub-ring length
         coll, p2p = _wallfacer_attention_bytes(cfg, p, s, b, C)
-        extra = (C - 1) * (a_q + 2 * a_kv) * 2 * (1 + st.fragmentation)
+        extra = team_shard_bytes(cfg, p, s, b, C) * (1 + st.fragmentation)
         needed = base.needed_bytes + extra
         for placement in (PLACEMENTS if C > 1 else (None,)):
             # team-consecutive: a team's C ranks are neighbours, its sub-ring strides over the

@@ -135,6 +135,13 @@ def optimizer_bytes_per_param(mode: str, p: int, distributed_optimizer: bool,
     return 6.0 + (12.0 / d if distributed_optimizer or mode == "wallfacer" else 12.0)
 
 
+def team_shard_bytes(cfg, p: int, s: int, b: int, team_size: int) -> int:
+    """What a WallFacer team of C holds beyond ring attention (C = 1) at the attention peak:
+    C - 1 more bf16 query, key and value shards (paper Eq. 7 - Eq. 6)."""
+    heads = cfg.num_attention_heads + 2 * cfg.num_query_groups
+    return (team_size - 1) * b * s // p * heads * cfg.kv_channels * 2
+
+
 def fsdp_transient_bytes(mode: str, p: int, layer_params_full: int) -> int:
     """Megatron-FSDP's unsharded buffers at the last layer's backward peak (module docstring,
     item 4): two layers' bf16 parameters and one layer's fp32 gradient; 0 when nothing is
@@ -294,9 +301,8 @@ class Planner:
                        (resident - 1) * lm.retained + lm.peak - lm.shared_buffer + shared)
         if st.megatron_fsdp:
             act += fsdp_transient_bytes(mode, p, lm.params)
-        if mode == "wallfacer" and st.wallfacer_team > 1:
-            heads_kv = cfg.num_attention_heads + 2 * cfg.num_query_groups
-            act += (st.wallfacer_team - 1) * b * s // p * heads_kv * cfg.kv_channels * 2
+        if mode == "wallfacer":
+            act += team_shard_bytes(cfg, p, s, b, st.wallfacer_team)
         if st.count_send_buffers:
             act += lm.handle_allowance
         params = L * lm.params
