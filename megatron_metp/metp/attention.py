@@ -545,10 +545,11 @@ class MetpSelfAttention(SelfAttention):
         if packed_seq_params is not None:
             layout = self._packed_layout(packed_seq_params, hidden_states, causal)
         freqs = None
-        if rotary_pos_emb is not None and layout is not None:
+        pair = (rotary_pos_emb if isinstance(rotary_pos_emb, tuple) or rotary_pos_emb is None
+                else (rotary_pos_emb,) * 2)
+        if pair is not None and layout is not None:
             # Megatron's THD RoPE: each token at its position inside its document (the table
             # covers max_seqlen positions for THD, the whole sequence otherwise).
-            pair = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
             ring_rank = dist.get_rank(self.kv_group) if self.kv_group is not None else 0
             block = self.kv_blocks[ring_rank] if self.kv_blocks is not None else rank
             # The range check reads the host copy (no GPU sync); the device copy is made once
@@ -560,8 +561,7 @@ class MetpSelfAttention(SelfAttention):
                                      f"document needs {need} (max_seqlen_q)")
             pos = layout.block_positions(block, s_shard, device=pair[0].device)
             freqs = tuple(f.index_select(0, pos) for f in pair)
-        elif rotary_pos_emb is not None:
-            pair = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
+        elif pair is not None:
             # The embedding covers the full sequence (under CP: the CP rank's tokens, in the
             # order get_batch_on_this_cp_rank lays them out, as Megatron's RotaryEmbedding
             # returns them); this rank's tokens are the contiguous chunk
