@@ -55,9 +55,16 @@ Stand-ins (each names the Megatron-Core code it covers; tests/test_cpu_compat.py
    Transformer Engine's ``FP8GlobalStateManager``, a NameError without TE. Without TE there is
    no fp8: the stand-in keeps it off.
 
-Not covered (documented, not patched): the distributed optimizer (``use_distributed_optimizer``)
-checks for CUDA tensor types throughout its buffers and refuses CPU parameters; on CPU use the
-non-distributed optimizer (DDP all-reduces the gradients; optimizer state is replicated).
+8. Megatron-Core's ``DistributedOptimizer`` (``--use-distributed-optimizer``) on its fallback to
+   torch's Adam (no Apex, no Transformer Engine; :func:`_install_torch_adam_fixes`): its
+   constructor dispatches on CUDA type names (as in 4), ``get_parameter_state_dp_zero`` (the
+   fully reshardable checkpoint form) moves its gather buffers with ``.cuda()`` (kept on CPU),
+   and three defects of that fallback's checkpoint path are mended: the load request of a
+   fresh run asserts on the empty Adam state (Megatron's own zero-gradient step creates it,
+   as it does for its fsdp_dtensor form), every parameter is handed one shared ``step`` tensor
+   that Adam then increments once per parameter, and the per-parameter state copy demands or
+   overwrites ``step``. A GPU run without Apex and Transformer Engine would meet the same
+   three; with either (every Megatron-LM GPU image) Adam keeps its step in the param groups.
 """
 
 from __future__ import annotations
@@ -164,6 +171,8 @@ class _CudaLiteralsOnCpu(TorchFunctionMode):
         if self.cuda_type_names and func is torch.Tensor.type and len(args) == 1 and not kwargs:
             name = func(*args)
             return name if ".cuda." in name else name.replace("torch.", "torch.cuda.", 1)
+        if func is torch.Tensor.cuda:  # a move to the GPU: on CPU the tensor stays where it is
+            return args[0]
         dev = kwargs.get("device")
         if dev is not None and torch.device(dev).type == "cuda":
             kwargs = dict(kwargs, device="cpu")
@@ -231,6 +240,76 @@ def _cpu_clip_grad_by_total_norm_fp32(
     clip_coeff = max_norm / (total_norm + 1.0e-6)
     if clip_coeff < 1.0 and grads:
         torch._foreach_mul_(grads, clip_coeff)
+
+
+def _set_states_keeping_step(set_states: Callable) -> Callable:
+    """``DistributedOptimizer._set_main_param_and_optimizer_states``: with torch's Adam each
+    parameter's state also holds ``step``, which ``load_state_dict`` has already set from the
+    checkpoint's param groups (Megatron's loaders treat it apart). The per-parameter copy then
+    copies every destination key from the loaded tensors: the fully reshardable ones carry no
+    ``step`` (a KeyError), the dp_reshardable ones carry the placeholder state's (a resumed
+    run would restart Adam's bias correction). The stand-in hands the step already set back to
+    the copy (a copy onto itself), and copies under ``no_grad`` (the dp_reshardable loader lacks
+    the guard, and an fp32 model's main parameters are views of its parameters)."""
+
+    @functools.wraps(set_states)
+    def wrapper(self, model_param, tensors):
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+        step = self.optimizer.state.get(main_param, {}).get("step")
+        if step is not None:
+            tensors = dict(tensors, step=step)
+        with torch.no_grad():
+            return set_states(self, model_param, tensors)
+
+    return wrapper
+
+
+def _load_with_own_steps(load_state_dict: Callable) -> Callable:
+    """``DistributedOptimizer.load_state_dict``: without Apex or TE it gives every parameter's
+    state the same ``step`` tensor, which torch's Adam then increments in place once per
+    parameter per step (a resumed run's bias correction jumps). Each state gets its own copy."""
+
+    @functools.wraps(load_state_dict)
+    def wrapper(self, state_dict):
+        out = load_state_dict(self, state_dict)
+        for st in self.optimizer.state.values():
+            if isinstance(st.get("step"), torch.Tensor):
+                st["step"] = st["step"].clone()
+        return out
+
+    return wrapper
+
+
+def _sharded_state_dict_with_state(sharded_state_dict: Callable) -> Callable:
+    """``DistributedOptimizer.sharded_state_dict``: without Apex or TE its ``state_dict`` reads
+    ``step`` from torch's Adam state, which is empty before the first step (an assertion when
+    a fresh run builds its load request). Megatron's own remedy for its fsdp_dtensor form, a
+    step with zero gradients that creates the state, runs first; the load overwrites it all."""
+
+    @functools.wraps(sharded_state_dict)
+    def wrapper(self, model_sharded_state_dict, is_loading=False, *args, **kwargs):
+        if is_loading and not self.optimizer.state:
+            self._init_optimizer_states_with_dummy_values()
+        return sharded_state_dict(self, model_sharded_state_dict, is_loading, *args, **kwargs)
+
+    return wrapper
+
+
+def _install_torch_adam_fixes() -> None:
+    """Item 8: Megatron's DistributedOptimizer on its torch-Adam fallback (no Apex, no TE)."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    cls = distrib_optimizer.DistributedOptimizer
+    if getattr(cls, "_metp_torch_adam_fixed", False):
+        return
+    _wrap_method(cls, "__init__", cuda_type_names=True)
+    _wrap_method(cls, "get_parameter_state_dp_zero")
+    cls._set_main_param_and_optimizer_states = _set_states_keeping_step(
+        cls._set_main_param_and_optimizer_states)
+    cls.load_state_dict = _load_with_own_steps(cls.load_state_dict)
+    cls.sharded_state_dict = _sharded_state_dict_with_state(cls.sharded_state_dict)
+    cls._metp_torch_adam_fixed = True
 
 
 # --------------------------------------------------------------------------------------------
@@ -384,6 +463,7 @@ def apply() -> None:
     _wrap_method(optimizer.FP32Optimizer, "__init__")
     _wrap_method(optimizer.MixedPrecisionOptimizer, "__init__")
     _wrap_method(optimizer.Float16OptimizerWithFloat16Params, "__init__", cuda_type_names=True)
+    _install_torch_adam_fixes()
     for fn_name in ("get_grad_norm_fp32", "count_zeros_fp32"):
         _wrap_function(clip_grads, fn_name)
     _rebind_everywhere(clip_grads.clip_grad_by_total_norm_fp32, _cpu_clip_grad_by_total_norm_fp32)

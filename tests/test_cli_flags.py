@@ -113,7 +113,8 @@ TRAIN_BAD = [
     ("team-size-on-metp", ["--wallfacer-team-size", "2"], "--wallfacer-team-size",
      "applies only"),
     ("bf16-on-cpu", ["--bf16"], "--bf16", "GPU"),
-    ("dist-opt-on-cpu", ["--use-distributed-optimizer"], "--use-distributed-optimizer", "GPU"),
+    ("fully-reshardable-alone", ["--dist-ckpt-optim-fully-reshardable"],
+     "--dist-ckpt-optim-fully-reshardable", "add --use-distributed-optimizer"),
 ]
 
 

@@ -89,10 +89,10 @@ def capture_checkpoints(saved: Dict[int, dict], loaded: List[dict]):
 
     orig_save, orig_load = ckpt.save, ckpt.load
 
-    def save(root, iteration, model_chunks, optimizer, scheduler):
+    def save(root, iteration, model_chunks, optimizer, scheduler, **kw):
         saved[iteration] = full_training_state(model_chunks, optimizer)
         with M.child_processes_allowed():
-            return orig_save(root, iteration, model_chunks, optimizer, scheduler)
+            return orig_save(root, iteration, model_chunks, optimizer, scheduler, **kw)
 
     def load(root, model_chunks, optimizer, scheduler):
         it = orig_load(root, model_chunks, optimizer, scheduler)

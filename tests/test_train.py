@@ -85,7 +85,7 @@ def test_compare_modes_agree(report):
     (["--tensor-model-parallel-size", "3"], "--tensor-model-parallel-size"),
     (["--tensor-parallel-mode", "metp", "--no-sequence-parallel"], "--sequence-parallel"),
     (["--bf16"], "--bf16 needs a GPU"),
-    (["--use-distributed-optimizer"], "--use-distributed-optimizer needs a GPU"),
+    (["--dist-ckpt-optim-fully-reshardable"], "add --use-distributed-optimizer"),
     (["--config", "no-such-model"], "known configs"),
     (["--global-batch-size", "6"], "--global-batch-size"),
 ])

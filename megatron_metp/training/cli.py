@@ -109,7 +109,12 @@ def _train_parser(p: argparse.ArgumentParser) -> Callable:
            "core_attn); layernorm: the norm outputs, 2 bsh/p less per layer in every mode")
     a("--bf16", action="store_true", help="bf16 parameters and compute (GPU only)")
     a("--use-distributed-optimizer", action="store_true",
-      help="shard optimizer state over data-parallel ranks (GPU only)")
+      help="Megatron-Core's DistributedOptimizer: shard the optimizer state over the "
+           "data-parallel x context-parallel ranks (WallFacer's whole CP group)")
+    a("--dist-ckpt-optim-fully-reshardable", action="store_true",
+      help="with --use-distributed-optimizer, save its state per parameter (Megatron-LM's "
+           "flag) so the checkpoint loads in any mode, size and optimizer; without it only "
+           "the same layout with the distributed optimizer can load it")
     a("--seed", type=int, default=None)
     a("--data-path", default=None,
       help="Megatron indexed dataset PREFIX (PREFIX.bin/.idx); default: the shipped corpus")

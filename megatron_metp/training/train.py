@@ -11,11 +11,12 @@ Per mode (one mode, or each of ``--compare``'s in turn inside the same processes
 Data x tensor/context x pipeline parallel come from Megatron's own groups; every rank computes
 its micro-batches from the iteration number (``GPTSamples``), so no data broadcast is needed.
 ``--use-distributed-optimizer`` (Megatron-LM's flag, off by default as there) shards the
-optimizer state over data-parallel ranks on GPU. On CPU it is refused: Megatron's
-``DistributedOptimizer`` (like its bf16 optimizer) checks for CUDA tensors, so the plain Megatron
-optimizer with DDP's gradient all-reduce is used (optimizer states replicated across
-data-parallel ranks). The GPU paths (NCCL, bf16, distributed optimizer, MFU) are written but
-were not run in this project's CI, which has no GPU.
+optimizer state over the data-parallel x context-parallel ranks with Megatron-Core's
+``DistributedOptimizer`` (on CPU through ``cpu_compat`` item 8); its checkpoints take
+Megatron-LM's ``dp_reshardable`` form, or ``fully_reshardable`` with
+``--dist-ckpt-optim-fully-reshardable`` (any mode and size), and a ``--load`` this run's
+optimizer cannot read is refused at start-up (``train_checkpoint.check_loadable``). The GPU
+paths (NCCL, bf16, MFU) are written but were not run in this project's CI, which has no GPU.
 """
 
 from __future__ import annotations
@@ -133,10 +134,6 @@ def check_model_config(args: Namespace) -> ModelConfig:
         raise ValueError(f"--config {args.config}: a {cfg.architecture} model with "
                          f"{'causal' if cfg.causal else 'bidirectional'} attention; metp train "
                          f"trains causal GPT models only (use it with metp bench / metp plan)")
-    if args.use_distributed_optimizer and not torch.cuda.is_available():
-        raise ValueError("--use-distributed-optimizer needs a GPU: Megatron-Core's "
-                         "DistributedOptimizer checks for CUDA tensors; on CPU drop the flag "
-                         "(the plain Megatron optimizer with DDP's gradient all-reduce is used)")
     if args.bf16 and not torch.cuda.is_available():
         raise ValueError("--bf16 needs a GPU: Megatron-Core's mixed-precision optimizer "
                          "(Float16OptimizerWithFloat16Params) refuses CPU tensors; drop --bf16 "
@@ -149,9 +146,16 @@ def preflight(args: Namespace, explicit: set, world_size: int) -> None:
     so that a bad configuration fails in one line instead of once per rank under torchrun."""
     cfg = check_model_config(args)
     resolve_auto(args, cfg, world_size, announce=True)
+    if args.dist_ckpt_optim_fully_reshardable and not args.use_distributed_optimizer:
+        raise ValueError("--dist-ckpt-optim-fully-reshardable sets the distributed optimizer's "
+                         "checkpoint form: add --use-distributed-optimizer, or drop it")
+    from megatron_metp.training.train_checkpoint import check_loadable
+
     for mode in modes_of(args, cfg):
         ns = _parallel_setup(resolve_namespace(args, cfg, mode, world_size), explicit,
                              quiet=True)
+        check_loadable(args.load, bool(args.use_distributed_optimizer),
+                       _layout_tag(ns, world_size))
     if ns.data_path is not None:  # missing, truncated or out-of-vocabulary data fails here
         GPTSamples(load_tokens(ns.data_path, ns.vocab_size), ns.seq_length, ns.seed)
     elif ns.vocab_size < ByteTokenizer().vocab_size:
@@ -394,7 +398,17 @@ def _train_step(run: _ModeRun, it: int, samples: GPTSamples, is_reporter: bool):
 def _save(args: Namespace, run: _ModeRun, iteration: int) -> None:
     from megatron_metp.training import train_checkpoint as checkpoint_io
 
-    checkpoint_io.save(args.save, iteration, [run.ddp], run.optimizer, run.scheduler)
+    checkpoint_io.save(args.save, iteration, [run.ddp], run.optimizer, run.scheduler,
+                       fully_reshardable=bool(args.dist_ckpt_optim_fully_reshardable),
+                       layout=_layout_tag(run.ns, dist.get_world_size()))
+
+
+def _layout_tag(ns: Namespace, world_size: int) -> str:
+    from megatron_metp.training.train_checkpoint import layout_tag
+
+    tp, cp, pp = (ns.tensor_model_parallel_size, ns.context_parallel_size,
+                  ns.pipeline_model_parallel_size)
+    return layout_tag(ns.tensor_parallel_mode, tp, cp, pp, world_size // (tp * cp * pp))
 
 
 class ExitSignal:

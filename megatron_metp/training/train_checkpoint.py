@@ -11,7 +11,7 @@ mode keeps TP's parameter names and shards, the keys are the same under tp, metp
 from __future__ import annotations
 
 import os
-from typing import List
+from typing import List, Optional
 
 import torch.distributed as dist
 
@@ -76,20 +76,85 @@ def _unwrap(chunk):
     return getattr(chunk, "module", chunk)
 
 
+def _is_distributed(optimizer) -> bool:
+    """Whether ``optimizer`` (or, when chained, its parts) is Megatron's DistributedOptimizer."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    chain = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    return any(isinstance(o, DistributedOptimizer) for o in chain)
+
+
+def content_metadata(optimizer, fully_reshardable: bool, layout: str = "") -> dict:
+    """What the optimizer's part of the checkpoint looks like, as Megatron-LM records it
+    (``_build_sharded_state_dict_metadata``): the distributed optimizer writes
+    ``dp_reshardable`` (its flat per-rank buffers) unless ``--dist-ckpt-optim-fully-reshardable``
+    asks for ``fully_reshardable`` (gathered into each parameter's own shape, so it reshards to
+    any mode and size). ``metp_layout`` (:func:`layout_tag`) records where the buffers were cut,
+    for :func:`check_loadable`. The plain optimizer records nothing."""
+    if not _is_distributed(optimizer):
+        return {}
+    return {"distrib_optim_sharding_type":
+            "fully_reshardable" if fully_reshardable else "dp_reshardable",
+            "metp_layout": layout}
+
+
+def layout_tag(mode: str, tp: int, cp: int, pp: int, dp: int) -> str:
+    return f"{mode} DPxTPxCPxPP {dp}x{tp}x{cp}x{pp}"
+
+
+def check_loadable(root: str, distributed_optimizer: bool, layout: str) -> None:
+    """Refuse, before any rank starts, a ``--load`` whose optimizer state this run cannot read
+    (Megatron-Core 0.16.1 reads neither optimizer's state with the other, and reads the
+    distributed optimizer's ``dp_reshardable`` buffers only where they were cut; resharding
+    along data-parallel ranks alone is Megatron's claim, not exercised here, so the whole
+    layout must match)."""
+    if not root or not has_checkpoint(root):
+        return
+    iteration = latest_iteration(root)
+    if iteration == 0:  # the initial weights: no optimizer state in it
+        return
+    from megatron.core import dist_checkpointing
+
+    meta = dist_checkpointing.load_content_metadata(_ckpt_dir(root, iteration)) or {}
+    kind = meta.get("distrib_optim_sharding_type")
+    if kind and not distributed_optimizer:
+        raise ValueError(f"--load {root}: written with --use-distributed-optimizer, whose "
+                         f"optimizer state Megatron's plain optimizer cannot read: add "
+                         f"--use-distributed-optimizer")
+    if not kind and distributed_optimizer:
+        raise ValueError(f"--load {root}: written without --use-distributed-optimizer, whose "
+                         f"optimizer state the distributed optimizer cannot read: drop "
+                         f"--use-distributed-optimizer")
+    if kind == "dp_reshardable" and meta.get("metp_layout") != layout:
+        raise ValueError(f"--load {root}: the distributed optimizer's dp_reshardable state was "
+                         f"cut for {meta.get('metp_layout')}, not {layout}: load it in that "
+                         f"layout, or save with --dist-ckpt-optim-fully-reshardable")
+
+
 def _sharded_state_dict(model_chunks: List, optimizer, iteration: int,
-                        is_loading: bool = False) -> dict:
+                        is_loading: bool = False, metadata: Optional[dict] = None) -> dict:
     """Model, and the optimizer once it has taken a step: before the first step (``--save`` with
-    ``--train-iters 0``, the initial weights) Adam has no moments to save or to load."""
+    ``--train-iters 0``, the initial weights) Adam has no moments to save or to load.
+
+    ``metadata``: the checkpoint's content metadata (:func:`content_metadata`); the distributed
+    optimizer builds its part in that form. Loading a plain optimizer's checkpoint (no metadata)
+    with the distributed optimizer asks for ``fully_reshardable``, the same per-parameter form."""
     model_sd = _unwrap(model_chunks[0]).sharded_state_dict()
     if iteration == 0:
         return {"model": model_sd}
     # is_loading: Megatron's optimizer first creates its (still empty) Adam moments, so that the
     # request names exp_avg / exp_avg_sq and they are loaded rather than silently left at zero.
+    if not _is_distributed(optimizer):
+        return {"model": model_sd,
+                "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
+    meta = {"distrib_optim_sharding_type": "fully_reshardable", **(metadata or {})}
     return {"model": model_sd,
-            "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
+            "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
+                                                      metadata=meta)}
 
 
-def save(root: str, iteration: int, model_chunks: List, optimizer, scheduler) -> str:
+def save(root: str, iteration: int, model_chunks: List, optimizer, scheduler,
+         fully_reshardable: bool = False, layout: str = "") -> str:
     from megatron.core import dist_checkpointing
 
     from megatron_metp.training.lifetime import own_checkpoint_helpers
@@ -99,10 +164,11 @@ def save(root: str, iteration: int, model_chunks: List, optimizer, scheduler) ->
     if dist.get_rank() == 0:
         os.makedirs(path, exist_ok=True)
     dist.barrier()
-    sd = _sharded_state_dict(model_chunks, optimizer, iteration)
+    meta = content_metadata(optimizer, fully_reshardable, layout)
+    sd = _sharded_state_dict(model_chunks, optimizer, iteration, metadata=meta)
     sd["iteration"] = iteration
     sd["opt_param_scheduler"] = scheduler.state_dict()
-    dist_checkpointing.save(sd, path)
+    dist_checkpointing.save(sd, path, content_metadata=meta)
     import torch
 
     torch.save(_rng_state(), _rng_path(path))
@@ -135,7 +201,8 @@ def load(root: str, model_chunks: List, optimizer, scheduler) -> int:
     from megatron.core import dist_checkpointing
 
     iteration = latest_iteration(root)
-    sd = _sharded_state_dict(model_chunks, optimizer, iteration, is_loading=True)
+    meta = dist_checkpointing.load_content_metadata(_ckpt_dir(root, iteration)) or {}
+    sd = _sharded_state_dict(model_chunks, optimizer, iteration, is_loading=True, metadata=meta)
     loaded = dist_checkpointing.load(sd, _ckpt_dir(root, iteration))
     _unwrap(model_chunks[0]).load_state_dict(loaded["model"])
     if "optimizer" in loaded:

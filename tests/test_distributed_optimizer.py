@@ -1,0 +1,195 @@
+"""``--use-distributed-optimizer`` on CPU: Megatron-Core's own DistributedOptimizer (issue 12 item 6).
+
+WallFacer runs TP = 1 over its CP group, so every rank holds the whole model; Megatron shards the
+optimizer over the data-parallel x context-parallel group. These runs train the real
+``metp train`` code path twice from the same seed and data, once with Megatron's plain optimizer
+(DDP all-reduces the gradients, every rank holds every Adam moment) and once with its
+DistributedOptimizer (gradients reduce-scattered, each rank updates its 1/d of the parameters and
+all-gathers them back), and check:
+
+* the two runs agree: losses, and every parameter after the last step;
+* the optimizer state really is sharded: summed over the d ranks, the Adam moments cover every
+  parameter exactly once, and no rank holds more than its 1/d share plus Megatron's bucket
+  padding; the measured bytes per rank equal the planner's count for the same model;
+* a distributed-optimizer checkpoint resumes bit for bit, and loads under another mode and
+  optimizer (METP TP = 4 with the plain optimizer).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Dict
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests._harness import run_ranks
+
+BASE = ["--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
+        "--hidden-dropout", "0", "--attention-dropout", "0", "--lr-warmup-iters", "1",
+        "--no-progress"]
+ITERS = 6
+RESUME_AT = 3
+# The two optimizers do the same arithmetic except for the gradient reduction: an all-reduce of
+# the whole buffer against a reduce-scatter of it (gloo sums the same 4 addends in its own order
+# in each), so gradients can differ by an fp32 ulp, which Adam's g / sqrt(v) turns into a
+# relative parameter change of ~1e-7 per step. Over 6 steps at lr 3e-3 that stays below 1e-6
+# absolute on parameters of size ~0.02-1 and ~1e-6 on losses of ~5; 1e-5 leaves room for it.
+# An unsynchronised shard (a rank that never receives the others' updated parameters) or a
+# gradient reduced over the wrong group moves parameters by ~lr = 3e-3 after one step.
+PARAM_TOL = 1e-5
+LOSS_TOL = 1e-5
+# Cross-mode tolerance of tests/test_reliability_checkpoint.py (METP's ring sums in another
+# order than WallFacer's; one step carries a few ulps forward).
+CROSS_MODE_TOL = 1e-4
+
+
+def _args(*argv):
+    from megatron_metp.training import cli
+
+    parser, _ = cli.build_parser()
+    full = ["train", *BASE, *argv]
+    return parser.parse_args(full), cli.explicit_flags(full)
+
+
+def _torch_optimizers(optimizer):
+    chain = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    return [o.optimizer for o in chain]
+
+
+def _train(*argv) -> dict:
+    """One ``metp train`` run in this rank; returns losses, the final local parameters and the
+    Adam state this rank holds (elements and bytes)."""
+    from megatron_metp.training import train
+
+    runs = []
+    orig = train._build
+
+    def build(*a, **k):
+        runs.append(orig(*a, **k))
+        return runs[-1]
+
+    train._build = build
+    try:
+        args, explicit = _args(*argv)
+        (res,) = train.run(args, explicit).values()
+    finally:
+        train._build = orig
+    run = runs[-1]
+    model = getattr(run.ddp, "module", run.ddp)
+    moments = [t for o in _torch_optimizers(run.optimizer) for st in o.state.values()
+               for k, t in st.items() if k in ("exp_avg", "exp_avg_sq")]
+    return dict(losses=res["losses"],
+                params={n: p.detach().clone() for n, p in model.named_parameters()},
+                n_params=sum(p.numel() for p in model.parameters()),
+                moment_elems=sum(t.numel() for t in moments) // 2,
+                moment_bytes=sum(t.numel() * t.element_size() for t in moments))
+
+
+def _resume_at(root: str) -> None:
+    """Make RESUME_AT the newest complete checkpoint, as if the run had stopped there."""
+    dist.barrier()
+    if dist.get_rank() == 0:
+        with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(str(RESUME_AT))
+    dist.barrier()
+
+
+def _wallfacer_runs(tmp: str) -> Dict[str, dict]:
+    from tests import _models as M
+
+    # WallFacer takes the TP size as its CP group (as every cross-mode test): the vocabulary is
+    # then padded as for TP 4, the same rows METP TP 2 builds, so the embedding moves between them.
+    wf = ["--tensor-parallel-mode", "wallfacer", "--tensor-model-parallel-size", "4",
+          "--train-iters", str(ITERS)]
+    dopt = ["--use-distributed-optimizer", "--save-interval", str(RESUME_AT)]
+    dp_root, fr_root = os.path.join(tmp, "dp_reshardable"), os.path.join(tmp, "fully_reshardable")
+    out = {"plain": _train(*wf)}
+    with M.child_processes_allowed():  # dist_checkpointing's writer processes
+        # Megatron-LM's default form (dp_reshardable), and the fully reshardable one.
+        out["distopt"] = _train(*wf, *dopt, "--save", dp_root)
+        out["distopt_fr"] = _train(*wf, *dopt, "--save", fr_root,
+                                   "--dist-ckpt-optim-fully-reshardable")
+        _resume_at(dp_root)
+        _resume_at(fr_root)
+        out["resumed"] = _train(*wf, "--use-distributed-optimizer", "--load", dp_root)
+        out["resumed_fr"] = _train(*wf, "--use-distributed-optimizer", "--load", fr_root)
+        # Another mode, size and shard count: METP TP 2 x DP 2, the optimizer over d = 2.
+        out["metp"] = _train("--tensor-parallel-mode", "metp", "--tensor-model-parallel-size",
+                             "2", "--use-distributed-optimizer", "--train-iters", str(ITERS),
+                             "--load", fr_root)
+    return out
+
+
+def test_wallfacer_distributed_optimizer(tmp_path, report):
+    from megatron_metp.measure import planner
+
+    out = run_ranks(4, _wallfacer_runs, str(tmp_path), timeout=500)
+    d = 4
+    plain0 = out[0]["plain"]
+    worst_loss = worst_param = cross = 0.0
+    for rank, r in enumerate(out):
+        plain, sharded = r["plain"], r["distopt"]
+        assert plain["losses"] == plain0["losses"], rank  # every rank reports the same curve
+        assert len(sharded["losses"]) == ITERS
+        worst_loss = max(worst_loss, max(abs(a - b) for a, b in
+                                         zip(sharded["losses"], plain["losses"])))
+        assert sorted(sharded["params"]) == sorted(plain["params"])
+        for name, p in plain["params"].items():
+            worst_param = max(worst_param, (sharded["params"][name] - p).abs().max().item())
+        # WallFacer replicates the model: the plain optimizer holds every moment on every rank.
+        assert plain["moment_elems"] == plain["n_params"], (rank, plain["moment_elems"])
+        # Saving in either form does not disturb the run.
+        assert r["distopt_fr"]["losses"] == sharded["losses"], rank
+        # Resumed from either form at RESUME_AT: bit for bit (Adam's step and moments restored;
+        # a lost or shared step counter changes the next update's bias correction).
+        for key in ("resumed", "resumed_fr"):
+            assert r[key]["losses"] == sharded["losses"][RESUME_AT:], (rank, key, r[key]["losses"])
+            for name, p in sharded["params"].items():
+                assert torch.equal(r[key]["params"][name], p), (rank, key, name)
+        # Loaded under METP TP 2 x DP 2 (optimizer resharded from 4 to 2 ranks).
+        cross = max(cross, max(abs(a - b) for a, b in
+                               zip(r["metp"]["losses"], sharded["losses"][RESUME_AT:])))
+    assert cross <= CROSS_MODE_TOL, (cross, out[0]["metp"]["losses"], out[0]["distopt"]["losses"])
+    assert worst_loss <= LOSS_TOL, worst_loss
+    assert worst_param <= PARAM_TOL, worst_param
+
+    n = plain0["n_params"]
+    shards = [r["distopt"]["moment_elems"] for r in out]
+    # Every parameter's moments live on exactly one rank (Megatron's shard ranges partition the
+    # gradient buffer; its padding to a multiple of d x 128 elements belongs to no parameter).
+    assert sum(shards) == n, (shards, n)
+    assert max(shards) <= -(-n // d) + 128, (shards, n)
+    # METP TP 2 x DP 2: each rank's TP shard (n / 2 here: every weight is split, the norms'
+    # and biases' few elements are counted by Megatron's own shard ranges) over d = 2.
+    metp_shards = [r["metp"]["moment_elems"] for r in out]
+    assert sum(metp_shards) == sum(r["metp"]["n_params"] for r in out) // 2, metp_shards
+    # The planner's sharded optimizer state: Adam's 8 B per parameter over d (the fp32 master
+    # copy of its 12 B is the model's own fp32 parameter here: no bf16 model copy on CPU).
+    planned = 8 * n / d
+    measured = max(r["distopt"]["moment_bytes"] for r in out)
+    assert planner.optimizer_bytes_per_param("wallfacer", d, True) == 6.0 + 12.0 / d
+    assert abs(measured - planned) / planned < 0.02, (measured, planned)
+    report(f"WallFacer CP 4, --use-distributed-optimizer vs plain Megatron optimizer, {ITERS} "
+           f"iterations (fp32, gloo): max |loss diff| {worst_loss:.1e}, max |param diff| "
+           f"{worst_param:.1e}; Adam moments per rank {shards} elements of {n} parameters "
+           f"({measured / 2**10:.1f} KiB per rank vs {8 * n / 2**10:.1f} KiB replicated; "
+           f"planned 8n/d = {planned / 2**10:.1f} KiB); resumed bit for bit from both "
+           f"checkpoint forms; the fully reshardable one under METP TP 2 x DP 2: max |loss "
+           f"diff| {cross:.1e}")
+
+    # Start-up refusals against these real checkpoints (before any rank would start).
+    from megatron_metp.training.train_checkpoint import check_loadable, layout_tag
+
+    dp_root = str(tmp_path / "dp_reshardable")
+    fr_root = str(tmp_path / "fully_reshardable")
+    wf_layout = layout_tag("wallfacer", 1, 4, 1, 1)
+    check_loadable(dp_root, True, wf_layout)
+    check_loadable(fr_root, True, layout_tag("metp", 2, 1, 1, 2))
+    for root, dopt, layout, words in (
+            (dp_root, False, wf_layout, "add --use-distributed-optimizer"),
+            (dp_root, True, layout_tag("metp", 2, 1, 1, 2), "--dist-ckpt-optim-fully-reshardable"),
+            (fr_root, False, layout_tag("metp", 2, 1, 1, 2), "add --use-distributed-optimizer")):
+        with pytest.raises(ValueError, match=words):
+            check_loadable(root, dopt, layout)
