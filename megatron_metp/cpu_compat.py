@@ -65,6 +65,23 @@ Stand-ins (each names the Megatron-Core code it covers; tests/test_cpu_compat.py
    that Adam then increments once per parameter, and the per-parameter state copy demands or
    overwrites ``step``. A GPU run without Apex and Transformer Engine would meet the same
    three; with either (every Megatron-LM GPU image) Adam keeps its step in the param groups.
+9. Megatron-FSDP (``--use-megatron-fsdp``: ``distributed.fsdp.mcore_fsdp_adapter.
+   FullyShardedDataParallel``; :func:`_install_megatron_fsdp`). Its CUDA streams
+   (``MegatronFSDP.__init__``'s two side streams; the gradient reduce-scatter and parameter
+   all-gather pipelines of ``param_and_grad_buffer`` wait on them, enter them and record events
+   on them) become streams whose waits do nothing: a CPU process is one in-order executor, and
+   every gloo collective is still waited on through its work handle. ``MegatronFSDP.__init__``
+   formats ``cuda:{current_device()}`` only to compare it with its ``device`` argument (stand-in
+   1 would make that ``cuda:cpu``): there ``current_device()`` is CUDA's index, 0. The
+   adapter's ``DeviceMesh.from_group(..., device_type="cuda")`` meshes are CPU meshes over the
+   same groups, and ``uneven_dtensor.validate_uneven_dtensor``'s ``.cuda()`` stays on CPU (as 4).
+   Without Transformer Engine the adapter's ``TELinear`` is a mock (Megatron's TE extension
+   module builds its classes on a MagicMock), which its TP > 1 check passes to ``isinstance``;
+   no module is a TELinear then, so a class that nothing derives from stands in. Its TP > 1
+   RNG synchronisation (``_get_rng_state_dict`` / ``_load_rng_state_dict``) reads and sets
+   ``torch.cuda``'s generator besides the CPU one; the CPU twins leave that entry out.
+   One setting is not a stand-in: ``gradient_reduce_div_fusion`` (an NCCL-only pre-multiplied
+   sum) is off under gloo, where Megatron scales by 1/d before the sum instead (``metp train``).
 """
 
 from __future__ import annotations
@@ -296,6 +313,116 @@ def _sharded_state_dict_with_state(sharded_state_dict: Callable) -> Callable:
     return wrapper
 
 
+class _CpuStream:
+    """``torch.cuda.Stream`` without a device: one in-order executor, nothing to wait for."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, stream) -> None:
+        return None
+
+    def wait_event(self, event) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+    def record_event(self, event=None):
+        return _CpuEvent()
+
+
+class _CpuEvent:
+    """What :meth:`_CpuStream.record_event` returns: the work before it has already run."""
+
+    def wait(self, stream=None) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+_CPU_STREAM = _CpuStream()
+
+
+class _CpuMeshes:
+    """``DeviceMesh`` as ``mcore_fsdp_adapter`` uses it (``from_group`` only), on CPU."""
+
+    @staticmethod
+    def from_group(group, device_type, *args, **kwargs):
+        from torch.distributed import DeviceMesh
+
+        return DeviceMesh.from_group(group, "cpu" if device_type == "cuda" else device_type,
+                                     *args, **kwargs)
+
+
+def _fsdp_rng_state_dict() -> dict:
+    """``mcore_fsdp_adapter._get_rng_state_dict`` without its ``torch.cuda.get_rng_state()``
+    entry: on CPU the generator it names is the CPU one, already in ``torch_rng_state``."""
+    import random
+
+    import numpy as np
+    from megatron.core import tensor_parallel
+
+    return {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+            "torch_rng_state": torch.get_rng_state(),
+            "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states()}
+
+
+def _fsdp_load_rng_state_dict(state: dict) -> None:
+    """``mcore_fsdp_adapter._load_rng_state_dict``'s CPU twin (see :func:`_fsdp_rng_state_dict`)."""
+    import random
+
+    import numpy as np
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["random_rng_state"])
+    np.random.set_state(state["np_rng_state"])
+    torch.set_rng_state(state["torch_rng_state"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
+
+
+def _index_as_current_device(init: Callable) -> Callable:
+    @functools.wraps(init)
+    def wrapper(*args, **kwargs):
+        saved = torch.cuda.current_device
+        torch.cuda.current_device = lambda: 0
+        try:
+            return init(*args, **kwargs)
+        finally:
+            torch.cuda.current_device = saved
+
+    return wrapper
+
+
+def _install_megatron_fsdp() -> None:
+    """Item 9. Skipped when the adapter cannot be imported (einops absent): ``metp train``
+    then refuses ``--use-megatron-fsdp`` at start-up."""
+    try:
+        from megatron.core.distributed.fsdp import mcore_fsdp_adapter
+        from megatron.core.distributed.fsdp.src.megatron_fsdp import megatron_fsdp, uneven_dtensor
+    except ImportError:
+        return
+    torch.cuda.Stream = _CpuStream
+    torch.cuda.current_stream = lambda device=None: _CPU_STREAM
+    cls = megatron_fsdp.MegatronFSDP
+    if not getattr(cls.__init__, "_metp_cpu_wrapped", False):
+        cls.__init__ = _index_as_current_device(cls.__init__)
+        cls.__init__._metp_cpu_wrapped = True
+    mcore_fsdp_adapter.DeviceMesh = _CpuMeshes
+    mcore_fsdp_adapter._get_rng_state_dict = _fsdp_rng_state_dict
+    mcore_fsdp_adapter._load_rng_state_dict = _fsdp_load_rng_state_dict
+    if not isinstance(mcore_fsdp_adapter.TELinear, type):  # no TE: no module is a TELinear
+        mcore_fsdp_adapter.TELinear = type("NoTELinear", (), {})
+    _wrap_function(uneven_dtensor, "validate_uneven_dtensor")
+
+
 def _install_torch_adam_fixes() -> None:
     """Item 8: Megatron's DistributedOptimizer on its torch-Adam fallback (no Apex, no TE)."""
     from megatron.core.optimizer import distrib_optimizer
@@ -464,6 +591,7 @@ def apply() -> None:
     _wrap_method(optimizer.MixedPrecisionOptimizer, "__init__")
     _wrap_method(optimizer.Float16OptimizerWithFloat16Params, "__init__", cuda_type_names=True)
     _install_torch_adam_fixes()
+    _install_megatron_fsdp()
     for fn_name in ("get_grad_norm_fp32", "count_zeros_fp32"):
         _wrap_function(clip_grads, fn_name)
     _rebind_everywhere(clip_grads.clip_grad_by_total_norm_fp32, _cpu_clip_grad_by_total_norm_fp32)

@@ -115,6 +115,10 @@ TRAIN_BAD = [
     ("bf16-on-cpu", ["--bf16"], "--bf16", "GPU"),
     ("fully-reshardable-alone", ["--dist-ckpt-optim-fully-reshardable"],
      "--dist-ckpt-optim-fully-reshardable", "add --use-distributed-optimizer"),
+    ("fsdp-with-save", ["--use-megatron-fsdp", "--save", "{dir}"], "--use-megatron-fsdp",
+     "fsdp_dtensor"),
+    ("sharding-without-fsdp", ["--data-parallel-sharding-strategy", "optim_grads_params"],
+     "--data-parallel-sharding-strategy", "add --use-megatron-fsdp"),
 ]
 
 
@@ -177,8 +181,6 @@ OTHER_BAD = [
     ("plan-json-under-file", ["plan", "--json", "{file}/plan.json"], "--json"),
     ("plan-team-size", ["plan", "--modes", "wallfacer", "--p", "8", "--wallfacer-team-size", "3"],
      "--wallfacer-team-size"),
-    ("plan-fsdp-and-dist-opt", ["plan", "--use-megatron-fsdp", "--use-distributed-optimizer"],
-     "--use-megatron-fsdp"),
 ]
 
 

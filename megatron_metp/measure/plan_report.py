@@ -61,7 +61,9 @@ def add_arguments(parser) -> None:
     a("--use-megatron-fsdp", action="store_true",
       help="plan Megatron-FSDP (optim_grads_params: parameters, gradients and optimizer "
            "state sharded over the data-parallel x context-parallel group, each layer "
-           "all-gathered when it runs); changes wallfacer, whose CP = p ranks share weights")
+           "all-gathered when it runs; its optimizer is the distributed one, so "
+           "--use-distributed-optimizer may be passed with it, as Megatron-LM's guide does); "
+           "changes wallfacer, whose CP = p ranks share weights")
     a("--wallfacer-team-size", type=int, default=1, metavar="C",
       help="plan WallFacer with teams of C (C^2 divides p; default 1): C - 1 more "
            "query/key/value shards at the attention peak")
@@ -127,9 +129,6 @@ def _check(args) -> None:
                                  f"--tensor-model-parallel-size, not {p} (drop it or pick C)")
     elif C < 1:
         raise ValueError(f"--wallfacer-team-size {C}: must be >= 1")
-    if args.use_megatron_fsdp and args.use_distributed_optimizer:
-        raise ValueError("--use-megatron-fsdp with --use-distributed-optimizer: Megatron-FSDP "
-                         "shards the optimizer itself; pass one of them")
     if args.cpu_offloading_num_layers < 0:
         raise ValueError(f"--cpu-offloading-num-layers {args.cpu_offloading_num_layers}: must be "
                          f">= 0 (0 = no offloading)")

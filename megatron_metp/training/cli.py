@@ -111,6 +111,13 @@ def _train_parser(p: argparse.ArgumentParser) -> Callable:
     a("--use-distributed-optimizer", action="store_true",
       help="Megatron-Core's DistributedOptimizer: shard the optimizer state over the "
            "data-parallel x context-parallel ranks (WallFacer's whole CP group)")
+    a("--use-megatron-fsdp", action="store_true",
+      help="Megatron-Core's Megatron-FSDP (megatron.core.distributed.fsdp) instead of DDP; "
+           "with --data-parallel-sharding-strategy optim_grads_params it shards parameters, "
+           "gradients and optimizer state over the data-parallel x context-parallel ranks")
+    a("--data-parallel-sharding-strategy", default=None,
+      choices=("no_shard", "optim", "optim_grads", "optim_grads_params"),
+      help="what Megatron-FSDP shards (Megatron-LM's flag and default: no_shard)")
     a("--dist-ckpt-optim-fully-reshardable", action="store_true",
       help="with --use-distributed-optimizer, save its state per parameter (Megatron-LM's "
            "flag) so the checkpoint loads in any mode, size and optimizer; without it only "

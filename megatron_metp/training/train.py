@@ -138,7 +138,27 @@ def check_model_config(args: Namespace) -> ModelConfig:
         raise ValueError("--bf16 needs a GPU: Megatron-Core's mixed-precision optimizer "
                          "(Float16OptimizerWithFloat16Params) refuses CPU tensors; drop --bf16 "
                          "on CPU")
+    check_megatron_fsdp(args)
     return cfg
+
+
+def check_megatron_fsdp(args: Namespace) -> None:
+    strategy = args.data_parallel_sharding_strategy
+    if not args.use_megatron_fsdp:
+        if strategy not in (None, "no_shard"):
+            raise ValueError(f"--data-parallel-sharding-strategy {strategy} sets what "
+                             f"Megatron-FSDP shards: add --use-megatron-fsdp, or drop it")
+        return
+    if args.save or args.load:
+        raise ValueError("--use-megatron-fsdp with --save/--load: Megatron-FSDP checkpoints "
+                         "in its own fsdp_dtensor format (Megatron-LM's --ckpt-format "
+                         "fsdp_dtensor), which metp train does not write or read; drop "
+                         "--save/--load or --use-megatron-fsdp")
+    try:
+        import einops  # noqa: F401  (imported by Megatron-FSDP's adapter)
+    except ImportError:
+        raise ValueError("--use-megatron-fsdp needs einops, which Megatron-Core's Megatron-FSDP "
+                         "adapter imports: pip install einops (scripts/setup_env.sh does)")
 
 
 def preflight(args: Namespace, explicit: set, world_size: int) -> None:
@@ -281,6 +301,12 @@ def _build_model(ns: Namespace, cfg: ModelConfig, mode: str, device: torch.devic
 
     vocab = padded_vocab_size(ns.vocab_size, ns.vocab_padding_tp, ns.make_vocab_size_divisible_by)
     tconf = _transformer_config(ns, cfg)
+    if getattr(ns, "use_megatron_fsdp", False):
+        # One of Megatron-FSDP's required settings (its user guide): --no-gradient-accumulation-
+        # fusion (the fused weight-gradient GEMM writes straight into main_grad). With it on, a
+        # tied embedding's gradient came out wrong here (tiny-gpt, DP 4: first-step gradient
+        # norm 3.017 against DDP's 3.127); untied models agreed either way.
+        tconf.gradient_accumulation_fusion = False
     model = build_gpt_model(
         tconf, mode, vocab_size=vocab, max_sequence_length=ns.max_position_embeddings,
         seq_length=ns.seq_length, position_embedding_type=cfg.position_embedding_type,
@@ -291,10 +317,23 @@ def _build_model(ns: Namespace, cfg: ModelConfig, mode: str, device: torch.devic
         from megatron.core.transformer.module import Float16Module
 
         model = Float16Module(tconf, model)
-    ddp = DistributedDataParallel(
-        config=tconf, module=model,
-        ddp_config=DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, use_distributed_optimizer=ns.use_distributed_optimizer))
+    if ns.use_megatron_fsdp:
+        # Megatron-LM's --use-megatron-fsdp: its adapter in place of DDP, with the distributed
+        # optimizer. Its default pre-multiplied gradient sum is an NCCL-only reduce op; under
+        # gloo the gradients are scaled by 1/d before a plain sum (the same average).
+        from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=True, use_megatron_fsdp=True,
+            data_parallel_sharding_strategy=ns.data_parallel_sharding_strategy or "no_shard",
+            gradient_reduce_div_fusion=dist.get_backend() == "nccl")
+        ddp = FullyShardedDataParallel(config=tconf, ddp_config=ddp_config, module=model,
+                                       device=device)
+    else:
+        ddp = DistributedDataParallel(
+            config=tconf, module=model,
+            ddp_config=DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, use_distributed_optimizer=ns.use_distributed_optimizer))
     return tconf, ddp, vocab
 
 
@@ -329,7 +368,10 @@ def _build_optimizer(ns: Namespace, tconf, ddp):
 
 def _build(args: Namespace, ns: Namespace, cfg: ModelConfig, mode: str,
            device: torch.device) -> _ModeRun:
-    ns.use_distributed_optimizer = bool(args.use_distributed_optimizer)
+    ns.use_megatron_fsdp = bool(args.use_megatron_fsdp)
+    ns.data_parallel_sharding_strategy = args.data_parallel_sharding_strategy
+    # Megatron-FSDP's optimizer is the distributed one (Megatron-LM passes both flags).
+    ns.use_distributed_optimizer = bool(args.use_distributed_optimizer or args.use_megatron_fsdp)
     tconf, ddp, vocab = _build_model(ns, cfg, mode, device)
     optimizer, scheduler = _build_optimizer(ns, tconf, ddp)
     return _ModeRun(ns, cfg, device, ddp, optimizer, scheduler, vocab)
