@@ -39,8 +39,12 @@ Method (per rank; b = micro batch 1, s = sequence, p = parallel degree, L = laye
    group: 18 / d. Megatron-FSDP then all-gathers each layer's bf16 parameters before the layer
    runs (and the next layer's while it runs) and reduce-scatters its fp32 gradient after the
    layer's backward: at the last layer's backward peak the unsharded parameters of two layers
-   (2 x 2 B) and one layer's unsharded gradient (4 B) are live, 8 B per layer parameter, added
-   to the activation peak (:func:`fsdp_transient_bytes`). For tp and metp at d = 1 nothing
+   (2 x 2 B) and one layer's unsharded gradient (4 B) are live. Megatron-FSDP also requires
+   ``--no-gradient-accumulation-fusion`` (its user guide; ``metp train`` sets it), so each
+   weight gradient is first a bf16 ``.grad`` that is then added into the fp32 gradient: bounded
+   here by 2 B per layer parameter (autograd frees each after it is added, so one weight's is
+   live in practice). 10 B per layer parameter are added to the activation peak
+   (:func:`fsdp_transient_bytes`). For tp and metp at d = 1 nothing
    changes. WallFacer with a team of C (``wallfacer_team``) keeps C - 1 more query/key/value
    shards at the attention peak (paper Eq. 7 - Eq. 6), added as ``auto`` does.
    The embedding (vocab-parallel word table, and a learned position table of s x h replicated on
@@ -144,10 +148,11 @@ def team_shard_bytes(cfg, p: int, s: int, b: int, team_size: int) -> int:
 
 def fsdp_transient_bytes(mode: str, p: int, layer_params_full: int) -> int:
     """Megatron-FSDP's unsharded buffers at the last layer's backward peak (module docstring,
-    item 4): two layers' bf16 parameters and one layer's fp32 gradient; 0 when nothing is
-    sharded (d = 1)."""
+    item 4): two layers' bf16 parameters, one layer's fp32 gradient and (without gradient-
+    accumulation fusion) at most one layer's bf16 weight gradients; 0 when nothing is sharded
+    (d = 1)."""
     d = p if mode == "wallfacer" else 1
-    return 0 if d == 1 else 8 * layer_params_full
+    return 0 if d == 1 else (2 * 2 + 4 + 2) * layer_params_full
 
 
 # ------------------------------------------------------------------------------------------
