@@ -32,7 +32,9 @@ Stand-ins (each names the Megatron-Core code it covers; tests/test_cpu_compat.py
    ``utils.local_multi_tensor_l2_norm`` beneath them), dist-checkpointing's
    ``state_dict_saver.verify_global_md_reuse``, and the pipeline schedules
    (``pipeline_parallel.schedules.forward_backward_no_pipelining`` /
-   ``_pipelining_without_interleaving`` / ``_pipelining_with_interleaving``: their token counter).
+   ``_pipelining_without_interleaving`` / ``_pipelining_with_interleaving``: their token counter),
+   and ``LanguageModule.setup_embeddings_and_output_layer`` (tied embeddings with pipeline
+   parallelism: ``.cuda()`` on the last stage's word-embedding copy, kept on CPU).
    The rewrite is a ``TorchFunctionMode`` active only while the wrapped function runs (for the
    schedules that is the whole forward/backward step: a Python-level check per torch call,
    negligible next to a CPU matmul).
@@ -590,6 +592,11 @@ def apply() -> None:
     _wrap_method(optimizer.FP32Optimizer, "__init__")
     _wrap_method(optimizer.MixedPrecisionOptimizer, "__init__")
     _wrap_method(optimizer.Float16OptimizerWithFloat16Params, "__init__", cuda_type_names=True)
+    # Tied embeddings under pipeline parallelism: the last stage's copy of the word embedding
+    # is moved with .cuda() before the first/last-stage all-reduce that equalises it.
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    _wrap_method(LanguageModule, "setup_embeddings_and_output_layer")
     _install_torch_adam_fixes()
     _install_megatron_fsdp()
     for fn_name in ("get_grad_norm_fp32", "count_zeros_fp32"):

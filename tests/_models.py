@@ -40,6 +40,7 @@ def build(
     seed: int = 1234,
     vocab_size: int = VOCAB,
     max_sequence_length: int = SEQ,
+    share_embeddings_and_output_weights: bool = False,
     **config_overrides,
 ):
     """A GPTModel of ``style`` ('gpt': LayerNorm/GeLU/learned positions; 'llama': RMSNorm/SwiGLU/
@@ -57,6 +58,7 @@ def build(
         vocab_size=vocab_size,
         max_sequence_length=max_sequence_length,
         position_embedding_type="rope" if style == "llama" else "learned_absolute",
+        share_embeddings_and_output_weights=share_embeddings_and_output_weights,
     )
 
 

@@ -117,6 +117,9 @@ TRAIN_BAD = [
      "--dist-ckpt-optim-fully-reshardable", "add --use-distributed-optimizer"),
     ("fsdp-with-save", ["--use-megatron-fsdp", "--save", "{dir}"], "--use-megatron-fsdp",
      "fsdp_dtensor"),
+    ("fsdp-with-pp", ["--use-megatron-fsdp", "--tensor-model-parallel-size", "1",
+                      "--pipeline-model-parallel-size", "2"], "--use-megatron-fsdp",
+     "--pipeline-model-parallel-size 2"),
     ("sharding-without-fsdp", ["--data-parallel-sharding-strategy", "optim_grads_params"],
      "--data-parallel-sharding-strategy", "add --use-megatron-fsdp"),
 ]

@@ -214,19 +214,26 @@ def _float16_optimizer():
     return True
 
 
-def _pipeline_losses_and_grads(pp: int, full=None):
-    """Two micro-batches through Megatron's schedule for PP = ``pp`` (no pipelining at PP = 1)."""
+def _pipeline_losses_and_grads(pp: int, full=None, tied: bool = False):
+    """Two micro-batches through Megatron's schedule for PP = ``pp`` (no pipelining at PP = 1).
+
+    ``tied``: input and output embeddings share one weight; with PP = 2 the last stage holds a
+    copy (``output_layer.weight``) that Megatron equalises at build time (the ``.cuda()`` of
+    stand-in 4) and whose gradient it all-reduces with the first stage's."""
 
     from megatron.core import parallel_state as mpu
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     M.setup(tp=1, pipeline_model_parallel_size=pp)
-    model = M.build("tp", "gpt", num_layers=2)
+    model = M.build("tp", "gpt", num_layers=2, share_embeddings_and_output_weights=tied)
     # Stage s holds global layers s*L/pp ...: local "decoder.layers.i" is global i + offset.
     offset = mpu.get_pipeline_model_parallel_rank() * (2 // pp)
+    built = {n: p.detach().clone() for n, p in model.named_parameters()}
 
     def global_name(n):
+        if tied and n == "output_layer.weight":  # the last stage's copy of the tied weight
+            return "embedding.word_embeddings.weight"
         if n.startswith("decoder.layers."):
             i, rest = n[len("decoder.layers."):].split(".", 1)
             return f"decoder.layers.{int(i) + offset}.{rest}"
@@ -260,7 +267,8 @@ def _pipeline_losses_and_grads(pp: int, full=None):
     finalize_model_grads([ddp])
     params = {global_name(n): p.detach().clone() for n, p in model.named_parameters()}
     grads = {global_name(n): p.main_grad.clone() for n, p in model.named_parameters()}
-    return dict(params=params, grads=grads, losses=[l["lm loss"].item() for l in losses])
+    return dict(params=params, grads=grads, losses=[l["lm loss"].item() for l in losses],
+                built=built)
 
 
 def test_pipeline_schedules():
@@ -273,6 +281,23 @@ def test_pipeline_schedules():
     assert stages[1]["losses"] == pytest.approx(ref["losses"], rel=1e-6)
     got = {**stages[0]["grads"], **stages[1]["grads"]}
     M.assert_close_dict(got, ref["grads"], rtol=1e-6, atol_scale=1e-6, what="pp=2")
+
+
+def test_pipeline_tied_embeddings():
+    """Stand-in 4 in ``LanguageModule.setup_embeddings_and_output_layer``: with tied embeddings
+    and PP = 2 the last stage's copy starts equal to the first stage's weight (it is built
+    zero and all-reduced), and after the step both stages hold the PP = 1 gradient of the one
+    weight (its two uses summed), to the same fp32 rounding as the untied test above."""
+    (ref,) = run_ranks(1, _pipeline_losses_and_grads, 1, None, True)
+    first, last = run_ranks(2, _pipeline_losses_and_grads, 2, None, True)
+    # Megatron builds the copy as zeros; only the build-time all-reduce makes it equal.
+    assert torch.equal(last["built"]["output_layer.weight"],
+                       first["built"]["embedding.word_embeddings.weight"])
+    stages = run_ranks(2, _pipeline_losses_and_grads, 2, ref["params"], True)
+    assert stages[1]["losses"] == pytest.approx(ref["losses"], rel=1e-6)
+    key = "embedding.word_embeddings.weight"
+    for stage in stages:
+        torch.testing.assert_close(stage["grads"][key], ref["grads"][key], rtol=1e-6, atol=1e-7)
 
 
 def test_float16_optimizer():

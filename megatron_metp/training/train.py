@@ -176,6 +176,11 @@ def preflight(args: Namespace, explicit: set, world_size: int) -> None:
                              quiet=True)
         check_loadable(args.load, bool(args.use_distributed_optimizer),
                        _layout_tag(ns, world_size))
+        if args.use_megatron_fsdp and ns.pipeline_model_parallel_size > 1:
+            raise ValueError(f"--use-megatron-fsdp with --pipeline-model-parallel-size "
+                             f"{ns.pipeline_model_parallel_size}: Megatron-Core 0.16.1's "
+                             f"Megatron-FSDP builds its mesh over the data, context and tensor "
+                             f"parallel ranks only; drop one of them")
     if ns.data_path is not None:  # missing, truncated or out-of-vocabulary data fails here
         GPTSamples(load_tokens(ns.data_path, ns.vocab_size), ns.seq_length, ns.seed)
     elif ns.vocab_size < ByteTokenizer().vocab_size:
