@@ -236,3 +236,34 @@ def child_processes_allowed():
         yield
     finally:
         proc.daemon = was
+
+
+def train_args(base, *argv):
+    """``metp train`` arguments (``base`` then ``argv``) parsed as the CLI parses them."""
+    from megatron_metp.training import cli
+
+    parser, _ = cli.build_parser()
+    full = ["train", *base, *argv]
+    return parser.parse_args(full), cli.explicit_flags(full)
+
+
+def train_capturing(base, argv, capture):
+    """Run ``metp train`` (one mode) in this rank through ``training.train.run``, calling
+    ``capture(run)`` after every step while its groups are alive; returns the losses and the
+    last step's capture."""
+    from megatron_metp.training import train
+
+    held = {}
+    orig = train._train_step
+
+    def step(run, it, *args, **kwargs):
+        result = orig(run, it, *args, **kwargs)
+        held["last"] = capture(run)
+        return result
+
+    train._train_step = step
+    try:
+        (res,) = train.run(*train_args(base, *argv)).values()
+    finally:
+        train._train_step = orig
+    return res["losses"], held.get("last")

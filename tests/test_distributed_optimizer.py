@@ -45,46 +45,23 @@ LOSS_TOL = 1e-5
 CROSS_MODE_TOL = 1e-4
 
 
-def _args(*argv):
-    from megatron_metp.training import cli
-
-    parser, _ = cli.build_parser()
-    full = ["train", *BASE, *argv]
-    return parser.parse_args(full), cli.explicit_flags(full)
-
-
-def _torch_optimizers(optimizer):
-    chain = getattr(optimizer, "chained_optimizers", None) or [optimizer]
-    return [o.optimizer for o in chain]
-
-
-def _train(*argv) -> dict:
-    """One ``metp train`` run in this rank; returns losses, the final local parameters and the
-    Adam state this rank holds (elements and bytes)."""
-    from megatron_metp.training import train
-
-    runs = []
-    orig = train._build
-
-    def build(*a, **k):
-        runs.append(orig(*a, **k))
-        return runs[-1]
-
-    train._build = build
-    try:
-        args, explicit = _args(*argv)
-        (res,) = train.run(args, explicit).values()
-    finally:
-        train._build = orig
-    run = runs[-1]
+def _state(run) -> dict:
+    """This rank's final local parameters and the Adam state it holds (elements, bytes)."""
     model = getattr(run.ddp, "module", run.ddp)
-    moments = [t for o in _torch_optimizers(run.optimizer) for st in o.state.values()
+    chain = getattr(run.optimizer, "chained_optimizers", None) or [run.optimizer]
+    moments = [t for o in chain for st in o.optimizer.state.values()
                for k, t in st.items() if k in ("exp_avg", "exp_avg_sq")]
-    return dict(losses=res["losses"],
-                params={n: p.detach().clone() for n, p in model.named_parameters()},
+    return dict(params={n: p.detach().clone() for n, p in model.named_parameters()},
                 n_params=sum(p.numel() for p in model.parameters()),
                 moment_elems=sum(t.numel() for t in moments) // 2,
                 moment_bytes=sum(t.numel() * t.element_size() for t in moments))
+
+
+def _train(*argv) -> dict:
+    from tests import _models as M
+
+    losses, state = M.train_capturing(BASE, argv, _state)
+    return dict(state, losses=losses)
 
 
 def _resume_at(root: str) -> None:

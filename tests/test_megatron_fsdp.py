@@ -39,14 +39,6 @@ PARAM_TOL = 1e-5
 LOSS_TOL = 1e-5
 
 
-def _args(*argv):
-    from megatron_metp.training import cli
-
-    parser, _ = cli.build_parser()
-    full = ["train", *BASE, *argv]
-    return parser.parse_args(full), cli.explicit_flags(full)
-
-
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if hasattr(t, "_local_tensor") else t
 
@@ -112,23 +104,10 @@ def _capture(run) -> dict:
 
 
 def _train(*argv) -> dict:
-    from megatron_metp.training import train
+    from tests import _models as M
 
-    held = {}
-    orig = train._train_step
-
-    def step(run, it, *a, **k):
-        result = orig(run, it, *a, **k)
-        held.update(_capture(run))  # the last step's survives
-        return result
-
-    train._train_step = step
-    try:
-        args, explicit = _args(*argv)
-        (res,) = train.run(args, explicit).values()
-    finally:
-        train._train_step = orig
-    return dict(held, losses=res["losses"])
+    losses, held = M.train_capturing(BASE, argv, _capture)
+    return dict(held, losses=losses)
 
 
 def _pairs(cases) -> Dict[str, dict]:
