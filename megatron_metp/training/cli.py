@@ -117,7 +117,8 @@ def _train_parser(p: argparse.ArgumentParser) -> Callable:
            "gradients and optimizer state over the data-parallel x context-parallel ranks")
     a("--data-parallel-sharding-strategy", default=None,
       choices=("no_shard", "optim", "optim_grads", "optim_grads_params"),
-      help="what Megatron-FSDP shards (Megatron-LM's flag and default: no_shard)")
+      help="what Megatron-FSDP shards (Megatron-LM's flag; its default no_shard fails in "
+           "megatron-core 0.16.1 and is refused: pass optim_grads_params)")
     a("--dist-ckpt-optim-fully-reshardable", action="store_true",
       help="with --use-distributed-optimizer, save its state per parameter (Megatron-LM's "
            "flag) so the checkpoint loads in any mode, size and optimizer; without it only "

@@ -149,6 +149,12 @@ def check_megatron_fsdp(args: Namespace) -> None:
             raise ValueError(f"--data-parallel-sharding-strategy {strategy} sets what "
                              f"Megatron-FSDP shards: add --use-megatron-fsdp, or drop it")
         return
+    if strategy in (None, "no_shard"):
+        raise ValueError("--use-megatron-fsdp with --data-parallel-sharding-strategy no_shard "
+                         "(Megatron-LM's default): megatron-core 0.16.1's Megatron-FSDP fails at "
+                         "its first parameter sync with it (no weight buffer to gather); pass "
+                         "--data-parallel-sharding-strategy optim_grads_params (or optim, "
+                         "optim_grads)")
     if args.save or args.load:
         raise ValueError("--use-megatron-fsdp with --save/--load: Megatron-FSDP checkpoints "
                          "in its own fsdp_dtensor format (Megatron-LM's --ckpt-format "
