@@ -68,7 +68,8 @@ Stand-ins (each names the Megatron-Core code it covers; tests/test_cpu_compat.py
    overwrites ``step``. A GPU run without Apex and Transformer Engine would meet the same
    three; with either (every Megatron-LM GPU image) Adam keeps its step in the param groups.
 9. Megatron-FSDP (``--use-megatron-fsdp``: ``distributed.fsdp.mcore_fsdp_adapter.
-   FullyShardedDataParallel``; :func:`_install_megatron_fsdp`). Its CUDA streams
+   FullyShardedDataParallel``; :func:`apply_megatron_fsdp`, which ``metp train`` calls only
+   when it builds Megatron-FSDP, not :func:`apply`). Its CUDA streams
    (``MegatronFSDP.__init__``'s two side streams; the gradient reduce-scatter and parameter
    all-gather pipelines of ``param_and_grad_buffer`` wait on them, enter them and record events
    on them) become streams whose waits do nothing: a CPU process is one in-order executor, and
@@ -403,14 +404,18 @@ def _index_as_current_device(init: Callable) -> Callable:
     return wrapper
 
 
-def _install_megatron_fsdp() -> None:
-    """Item 9. Skipped when the adapter cannot be imported (einops absent): ``metp train``
-    then refuses ``--use-megatron-fsdp`` at start-up."""
-    try:
-        from megatron.core.distributed.fsdp import mcore_fsdp_adapter
-        from megatron.core.distributed.fsdp.src.megatron_fsdp import megatron_fsdp, uneven_dtensor
-    except ImportError:
+_FSDP_APPLIED = False
+
+
+def apply_megatron_fsdp() -> None:
+    """Item 9, installed by ``metp train --use-megatron-fsdp`` only (it replaces
+    ``torch.cuda.Stream`` for the whole process); a no-op with CUDA and when repeated."""
+    global _FSDP_APPLIED
+    if torch.cuda.is_available() or _FSDP_APPLIED:
         return
+    from megatron.core.distributed.fsdp import mcore_fsdp_adapter
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import megatron_fsdp, uneven_dtensor
+
     torch.cuda.Stream = _CpuStream
     torch.cuda.current_stream = lambda device=None: _CPU_STREAM
     cls = megatron_fsdp.MegatronFSDP
@@ -422,6 +427,7 @@ def _install_megatron_fsdp() -> None:
     mcore_fsdp_adapter._load_rng_state_dict = _fsdp_load_rng_state_dict
     if not isinstance(mcore_fsdp_adapter.TELinear, type):  # no TE: no module is a TELinear
         mcore_fsdp_adapter.TELinear = type("NoTELinear", (), {})
+    _FSDP_APPLIED = True
     _wrap_function(uneven_dtensor, "validate_uneven_dtensor")
 
 
@@ -598,7 +604,6 @@ def apply() -> None:
 
     _wrap_method(LanguageModule, "setup_embeddings_and_output_layer")
     _install_torch_adam_fixes()
-    _install_megatron_fsdp()
     for fn_name in ("get_grad_norm_fp32", "count_zeros_fp32"):
         _wrap_function(clip_grads, fn_name)
     _rebind_everywhere(clip_grads.clip_grad_by_total_norm_fp32, _cpu_clip_grad_by_total_norm_fp32)

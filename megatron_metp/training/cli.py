@@ -121,8 +121,8 @@ def _train_parser(p: argparse.ArgumentParser) -> Callable:
            "megatron-core 0.16.1 and is refused: pass optim_grads_params)")
     a("--dist-ckpt-optim-fully-reshardable", action="store_true",
       help="with --use-distributed-optimizer, save its state per parameter (Megatron-LM's "
-           "flag) so the checkpoint loads in any mode, size and optimizer; without it only "
-           "the same layout with the distributed optimizer can load it")
+           "flag) so the checkpoint loads in another mode and TP/CP/DP split (with "
+           "--use-distributed-optimizer); without it only the same layout can load it")
     a("--seed", type=int, default=None)
     a("--data-path", default=None,
       help="Megatron indexed dataset PREFIX (PREFIX.bin/.idx); default: the shipped corpus")

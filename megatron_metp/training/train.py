@@ -142,7 +142,24 @@ def check_model_config(args: Namespace) -> ModelConfig:
     return cfg
 
 
+def check_sharding_layout(args: Namespace, ns: Namespace, world_size: int) -> None:
+    """What needs the resolved layout: the ``--load`` this optimizer can read, and Megatron-FSDP
+    without pipeline parallelism. Run by :func:`preflight` in the launching process and again
+    in every rank (under an outside launcher, torchrun or srun, preflight does not run)."""
+    from megatron_metp.training.train_checkpoint import check_loadable
+
+    check_loadable(args.load, bool(args.use_distributed_optimizer), _layout_tag(ns, world_size))
+    if args.use_megatron_fsdp and ns.pipeline_model_parallel_size > 1:
+        raise ValueError(f"--use-megatron-fsdp with --pipeline-model-parallel-size "
+                         f"{ns.pipeline_model_parallel_size}: Megatron-Core 0.16.1's "
+                         f"Megatron-FSDP builds its mesh over the data, context and tensor "
+                         f"parallel ranks only; drop one of them")
+
+
 def check_megatron_fsdp(args: Namespace) -> None:
+    if args.dist_ckpt_optim_fully_reshardable and not args.use_distributed_optimizer:
+        raise ValueError("--dist-ckpt-optim-fully-reshardable sets the distributed optimizer's "
+                         "checkpoint form: add --use-distributed-optimizer, or drop it")
     strategy = args.data_parallel_sharding_strategy
     if not args.use_megatron_fsdp:
         if strategy not in (None, "no_shard"):
@@ -160,9 +177,9 @@ def check_megatron_fsdp(args: Namespace) -> None:
                          "in its own fsdp_dtensor format (Megatron-LM's --ckpt-format "
                          "fsdp_dtensor), which metp train does not write or read; drop "
                          "--save/--load or --use-megatron-fsdp")
-    try:
-        import einops  # noqa: F401  (imported by Megatron-FSDP's adapter)
-    except ImportError:
+    import importlib.util
+
+    if importlib.util.find_spec("einops") is None:  # Megatron-FSDP's adapter imports it
         raise ValueError("--use-megatron-fsdp needs einops, which Megatron-Core's Megatron-FSDP "
                          "adapter imports: pip install einops (scripts/setup_env.sh does)")
 
@@ -172,21 +189,10 @@ def preflight(args: Namespace, explicit: set, world_size: int) -> None:
     so that a bad configuration fails in one line instead of once per rank under torchrun."""
     cfg = check_model_config(args)
     resolve_auto(args, cfg, world_size, announce=True)
-    if args.dist_ckpt_optim_fully_reshardable and not args.use_distributed_optimizer:
-        raise ValueError("--dist-ckpt-optim-fully-reshardable sets the distributed optimizer's "
-                         "checkpoint form: add --use-distributed-optimizer, or drop it")
-    from megatron_metp.training.train_checkpoint import check_loadable
-
     for mode in modes_of(args, cfg):
         ns = _parallel_setup(resolve_namespace(args, cfg, mode, world_size), explicit,
                              quiet=True)
-        check_loadable(args.load, bool(args.use_distributed_optimizer),
-                       _layout_tag(ns, world_size))
-        if args.use_megatron_fsdp and ns.pipeline_model_parallel_size > 1:
-            raise ValueError(f"--use-megatron-fsdp with --pipeline-model-parallel-size "
-                             f"{ns.pipeline_model_parallel_size}: Megatron-Core 0.16.1's "
-                             f"Megatron-FSDP builds its mesh over the data, context and tensor "
-                             f"parallel ranks only; drop one of them")
+        check_sharding_layout(args, ns, world_size)
     if ns.data_path is not None:  # missing, truncated or out-of-vocabulary data fails here
         GPTSamples(load_tokens(ns.data_path, ns.vocab_size), ns.seq_length, ns.seed)
     elif ns.vocab_size < ByteTokenizer().vocab_size:
@@ -334,9 +340,13 @@ def _build_model(ns: Namespace, cfg: ModelConfig, mode: str, device: torch.devic
         # gloo the gradients are scaled by 1/d before a plain sum (the same average).
         from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
 
+        from megatron_metp import cpu_compat
+
+        cpu_compat.apply_megatron_fsdp()  # its CPU stand-ins, only where it runs (no-op on GPU)
+
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, use_distributed_optimizer=True, use_megatron_fsdp=True,
-            data_parallel_sharding_strategy=ns.data_parallel_sharding_strategy or "no_shard",
+            data_parallel_sharding_strategy=ns.data_parallel_sharding_strategy,
             gradient_reduce_div_fusion=dist.get_backend() == "nccl")
         ddp = FullyShardedDataParallel(config=tconf, ddp_config=ddp_config, module=model,
                                        device=device)
@@ -360,7 +370,8 @@ def _build_optimizer(ns: Namespace, tconf, ddp):
         clip_grad=ns.clip_grad, bf16=ns.bf16, params_dtype=tconf.params_dtype,
         use_distributed_optimizer=ns.use_distributed_optimizer)
     # gloo copies of the DP groups are not built (initialize_parallel passes
-    # create_gloo_process_groups=False); the non-distributed optimizer does not need them.
+    # create_gloo_process_groups=False); neither optimizer needs them here (the distributed
+    # one would only for its memory-efficient fully reshardable checkpoints, not offered).
     optimizer = get_megatron_optimizer(opt_config, [ddp], use_gloo_process_groups=False)
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=ns.lr, min_lr=opt_config.min_lr,
@@ -580,6 +591,7 @@ def train_one_mode(args: Namespace, cfg: ModelConfig, mode: str, explicit: set,
         torch.cuda.reset_peak_memory_stats(device)
 
     ns = _parallel_setup(resolve_namespace(args, cfg, mode), explicit)
+    check_sharding_layout(args, ns, dist.get_world_size())
     _initialize(ns)
     try:
         run = _build(args, ns, cfg, mode, device)

@@ -122,9 +122,10 @@ def check_loadable(root: str, distributed_optimizer: bool, layout: str) -> None:
                          f"optimizer state Megatron's plain optimizer cannot read: add "
                          f"--use-distributed-optimizer")
     if not kind and distributed_optimizer:
-        raise ValueError(f"--load {root}: written without --use-distributed-optimizer, whose "
-                         f"optimizer state the distributed optimizer cannot read: drop "
-                         f"--use-distributed-optimizer")
+        raise ValueError(f"--load {root}: no distributed-optimizer state recorded (written "
+                         f"without --use-distributed-optimizer, or by a metp train before it "
+                         f"recorded its form), which the distributed optimizer cannot read: "
+                         f"drop --use-distributed-optimizer")
     if kind == "dp_reshardable" and meta.get("metp_layout") != layout:
         raise ValueError(f"--load {root}: the distributed optimizer's dp_reshardable state was "
                          f"cut for {meta.get('metp_layout')}, not {layout}: load it in that "
@@ -137,8 +138,8 @@ def _sharded_state_dict(model_chunks: List, optimizer, iteration: int,
     ``--train-iters 0``, the initial weights) Adam has no moments to save or to load.
 
     ``metadata``: the checkpoint's content metadata (:func:`content_metadata`); the distributed
-    optimizer builds its part in that form. Loading a plain optimizer's checkpoint (no metadata)
-    with the distributed optimizer asks for ``fully_reshardable``, the same per-parameter form."""
+    optimizer builds its part in that form (a distributed-optimizer load always finds one:
+    :func:`check_loadable` refuses checkpoints without it)."""
     model_sd = _unwrap(model_chunks[0]).sharded_state_dict()
     if iteration == 0:
         return {"model": model_sd}
@@ -147,7 +148,7 @@ def _sharded_state_dict(model_chunks: List, optimizer, iteration: int,
     if not _is_distributed(optimizer):
         return {"model": model_sd,
                 "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
-    meta = {"distrib_optim_sharding_type": "fully_reshardable", **(metadata or {})}
+    meta = dict(metadata or {})
     return {"model": model_sd,
             "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
                                                       metadata=meta)}
