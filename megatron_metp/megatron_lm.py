@@ -239,7 +239,9 @@ def resolve_auto(ns) -> None:
         cfg = config_from_megatron_args(ns)
         chosen, text = auto.decide(
             cfg, p, ns.seq_length, micro_batch=getattr(ns, "micro_batch_size", None) or 1,
-            gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", p)))
+            gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", p)),
+            distributed_optimizer=bool(getattr(ns, "use_distributed_optimizer", False)),
+            megatron_fsdp=bool(getattr(ns, "use_megatron_fsdp", False)))
     except (ConfigError, ValueError) as e:
         raise MetpConfigError(str(e) if "--tensor-parallel-mode auto" in str(e)
                               else f"--tensor-parallel-mode auto: {e}")

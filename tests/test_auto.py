@@ -50,6 +50,41 @@ def test_auto_lists_every_candidate_and_picks_the_fastest_that_fits(report):
     report(f"auto (tiny-gpt, p=4, s=256, 80 GiB, H100 ESTIMATE): {why}")
 
 
+def test_auto_plans_the_runs_sharding(report):
+    """--use-megatron-fsdp reaches auto's planner: WallFacer's model state shards over its CP
+    group (18/d B per parameter instead of 6 + 12/d), and its candidate needs less memory;
+    tp and metp (d = 1) plan the same state either way."""
+    from megatron_metp.measure import auto
+    from megatron_metp.measure.planner import PlanSettings, Planner
+
+    cfg = _tiny()
+    need = {}
+    for fsdp in (False, True):
+        planner = Planner(PlanSettings(memory_gib=80.0, megatron_fsdp=fsdp))
+        try:
+            need[fsdp] = {c.label: c.needed_gib for c in auto.candidates(cfg, 4, 256,
+                                                                         planner=planner)}
+        finally:
+            planner.world.teardown()
+    assert need[True]["wallfacer C=1"] < need[False]["wallfacer C=1"], need
+    assert need[True]["metp"] == need[False]["metp"] and need[True]["tp"] == need[False]["tp"]
+    seen = []
+    real_choose = auto.choose
+
+    def spy(*args, planner=None, **kwargs):
+        seen.append(planner.settings)
+        return real_choose(*args, planner=planner, **kwargs)
+
+    auto.choose = spy
+    try:
+        _, text = auto.decide(cfg, 4, 256, memory_gib=80.0, gpu="H100", megatron_fsdp=True)
+    finally:
+        auto.choose = real_choose
+    assert seen and seen[0].megatron_fsdp and "Megatron-FSDP" in text
+    report(f"auto (tiny-gpt, p=4, s=256): wallfacer C=1 needs {need[False]['wallfacer C=1']:.4f}"
+           f" GiB, {need[True]['wallfacer C=1']:.4f} GiB with Megatron-FSDP")
+
+
 def test_auto_refuses_what_fits_nowhere_and_names_the_longest_that_fits():
     from megatron_metp.measure import auto
     from megatron_metp.measure.planner import PlanSettings, Planner

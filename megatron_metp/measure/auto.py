@@ -119,10 +119,13 @@ def table(cands: List[Candidate], chosen: Optional[Candidate], gpu: str) -> str:
 
 
 def decide(cfg, p: int, s: int, *, micro_batch: int = 1, memory_gib: Optional[float] = None,
-           gpu: Optional[str] = None, gpus_per_node: int = 8) -> Tuple[Candidate, str]:
+           gpu: Optional[str] = None, gpus_per_node: int = 8, distributed_optimizer: bool = False,
+           megatron_fsdp: bool = False) -> Tuple[Candidate, str]:
     """What both routes (``metp train``, Megatron-LM's argument hook) run: the GPU's memory and
     kind where there is one (else 80 GiB, H100), p = 1 -> tp, else :func:`choose`. Returns the
-    choice and the text to print; nothing fits: a ValueError naming the longest that would."""
+    choice and the text to print; nothing fits: a ValueError naming the longest that would.
+    ``distributed_optimizer`` / ``megatron_fsdp``: the run's sharding, planned as ``metp plan``
+    plans it (it changes WallFacer, whose CP group of p ranks shares the weights)."""
     if p == 1:
         return Candidate("tp", fits=True), "--tensor-model-parallel-size 1 leaves nothing to " \
                                             "choose: tp"
@@ -133,13 +136,19 @@ def decide(cfg, p: int, s: int, *, micro_batch: int = 1, memory_gib: Optional[fl
         memory_gib = torch.cuda.get_device_properties(0).total_memory / GIB if cuda else 80.0
     if gpu is None:
         gpu = "A100" if cuda and "A100" in torch.cuda.get_device_name(0) else "H100"
+    planner = Planner(PlanSettings(memory_gib=memory_gib, micro_batch=micro_batch,
+                                   distributed_optimizer=distributed_optimizer,
+                                   megatron_fsdp=megatron_fsdp))
     chosen, tbl, why = choose(cfg, p, s, micro_batch=micro_batch, memory_gib=memory_gib, gpu=gpu,
-                              gpus_per_node=gpus_per_node)
+                              gpus_per_node=gpus_per_node, planner=planner)
     if chosen is None:
         raise ValueError(f"--tensor-parallel-mode auto: {why}")
+    sharding = ("Megatron-FSDP, " if megatron_fsdp else
+                "distributed optimizer, " if distributed_optimizer else "")
     return chosen, (f"--tensor-parallel-mode auto at p = {p}, --seq-length {s}, micro batch "
-                    f"{micro_batch}, {memory_gib:g} GiB, {gpus_per_node} ranks per node (times "
-                    f"are ESTIMATES for {gpu}, not measurements):\n{tbl}\nauto chose {why}")
+                    f"{micro_batch}, {memory_gib:g} GiB, {sharding}{gpus_per_node} ranks per "
+                    f"node (times are ESTIMATES for {gpu}, not measurements):\n{tbl}\n"
+                    f"auto chose {why}")
 
 
 def apply(ns, chosen: Candidate, team_size_type=int) -> None:

@@ -122,7 +122,9 @@ def resolve_auto(args: Namespace, cfg: ModelConfig, world_size: int, *,
                          "--pipeline-model-parallel-size 1: name the mode to compose them")
     chosen, text = auto.decide(
         cfg, p, ns.seq_length, micro_batch=ns.micro_batch_size, memory_gib=args.auto_memory_gib,
-        gpu=args.auto_gpu, gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+        gpu=args.auto_gpu, gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
+        distributed_optimizer=bool(args.use_distributed_optimizer),
+        megatron_fsdp=bool(args.use_megatron_fsdp))
     if announce:
         print("[metp] " + text.replace("\nauto chose", "\n[metp] auto chose"), flush=True)
     auto.apply(args, chosen, team_size_type=str)  # metp train's flag holds a string
