@@ -431,6 +431,27 @@ _FSDP_SCRIPT = textwrap.dedent(
 )
 
 
+def test_fsdp_gathered_layers_follow_megatron_fsdp_prefetch():
+    """Megatron-FSDP 0.16.1's prefetch size, read from its own code: an optim_grads_params
+    model's communication unit is max(1e9, twice its mean FSDP-unit size), the prefetch half of
+    it (so the planner's 5e8 holds wherever a layer is below 5e8 elements)."""
+    import inspect
+
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import megatron_fsdp
+
+    from megatron_metp.measure.planner import FSDP_PREFETCH_ELEMENTS, fsdp_gathered_layers
+
+    src = inspect.getsource(megatron_fsdp.MegatronFSDP)
+    assert "1_000_000_000, suggested_communication_unit_size" in src
+    assert "suggested_AG_prefetch_size = suggested_communication_unit_size // 2" in src
+    assert FSDP_PREFETCH_ELEMENTS == 1_000_000_000 // 2
+    # LLaMA-7B (202M per layer, 32 layers), LLaMA-70B (856M, 5 on the device), GPT-175B (1.8B,
+    # 1 layer), BERT-Large (12.6M, 24 layers).
+    assert [fsdp_gathered_layers(n, L) for n, L in ((202_383_360, 32), (855_654_400, 5),
+                                                     (1_811_988_480, 1), (12_596_224, 24))] \
+        == [4, 2, 1, 24]
+
+
 def test_wallfacer_sharded_weights_plan(report):
     """Model state and transients against a count by hand (LLaMA-7B, CP = p = 8, TP = 1)."""
     res = _run_fake(_FSDP_SCRIPT)
@@ -445,9 +466,11 @@ def test_wallfacer_sharded_weights_plan(report):
     assert st_d == int(params * (6 + 12 / p))
     # Megatron-FSDP optim_grads_params: all 18 B sharded over the 8 CP ranks.
     assert st_f == st_c == int(params * 18 / p)
-    # Its transients: two layers' bf16 parameters and one layer's fp32 gradient, unsharded,
-    # and (no gradient-accumulation fusion under Megatron-FSDP) one layer's bf16 weight grads.
-    assert act_f - act_d == (2 * 2 + 4 + 2) * layer
+    # Its transients: the running layer's bf16 parameters and those of the layers it
+    # prefetches (at least 5e8 elements: ceil(5e8 / 202,383,360) = 3 layers), one layer's fp32
+    # gradient, and (no gradient-accumulation fusion under Megatron-FSDP) one layer's bf16
+    # weight gradients, unsharded.
+    assert act_f - act_d == (2 * (1 + 3) + 4 + 2) * layer
     # A team of 2 keeps one more q, k, v shard at the attention peak: s/p x (32 + 2 x 32)
     # heads x 128 x 2 B.
     assert act_c - act_f == s // p * (32 + 2 * 32) * 128 * 2
@@ -456,5 +479,5 @@ def test_wallfacer_sharded_weights_plan(report):
     assert abs((sent_f - sent_d) - (p - 1) / p * params * 2) < 1.0
     gib = 2.0 ** 30
     report(f"plan llama-7b wallfacer p=8 s=64k: state {st_d / gib:.1f} GiB (distributed "
-           f"optimizer) -> {st_f / gib:.1f} GiB (Megatron-FSDP, + {10 * layer / gib:.2f} GiB "
+           f"optimizer) -> {st_f / gib:.1f} GiB (Megatron-FSDP, + {14 * layer / gib:.2f} GiB "
            f"unsharded layers); C = 2 adds {(act_c - act_f) / gib:.2f} GiB")

@@ -38,13 +38,21 @@ Method (per rank; b = micro batch 1, s = sequence, p = parallel degree, L = laye
    optim_grads_params``: ``megatron.core.distributed.fsdp``) all 18 B are sharded over that
    group: 18 / d. Megatron-FSDP then all-gathers each layer's bf16 parameters before the layer
    runs (and the next layer's while it runs) and reduce-scatters its fp32 gradient after the
-   layer's backward: at the last layer's backward peak the unsharded parameters of two layers
-   (2 x 2 B) and one layer's unsharded gradient (4 B) are live. Megatron-FSDP also requires
+   layer's backward: at the last layer's backward peak the unsharded bf16 parameters of the
+   layer and of the layers it prefetches are live, and one layer's unsharded gradient (4 B).
+   Megatron-FSDP 0.16.1 (``optim_grads_params``) prefetches layers until at least
+   ``max(5e8, one layer's)`` elements are in flight (its communication unit, ``max(1e9, twice a
+   layer)``, halved: ``MegatronFSDP.suggested_AG_prefetch_size``), so
+   ``1 + max(1, ceil(5e8 / layer))`` layers, at most the device's: 4 for LLaMA-7B's 202M-
+   parameter layers, 2 for LLaMA-70B's, 1 for a one-layer GPT-175B stage, all 24 of
+   BERT-Large's. Its reduce-scatter queue (up to 1e9 elements of unsharded gradients) fills
+   only as backward frees the layers' activations, which are larger at these lengths, so it
+   does not raise the peak. Megatron-FSDP also requires
    ``--no-gradient-accumulation-fusion`` (its user guide; ``metp train`` sets it), so each
    weight gradient is first a bf16 ``.grad`` that is then added into the fp32 gradient: bounded
    here by 2 B per layer parameter (autograd frees each after it is added, so one weight's is
-   live in practice). 10 B per layer parameter are added to the activation peak
-   (:func:`fsdp_transient_bytes`). For tp and metp at d = 1 nothing
+   live in practice). All this is added to the activation peak (:func:`fsdp_transient_bytes`).
+   For tp and metp at d = 1 nothing
    changes. WallFacer with a team of C (``wallfacer_team``) keeps C - 1 more query/key/value
    shards at the attention peak (paper Eq. 7 - Eq. 6), added as ``auto`` does.
    The embedding (vocab-parallel word table, and a learned position table of s x h replicated on
@@ -146,13 +154,24 @@ def team_shard_bytes(cfg, p: int, s: int, b: int, team_size: int) -> int:
     return (team_size - 1) * b * s // p * heads * cfg.kv_channels * 2
 
 
-def fsdp_transient_bytes(mode: str, p: int, layer_params_full: int) -> int:
+FSDP_PREFETCH_ELEMENTS = 500_000_000  # Megatron-FSDP 0.16.1: half of its 1e9-element unit
+
+
+def fsdp_gathered_layers(layer_params_full: int, layers: int) -> int:
+    """Layers whose bf16 parameters Megatron-FSDP holds unsharded at once: the running one and
+    those it prefetches (module docstring, item 4)."""
+    prefetched = max(1, -(-FSDP_PREFETCH_ELEMENTS // max(layer_params_full, 1)))
+    return min(layers, 1 + prefetched)
+
+
+def fsdp_transient_bytes(mode: str, p: int, layer_params_full: int, layers: int = 2) -> int:
     """Megatron-FSDP's unsharded buffers at the last layer's backward peak (module docstring,
-    item 4): two layers' bf16 parameters, one layer's fp32 gradient and (without gradient-
-    accumulation fusion) at most one layer's bf16 weight gradients; 0 when nothing is sharded
-    (d = 1)."""
+    item 4): the gathered layers' bf16 parameters, one layer's fp32 gradient and (without
+    gradient-accumulation fusion) at most one layer's bf16 weight gradients; 0 when nothing is
+    sharded (d = 1)."""
     d = p if mode == "wallfacer" else 1
-    return 0 if d == 1 else (2 * 2 + 4 + 2) * layer_params_full
+    gathered = fsdp_gathered_layers(layer_params_full, layers)
+    return 0 if d == 1 else (2 * gathered + 4 + 2) * layer_params_full
 
 
 # ------------------------------------------------------------------------------------------
@@ -305,7 +324,7 @@ class Planner:
         act = x0 + max(resident * lm.retained + shared + head_extra,
                        (resident - 1) * lm.retained + lm.peak - lm.shared_buffer + shared)
         if st.megatron_fsdp:
-            act += fsdp_transient_bytes(mode, p, lm.params)
+            act += fsdp_transient_bytes(mode, p, lm.params, L)
         if mode == "wallfacer":
             act += team_shard_bytes(cfg, p, s, b, st.wallfacer_team)
         if st.count_send_buffers:
