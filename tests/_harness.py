@@ -93,8 +93,9 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
 class RankPool:
     """``world_size`` gloo ranks waiting for tasks."""
 
-    def __init__(self, world_size: int):
+    def __init__(self, world_size: int, keeps_workers: bool = True):
         self.world_size = world_size
+        self.keeps_workers = keeps_workers  # False: the workers end with the task
         port = _free_port()
         self._tasks = [_CTX.Queue() for _ in range(world_size)]
         self._results = _CTX.Queue()
@@ -132,7 +133,8 @@ class RankPool:
                     + "".join(f"\n--- rank {r} ---\n{e}" for r, e in errors.items())
                 )
             PEAK_THREADS[:] = max(PEAK_THREADS, [threads[0], fn.__name__, threads[1]])
-            AFTER_RESET[0] = max(AFTER_RESET[0], threads[1])
+            if self.keeps_workers:  # what a later task would inherit
+                AFTER_RESET[0] = max(AFTER_RESET[0], threads[1])
             if ok:
                 outs[rank] = val
             else:
@@ -180,6 +182,19 @@ def run_ranks(world_size: int, fn: Callable, *args, timeout: float = 300.0, **kw
     finally:
         if not pool._procs:
             _POOLS.pop(world_size, None)
+
+
+def run_in_own_workers(world_size: int, fn: Callable, *args, timeout: float = 300.0,
+                       **kwargs) -> List[Any]:
+    """:func:`run_ranks` in workers that end with the task. For tasks that leave threads behind
+    whatever they destroy: Megatron-Core 0.16.1's DistributedOptimizer (and Megatron-FSDP, which
+    uses it) keeps the gloo groups of a finished run alive, about 48 OS threads per run here,
+    held from outside Python's reachable objects (not found); later tasks must not inherit them."""
+    pool = RankPool(world_size, keeps_workers=False)
+    try:
+        return pool.run(fn, *args, timeout=timeout, **kwargs)
+    finally:
+        pool.close()
 
 
 def close_pools() -> None:

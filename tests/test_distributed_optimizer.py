@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests._harness import run_ranks
+from tests._harness import run_in_own_workers
 
 BASE = ["--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
         "--hidden-dropout", "0", "--attention-dropout", "0", "--lr-warmup-iters", "1",
@@ -111,7 +111,7 @@ def _wallfacer_runs(tmp: str) -> Dict[str, dict]:
 def test_wallfacer_distributed_optimizer(tmp_path, report):
     from megatron_metp.measure import planner
 
-    out = run_ranks(4, _wallfacer_runs, str(tmp_path), timeout=500)
+    out = run_in_own_workers(4, _wallfacer_runs, str(tmp_path), timeout=500)
     d = 4
     plain0 = out[0]["plain"]
     worst_loss = worst_param = cross = 0.0
