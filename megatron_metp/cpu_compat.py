@@ -418,10 +418,8 @@ def apply_megatron_fsdp() -> None:
 
     torch.cuda.Stream = _CpuStream
     torch.cuda.current_stream = lambda device=None: _CPU_STREAM
-    cls = megatron_fsdp.MegatronFSDP
-    if not getattr(cls.__init__, "_metp_cpu_wrapped", False):
-        cls.__init__ = _index_as_current_device(cls.__init__)
-        cls.__init__._metp_cpu_wrapped = True
+    megatron_fsdp.MegatronFSDP.__init__ = _index_as_current_device(
+        megatron_fsdp.MegatronFSDP.__init__)
     mcore_fsdp_adapter.DeviceMesh = _CpuMeshes
     mcore_fsdp_adapter._get_rng_state_dict = _fsdp_rng_state_dict
     mcore_fsdp_adapter._load_rng_state_dict = _fsdp_load_rng_state_dict
@@ -432,19 +430,17 @@ def apply_megatron_fsdp() -> None:
 
 
 def _install_torch_adam_fixes() -> None:
-    """Item 8: Megatron's DistributedOptimizer on its torch-Adam fallback (no Apex, no TE)."""
+    """Item 8: Megatron's DistributedOptimizer on its torch-Adam fallback (no Apex, no TE);
+    called once, by :func:`apply`."""
     from megatron.core.optimizer import distrib_optimizer
 
     cls = distrib_optimizer.DistributedOptimizer
-    if getattr(cls, "_metp_torch_adam_fixed", False):
-        return
     _wrap_method(cls, "__init__", cuda_type_names=True)
     _wrap_method(cls, "get_parameter_state_dp_zero")
     cls._set_main_param_and_optimizer_states = _set_states_keeping_step(
         cls._set_main_param_and_optimizer_states)
     cls.load_state_dict = _load_with_own_steps(cls.load_state_dict)
     cls.sharded_state_dict = _sharded_state_dict_with_state(cls.sharded_state_dict)
-    cls._metp_torch_adam_fixed = True
 
 
 # --------------------------------------------------------------------------------------------

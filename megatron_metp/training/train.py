@@ -140,7 +140,7 @@ def check_model_config(args: Namespace) -> ModelConfig:
         raise ValueError("--bf16 needs a GPU: Megatron-Core's mixed-precision optimizer "
                          "(Float16OptimizerWithFloat16Params) refuses CPU tensors; drop --bf16 "
                          "on CPU")
-    check_megatron_fsdp(args)
+    check_sharding_flags(args)
     return cfg
 
 
@@ -158,7 +158,8 @@ def check_sharding_layout(args: Namespace, ns: Namespace, world_size: int) -> No
                          f"parallel ranks only; drop one of them")
 
 
-def check_megatron_fsdp(args: Namespace) -> None:
+def check_sharding_flags(args: Namespace) -> None:
+    """The distributed optimizer's and Megatron-FSDP's flags, alone and together."""
     if args.dist_ckpt_optim_fully_reshardable and not args.use_distributed_optimizer:
         raise ValueError("--dist-ckpt-optim-fully-reshardable sets the distributed optimizer's "
                          "checkpoint form: add --use-distributed-optimizer, or drop it")

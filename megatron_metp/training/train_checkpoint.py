@@ -148,10 +148,9 @@ def _sharded_state_dict(model_chunks: List, optimizer, iteration: int,
     if not _is_distributed(optimizer):
         return {"model": model_sd,
                 "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
-    meta = dict(metadata or {})
     return {"model": model_sd,
             "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
-                                                      metadata=meta)}
+                                                      metadata=metadata or {})}
 
 
 def save(root: str, iteration: int, model_chunks: List, optimizer, scheduler,
