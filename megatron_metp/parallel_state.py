@@ -34,8 +34,9 @@ import torch.distributed as dist
 _METP_GROUP: Optional[dist.ProcessGroup] = None
 _METP_WEIGHT_GROUP: Optional[dist.ProcessGroup] = None
 _WALLFACER_GROUPS: Optional[Any] = None
-# Under CP > 1: (K/V ring group, block index of each of its ranks), see metp_kv_ring.
-_METP_KV_RING: Optional[Tuple[dist.ProcessGroup, Tuple[int, ...]]] = None
+# Under CP > 1: (K/V ring group, block index of each of its ranks in the contiguous layout, and
+# in the balanced one), see metp_kv_ring.
+_METP_KV_RING: Optional[Tuple[dist.ProcessGroup, Tuple[int, ...], Tuple[int, ...]]] = None
 
 
 def zigzag_block(tp_rank: int, tp_size: int, cp_rank: int, cp_size: int) -> int:
@@ -102,10 +103,10 @@ def initialize_metp(tp_group: Optional[dist.ProcessGroup] = None,
         _METP_KV_RING = _create_kv_rings(dist.get_world_size(tp_group), cp, rank_layout, timeout)
 
 
-def _create_kv_rings(tp: int, cp: int, rank_layout, timeout) -> Tuple[dist.ProcessGroup,
-                                                                      Tuple[int, ...]]:
+def _create_kv_rings(tp: int, cp: int, rank_layout, timeout):
     """One group per tensor-and-context set of ranks (every rank creates every group, in one
-    order); returns this rank's group and the block index of each of its group ranks."""
+    order); returns this rank's group and the block index of each of its group ranks, in the
+    contiguous layout and in the balanced one (``megatron_metp.token_layout.balanced_block``)."""
     from megatron.core import parallel_state as mpu
 
     if rank_layout is None:
@@ -123,10 +124,11 @@ def _create_kv_rings(tp: int, cp: int, rank_layout, timeout) -> Tuple[dist.Proce
             # new_group numbers its ranks in sorted order: group rank i is global ranks[i].
             blocks = tuple(zigzag_block(rank_layout[g][0], tp, rank_layout[g][1], cp)
                            for g in ranks)
-            if sorted(blocks) != list(range(tp * cp)):
-                raise RuntimeError(f"METP K/V ring over ranks {ranks}: blocks {blocks} do not "
-                                   f"cover the sequence once")
-            result = (pg, blocks)
+            balanced = tuple(rank_layout[g][1] * tp + rank_layout[g][0] for g in ranks)
+            if sorted(blocks) != list(range(tp * cp)) or sorted(balanced) != list(range(tp * cp)):
+                raise RuntimeError(f"METP K/V ring over ranks {ranks}: blocks {blocks} "
+                                   f"(balanced {balanced}) do not cover the sequence once")
+            result = (pg, blocks, balanced)
     return result
 
 
@@ -151,7 +153,17 @@ def metp_kv_ring(tp_group: Optional[dist.ProcessGroup], cp_group: Optional[dist.
     if not wanted <= members:
         raise RuntimeError(f"METP's K/V ring {sorted(members)} does not hold the TP and CP "
                            f"ranks {sorted(wanted)}")
-    return ring
+    return ring[0], ring[1]
+
+
+def metp_kv_balanced_blocks(cp_group: Optional[dist.ProcessGroup]) -> Optional[Tuple[int, ...]]:
+    """Under CP, each K/V ring rank's block index in the balanced layout (TP rank t of CP rank
+    c: ``c TP + t``, ``megatron_metp.token_layout``); None without CP (index = ring rank).
+    Read once, at construction, after :func:`metp_kv_ring`."""
+    cp = cp_group.size() if cp_group is not None else 1
+    if cp == 1 or _METP_KV_RING is None:
+        return None
+    return _METP_KV_RING[2]
 
 
 def metp_weight_group(tp_group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:

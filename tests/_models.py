@@ -139,8 +139,12 @@ def shard_like(full: torch.Tensor, param) -> torch.Tensor:
     if meta is None or p == 1:
         return full.clone()
     dim, stride = meta
-    chunks = full.chunk(stride * p, dim=dim)
     r = mpu.get_tensor_model_parallel_rank()
+    if getattr(param, "metp_balanced_rows", False):
+        # METP's position table in the balanced token layout: chunks r and 2p-1-r of 2p.
+        chunks = full.chunk(2 * p, dim=dim)
+        return torch.cat([chunks[r], chunks[2 * p - 1 - r]], dim=dim).clone()
+    chunks = full.chunk(stride * p, dim=dim)
     return torch.cat(chunks[r::p], dim=dim).clone()
 
 
@@ -155,6 +159,11 @@ def gather_full(shard: torch.Tensor, param) -> torch.Tensor:
     dim, stride = meta
     parts = [torch.empty_like(shard) for _ in range(p)]
     dist.all_gather(parts, shard.contiguous(), group=mpu.get_tensor_model_parallel_group())
+    if getattr(param, "metp_balanced_rows", False):
+        halves = {}
+        for r, part in enumerate(parts):
+            halves[r], halves[2 * p - 1 - r] = part.chunk(2, dim=dim)
+        return torch.cat([halves[c] for c in range(2 * p)], dim=dim)
     # rank r's shard = [chunk r, chunk r + p, ...]: interleave back to chunk order.
     per_rank = [part.chunk(stride, dim=dim) for part in parts]
     ordered = [per_rank[r][k] for k in range(stride) for r in range(p)]

@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "megatron_metp"
 # Lowest first. A module may import its own layer and the layers below it, never one above.
 # Longest prefix wins (``measure.flops`` before ``measure``).
 LAYERS = [
-    ("core", ["comm", "kernels", "packing", "parallel_state", "errors"]),
+    ("core", ["comm", "kernels", "packing", "parallel_state", "errors", "token_layout"]),
     ("algorithms", ["metp", "wallfacer"]),
     ("integration", ["layers", "te_backend", "cpu_compat", "specs", "model", "validation",
                      "launch",

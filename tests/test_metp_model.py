@@ -36,6 +36,9 @@ def _compare(p):
         metp_model = M.build("metp", style, **overrides)
         layers = metp_model.decoder.layers
         assert all(isinstance(layer.self_attention, MetpSelfAttention) for layer in layers)
+        # The balanced causal layout is what runs here (rank r: chunks r and 2p-1-r).
+        assert metp_model.uses_balanced_layout(M.SEQ)
+        assert all(layer.self_attention.balanced_layout for layer in layers)
         assert type(layers[0].mlp).__name__ == "MetpMLP"
         # Checkpoints carry over: same parameter names/shapes and sharded_state_dict keys.
         assert sorted(tp_model.sharded_state_dict().keys()) == sorted(

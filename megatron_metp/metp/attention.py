@@ -66,6 +66,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_metp.metp.ring_attention import ring_attention_backward, ring_attention_forward
 from megatron_metp.packing import CPBlockLayout, PackedLayout
+from megatron_metp.token_layout import BALANCED, balanced_positions, can_balance
 
 
 def check_metp_attention_config(config: TransformerConfig, p: int) -> None:
@@ -145,10 +146,13 @@ class _Plan:
     """
 
     def __init__(self, module: "MetpSelfAttention", freqs_shard_s, causal: bool, tokens: int,
-                 layout=None):
-        self.layout = layout  # packed documents (megatron_metp.packing), or None
+                 layout=None, balanced: bool = False):
+        # Packed documents (megatron_metp.packing), the balanced layout's block rule
+        # (megatron_metp.token_layout), or None (contiguous blocks).
+        self.layout = BALANCED if balanced else layout
         self.group = module.kv_group  # the K/V ring (P2P): the TP group, or TP x CP under CP
-        self.blocks = module.kv_blocks  # each K/V ring rank's block in the sequence (None: ring order)
+        # Each K/V ring rank's block in the sequence (None: ring order).
+        self.blocks = module.kv_blocks_balanced if balanced else module.kv_blocks
         self.weight_group = module.weight_group  # weight broadcasts and gradient reduces
         self.p = module.world_size  # the outer level: TP ranks (head groups)
         self.rank = dist.get_rank(module.tp_group) if self.p > 1 else 0
@@ -499,9 +503,15 @@ class MetpSelfAttention(SelfAttention):
         self.weight_group = metp_weight_group(self.tp_group)
         # The K/V ring: the TP group, or under CP the TP x CP ranks of this sequence with each
         # one's block index (megatron_metp.parallel_state.metp_kv_ring); read once here.
-        from megatron_metp.parallel_state import metp_kv_ring
+        from megatron_metp.parallel_state import metp_kv_balanced_blocks, metp_kv_ring
 
         self.kv_group, self.kv_blocks = metp_kv_ring(self.tp_group, pg_collection.cp)
+        self.kv_blocks_balanced = metp_kv_balanced_blocks(pg_collection.cp)
+        # Set by the model that lays out the tokens (MetpGPTModel): rank r then holds chunks r
+        # and 2p-1-r of the sequence (megatron_metp.token_layout) whenever
+        # :meth:`uses_balanced_layout` says so. A stock GPTModel (the spec-only route) scatters
+        # the sequence contiguously, hence the default.
+        self.balanced_layout = False
         self._softmax_scale = (config.softmax_scale if config.softmax_scale is not None
                                else 1.0 / math.sqrt(self.hidden_size_per_attention_head))
 
@@ -544,6 +554,7 @@ class MetpSelfAttention(SelfAttention):
         layout = None
         if packed_seq_params is not None:
             layout = self._packed_layout(packed_seq_params, hidden_states, causal)
+        balanced = self.uses_balanced_layout(s_shard, causal, packed_seq_params)
         freqs = None
         pair = (rotary_pos_emb if isinstance(rotary_pos_emb, tuple) or rotary_pos_emb is None
                 else (rotary_pos_emb,) * 2)
@@ -561,21 +572,20 @@ class MetpSelfAttention(SelfAttention):
                                      f"document needs {need} (max_seqlen_q)")
             pos = layout.block_positions(block, s_shard, device=pair[0].device)
             freqs = tuple(f.index_select(0, pos) for f in pair)
+        elif pair is not None and balanced:
+            # This rank's tokens are chunks r and 2p-1-r of the (CP rank's) sequence.
+            self._check_rotary_length(pair, s_shard)
+            pos = balanced_positions(rank, self.world_size, s_shard, device=pair[0].device)
+            freqs = tuple(f.index_select(0, pos) for f in pair)
         elif pair is not None:
             # The embedding covers the full sequence (under CP: the CP rank's tokens, in the
             # order get_batch_on_this_cp_rank lays them out, as Megatron's RotaryEmbedding
             # returns them); this rank's tokens are the contiguous chunk
             # [rank * s/p, (rank + 1) * s/p) of it: slice their global positions.
             lo = rank * s_shard
-            for f in pair:
-                if f.shape[0] != s_shard * self.world_size:
-                    raise ValueError(
-                        f"rotary_pos_emb covers {f.shape[0]} positions; expected the "
-                        f"{s_shard * self.world_size} of this context-parallel rank "
-                        f"(--seq-length / --context-parallel-size)"
-                    )
+            self._check_rotary_length(pair, s_shard)
             freqs = tuple(f[lo : lo + s_shard] for f in pair)
-        plan = _Plan(self, freqs, causal, s_shard * hidden_states.shape[1], layout)
+        plan = _Plan(self, freqs, causal, s_shard * hidden_states.shape[1], layout, balanced)
         norm_params = [prm for m in (self.q_layernorm, self.k_layernorm) if m is not None
                        for prm in m.parameters()]
         out = _MetpMHAFunction.apply(
@@ -589,6 +599,22 @@ class MetpSelfAttention(SelfAttention):
         if self.linear_proj.bias is not None:
             out = out + self.linear_proj.bias
         return out, None
+
+    def uses_balanced_layout(self, s_shard: int, causal: bool, packed_seq_params=None) -> bool:
+        """Whether this call's tokens are in the balanced layout. The model that laid them out
+        decides with the same rule (``MetpGPTModel``): a causal, unpacked sequence whose
+        ``s_shard * p`` tokens split into ``2p`` equal chunks."""
+        return (self.balanced_layout and causal and packed_seq_params is None
+                and can_balance(s_shard * self.world_size, self.world_size))
+
+    def _check_rotary_length(self, pair, s_shard: int) -> None:
+        for f in pair:
+            if f.shape[0] != s_shard * self.world_size:
+                raise ValueError(
+                    f"rotary_pos_emb covers {f.shape[0]} positions; expected the "
+                    f"{s_shard * self.world_size} of this context-parallel rank "
+                    f"(--seq-length / --context-parallel-size)"
+                )
 
     def _packed_layout(self, params, hidden_states, causal: bool):
         """Megatron's ``PackedSeqParams`` (THD, or the same documents in SBHD with b = 1) as

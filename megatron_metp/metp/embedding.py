@@ -18,6 +18,11 @@ dim 0: Megatron's gradient norm counts it on every rank (once per row), and the 
 stores it as rows of the global ``[L, h]`` tensor (``sharded_state_dict``), so checkpoints move
 between the replicated table of tp/wallfacer, METP and any TP size.
 
+With the balanced token layout (``megatron_metp.token_layout``, causal models) rank r's tokens
+are chunks r and 2p-1-r of ``2p``; the shard then holds those two runs of ``L/(2p)`` rows,
+``pos_shard_l = [rows of chunk r | rows of chunk 2p-1-r]``, and its checkpoint entry is a factory
+of two global row ranges of the same ``[L, h]`` tensor (loads into any layout, mode or size).
+
 Requirements, checked: ``s == L`` (Megatron-LM: ``--seq-length`` equal to
 ``--max-position-embeddings``; a rank's rows are fixed when the model is built) and positions
 that lie in the rank's rows (the default ``arange``; ``--reset-position-ids`` moves positions
@@ -35,12 +40,15 @@ from megatron.core import tensor_parallel
 from megatron.core.models.common.embeddings.language_model_embedding import (
     LanguageModelEmbedding,
 )
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import (
     ensure_metadata_has_dp_cp_group,
     make_sharded_tensors_for_checkpoint,
 )
+
+from megatron_metp.token_layout import chunks_of
 
 __all__ = ["PositionTableShard", "MetpLanguageModelEmbedding"]
 
@@ -53,32 +61,86 @@ class PositionTableShard(MegatronModule):
     holds the same values as Megatron's replicated table.
     """
 
-    def __init__(self, config, full_weight: torch.Tensor, group):
+    def __init__(self, config, full_weight: torch.Tensor, group, balanced: bool = False):
         super().__init__(config=config)
         self.tp_group = group
         p, r = group.size(), group.rank()
         rows_total = full_weight.shape[0]
-        if rows_total % p:
-            raise ValueError(f"--max-position-embeddings {rows_total} is not divisible by the METP "
-                             f"ring size {p}: the position table is sharded along positions")
+        if rows_total % (2 * p if balanced else p):
+            raise ValueError(f"--max-position-embeddings {rows_total} is not divisible by "
+                             f"{'2 x ' if balanced else ''}the METP ring size {p}: the position "
+                             f"table is sharded along positions")
         self.rows = rows_total // p
-        self.first = r * self.rows
         self.rows_total = rows_total
-        shard = full_weight.detach()[self.first:self.first + self.rows].clone()
+        self.balanced = balanced
+        table = full_weight.detach()
+        if balanced:
+            # Chunks r and 2p-1-r (megatron_metp.token_layout.chunks_of), half a shard each.
+            half = self.rows // 2
+            self.firsts = tuple(c * half for c in chunks_of(r, p))
+            shard = torch.cat([table[f:f + half] for f in self.firsts])
+        else:
+            self.firsts = (r * self.rows,)
+            shard = table[self.firsts[0]:self.firsts[0] + self.rows].clone()
+        self.first = self.firsts[0]
         self.weight = torch.nn.Parameter(shard)
         set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
+        # Rows are the chunks (r, 2p-1-r) of 2p, not Megatron's contiguous split: tools that
+        # gather shards by partition_dim (tests, converters) read this.
+        self.weight.metp_balanced_rows = balanced
+
+    def local_rows(self, positions: torch.Tensor) -> torch.Tensor:
+        """Row of each position in this shard; -1 (which ``F.embedding`` refuses) for a
+        position this rank does not hold."""
+        if not self.balanced:
+            return positions - self.first
+        half = self.rows // 2
+        lo, hi = self.firsts
+        return torch.where((positions >= lo) & (positions < lo + half), positions - lo,
+                           torch.where((positions >= hi) & (positions < hi + half),
+                                       positions - hi + half, -1))
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
         # positions outside this rank's rows index out of range and raise (see the module doc).
-        return F.embedding(positions - self.first, self.weight)
+        return F.embedding(self.local_rows(positions), self.weight)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
         state = {}
         self._save_to_state_dict(state, "", keep_vars=True)
         metadata = ensure_metadata_has_dp_cp_group(metadata)
-        return make_sharded_tensors_for_checkpoint(
+        out = make_sharded_tensors_for_checkpoint(
             state, prefix, {"weight": 0}, sharded_offsets,
             tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"])
+        if self.balanced:
+            key = f"{prefix}weight"
+            out[key] = _two_row_ranges(out[key], self.firsts, self.rows // 2,
+                                       len(sharded_offsets))
+        return out
+
+
+def _two_row_ranges(sh_ten, firsts, half: int, prepend: int):
+    """The balanced shard's checkpoint entry: rows ``[f, f + half)`` for each ``f`` in
+    ``firsts`` of the global table, as two ``ShardedTensor`` s of one key (cut on save, joined on
+    load), so the saved tensor is the same ``[L, h]`` table every layout saves."""
+    axis = prepend  # the table's row axis after any prepended (PP) axes
+    frags = sh_ten.axis_fragmentations[axis] * 2
+
+    def build(key, t, replica_id, flattened_range):
+        return [ShardedTensor.from_rank_offsets(
+                    key, part, *[(a, o, f) for a, o, f in _prepended(sh_ten, prepend)],
+                    (axis, first // half, frags), replica_id=replica_id, prepend_axis_num=prepend)
+                for part, first in zip(torch.chunk(t, 2, dim=0), firsts)]
+
+    def merge(parts):
+        with torch.no_grad():
+            return torch.cat(parts)
+
+    return ShardedTensorFactory(sh_ten.key, sh_ten.data, build, merge, sh_ten.replica_id)
+
+
+def _prepended(sh_ten, prepend: int):
+    """The (axis, offset, fragments) of the axes prepended to a ``ShardedTensor`` (PP)."""
+    return [(a, sh_ten.global_offset[a], sh_ten.axis_fragmentations[a]) for a in range(prepend)]
 
 
 class MetpLanguageModelEmbedding(LanguageModelEmbedding):
@@ -89,7 +151,7 @@ class MetpLanguageModelEmbedding(LanguageModelEmbedding):
     dropout, and keeps its attribute names (checkpoint keys unchanged).
     """
 
-    def __init__(self, stock: LanguageModelEmbedding, group):
+    def __init__(self, stock: LanguageModelEmbedding, group, balanced: bool = False):
         MegatronModule.__init__(self, config=stock.config)
         if not stock.add_position_embedding or stock.num_tokentypes > 0:
             raise ValueError("MetpLanguageModelEmbedding shards a learned position table; "
@@ -108,7 +170,7 @@ class MetpLanguageModelEmbedding(LanguageModelEmbedding):
         self.word_embeddings = stock.word_embeddings
         self.word_embeddings.reduce_scatter_embeddings = True
         self.position_embeddings = PositionTableShard(
-            stock.config, stock.position_embeddings.weight, group)
+            stock.config, stock.position_embeddings.weight, group, balanced)
         self.tokentype_embeddings = None
         self.embedding_dropout = stock.embedding_dropout
 

@@ -19,6 +19,14 @@ DP x CP); the replicated table reads the CP rank's position ids and is exact.
 Under CP the labels, and the hidden states, are the CP rank's tokens (``get_batch_on_this_cp_
 rank``); the same TP slicing applies to them, and the trainer's loss function reduces over CP.
 
+Balanced layout (causal work the same on every rank, ``megatron_metp.token_layout``): the model
+takes its batch in sequence order, as ``GPTModel`` does, and permutes ``input_ids``,
+``position_ids``, ``labels`` and the masks so that the sequence-parallel scatter gives TP rank r
+chunks r and 2p-1-r (under CP: of the CP rank's tokens); its METP attention modules are told so
+at construction and read the balanced block rule and rotary positions. Losses and logits come
+back in sequence order. Packed sequences, and lengths that do not split into 2p equal chunks,
+keep the contiguous layout (the attention applies the same rule, ``uses_balanced_layout``).
+
 The per-token losses of this rank's tokens are all-gathered (s floats per sequence, no
 gradient reduction: each rank's loss depends only on its own tokens), so the model returns the
 ``[b, s]`` loss ``GPTModel`` returns and the trainer's loss mask applies as before. Without
@@ -28,10 +36,14 @@ runs.
 
 from __future__ import annotations
 
+import torch
 from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.enums import AttnMaskType
 
+from megatron_metp.metp.attention import MetpSelfAttention
 from megatron_metp.metp.cross_entropy import metp_cross_entropy
 from megatron_metp.metp.embedding import MetpLanguageModelEmbedding
+from megatron_metp.token_layout import can_balance, permute_sequence
 
 __all__ = ["MetpGPTModel"]
 
@@ -40,15 +52,58 @@ class MetpGPTModel(GPTModel):
     """``GPTModel`` with METP's LM-head loss and, optionally, its sharded position table (see the
     module docstring)."""
 
-    def __init__(self, *args, shard_position_table: bool = False, **kwargs):
+    def __init__(self, *args, shard_position_table: bool = False, balanced_layout: bool = True,
+                 **kwargs):
         super().__init__(*args, **kwargs)
+        self.tp_size = self.pg_collection.tp.size()
+        attns = [m for m in self.modules() if isinstance(m, MetpSelfAttention)]
+        # Balanced only when every METP attention is causal: the layout changes which tokens a
+        # rank holds, and only a causal ring reads the balanced block rule and positions.
+        self.balanced_layout = bool(
+            balanced_layout and self.tp_size > 1 and self.config.sequence_parallel
+            and all(m.attn_mask_type == AttnMaskType.causal for m in attns))
+        for m in attns:
+            m.balanced_layout = self.balanced_layout
         self.position_table_sharded = bool(
             shard_position_table and self.pre_process and self.embedding.add_position_embedding
             and self.config.sequence_parallel and self.config.context_parallel_size == 1)
         if self.position_table_sharded:
             # Built after GPTModel's own embedding, from it: the same initial values, and the
-            # replicated table is freed when this returns.
-            self.embedding = MetpLanguageModelEmbedding(self.embedding, self.pg_collection.tp)
+            # replicated table is freed when this returns. Its rows follow the token layout.
+            rows = self.embedding.position_embeddings.weight.shape[0]
+            self.embedding = MetpLanguageModelEmbedding(
+                self.embedding, self.pg_collection.tp,
+                balanced=self.balanced_layout and can_balance(rows, self.tp_size))
+
+    def uses_balanced_layout(self, s: int, packed_seq_params=None) -> bool:
+        """Whether a batch of ``s`` tokens per sequence (the CP rank's) is laid out balanced;
+        the attention decides with the same rule from its shard of ``s / p`` tokens."""
+        return self.balanced_layout and packed_seq_params is None and can_balance(s, self.tp_size)
+
+    def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None,
+                inference_context=None, packed_seq_params=None, extra_block_kwargs=None,
+                runtime_gather_output=None, *, inference_params=None, loss_mask=None,
+                padding_mask=None):
+        ref = next((t for t in (input_ids, labels, position_ids) if t is not None), None)
+        balanced = ref is not None and self.uses_balanced_layout(ref.shape[1], packed_seq_params)
+        if balanced:
+            if decoder_input is not None:
+                raise ValueError(
+                    "MetpGPTModel: decoder_input with the balanced token layout; pass input_ids "
+                    "(or build the model with balanced_layout=False)")
+            p = self.tp_size
+            input_ids, position_ids, labels, loss_mask, padding_mask = (
+                permute_sequence(t, p) for t in (input_ids, position_ids, labels, loss_mask,
+                                                 padding_mask))
+        out = super().forward(
+            input_ids, position_ids, attention_mask, decoder_input=decoder_input, labels=labels,
+            inference_context=inference_context, packed_seq_params=packed_seq_params,
+            extra_block_kwargs=extra_block_kwargs, runtime_gather_output=runtime_gather_output,
+            inference_params=inference_params, loss_mask=loss_mask, padding_mask=padding_mask)
+        if balanced and self.post_process and isinstance(out, torch.Tensor):
+            # [b, s] losses or [b, s, V] logits, back in sequence order.
+            out = permute_sequence(out, self.tp_size, dim=1, inverse=True)
+        return out
 
     def _postprocess(self, hidden_states, input_ids, position_ids, labels, *args, **kwargs):
         plain = (not self.post_process or labels is None or kwargs.get("mtp_in_postprocess")
