@@ -138,6 +138,7 @@ def test_top_level_shows_the_plugin():
     # here on purpose.
     top = {p.stem if p.is_file() else p.name for p in PACKAGE.iterdir()
            if (p.suffix == ".py" or (p / "__init__.py").exists()) and p.name != "__init__.py"}
-    assert top == {"comm", "kernels", "packing", "parallel_state", "errors", "metp", "wallfacer", "layers",
+    assert top == {"comm", "kernels", "packing", "parallel_state", "errors", "token_layout",
+                   "metp", "wallfacer", "layers",
                    "te_backend", "cpu_compat", "specs", "model", "validation", "megatron_lm",
                    "megatron_lm_hooks", "launch", "measure", "training"}
