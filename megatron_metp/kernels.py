@@ -430,3 +430,21 @@ def merge_partial_(
     out.addcmul_(block_out, (w_b / denom).unsqueeze(-1))
     lse.copy_(m + torch.log(denom))
     return out, lse
+
+
+def merge_visible_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
+                   block_lse: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`merge_partial_` for blocks where every row of the accumulator and of the block has
+    seen at least one key (unpacked causal or full rings: no ``-inf`` rows to guard), in seven
+    element-wise passes over [b, n, s] vectors and two over ``out`` instead of seventeen.
+
+    With ``d = lse_b - lse``: ``out = sigmoid(-d) out + sigmoid(d) out_b`` (the two softmax
+    weights ``e^lse / (e^lse + e^lse_b)`` and ``e^lse_b / (...)``, each computed directly, so
+    neither loses precision to ``1 - w``), ``lse = logaddexp(lse, lse_b)``.
+    """
+    d = block_lse.to(lse.dtype) - lse
+    out.mul_(torch.sigmoid(-d).unsqueeze(-1))
+    out.addcmul_(block_out, torch.sigmoid(d).unsqueeze(-1))
+    torch.logaddexp(lse, block_lse.to(lse.dtype), out=lse)
+    return out, lse
+

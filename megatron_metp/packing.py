@@ -344,32 +344,43 @@ def piece_work(pieces: List[Piece], n: int) -> float:
 
 
 def forward_pieces(pieces: List[Piece], q, k, v, out_acc, lse_acc, *, softmax_scale=None,
-                   backend=None):
+                   backend=None, visible: bool = False):
     """Attention of ``q [b, n, s, d]`` to ``k, v`` over ``pieces``, merged into the caller's
     ``out_acc [b, n, s, d]`` / ``lse_acc [b, n, s]`` (fp32, updated in place). With
     ``out_acc=None`` the accumulators are created (from the kernel's output itself when the
-    piece is the whole block, :data:`ALL`). Returns ``(out_acc, lse_acc)`` (still None when ``pieces`` is empty)."""
+    piece is the whole block, :data:`ALL`). Returns ``(out_acc, lse_acc)`` (still None when ``pieces`` is empty).
+    ``visible``: every row of every piece sees a key and the accumulators' rows have all seen
+    one (unpacked rings: the first block is the diagonal): the lean merge
+    (:func:`megatron_metp.kernels.merge_visible_`)."""
+    merge = kernels.merge_visible_ if visible else kernels.merge_partial_
     for qs, ks, causal in pieces:
         blk_out, blk_lse = kernels.attention_forward(
             q[:, :, qs], k[:, :, ks], v[:, :, ks], causal=causal, softmax_scale=softmax_scale,
             backend=backend)
         if out_acc is None:
             if qs == ALL:
-                out_acc, lse_acc = kernels.merge_start(blk_out, blk_lse)
+                if visible:   # no -inf row to zero
+                    acc = kernels.acc_dtype(q.dtype)
+                    out_acc, lse_acc = blk_out.to(acc), blk_lse.to(acc)
+                else:
+                    out_acc, lse_acc = kernels.merge_start(blk_out, blk_lse)
                 continue
             acc = kernels.acc_dtype(q.dtype)
             out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
             lse_acc = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
-        kernels.merge_partial_(out_acc[:, :, qs], lse_acc[:, :, qs], blk_out, blk_lse)
+        merge(out_acc[:, :, qs], lse_acc[:, :, qs], blk_out, blk_lse)
     return out_acc, lse_acc
 
 
 def backward_pieces(pieces: List[Piece], dout, q, k, v, out, lse, dq_acc, *, delta=None,
-                    softmax_scale=None, backend=None):
+                    softmax_scale=None, backend=None, raw: bool = False):
     """Backward of :func:`forward_pieces` for one block: dq added into ``dq_acc [b, n, s, d]``;
     returns the block's ``(dk, dv)`` (None, None when ``pieces`` is empty; k's dtype for the
     whole block, the statistics dtype when summed from pieces). ``out`` or
-    ``delta`` as :func:`megatron_metp.kernels.attention_backward` takes them."""
+    ``delta`` as :func:`megatron_metp.kernels.attention_backward` takes them.
+    ``raw``: return each piece's ``(key columns, dk, dv)`` as the kernel gave them, for a caller
+    that adds them into an accumulator of its own later (:func:`add_pieces`)."""
+    pieces_out = []
     dk = dv = None
     for qs, ks, causal in pieces:
         dq_b, dk_b, dv_b = kernels.attention_backward(
@@ -378,6 +389,9 @@ def backward_pieces(pieces: List[Piece], dout, q, k, v, out, lse, dq_acc, *, del
             softmax_scale=softmax_scale, backend=backend,
             delta=None if delta is None else delta[:, :, qs])
         dq_acc[:, :, qs] += dq_b
+        if raw:
+            pieces_out.append((ks, dk_b, dv_b))
+            continue
         if ks == ALL and dk is None:
             dk, dv = dk_b, dv_b
             continue
@@ -388,4 +402,15 @@ def backward_pieces(pieces: List[Piece], dout, q, k, v, out, lse, dq_acc, *, del
             dv = torch.zeros(v.shape, dtype=acc, device=v.device)
         dk[:, :, ks] += dk_b
         dv[:, :, ks] += dv_b
+    if raw:
+        return pieces_out
     return dk, dv
+
+
+def add_pieces(dkv_acc: torch.Tensor, raw) -> torch.Tensor:
+    """Add :func:`backward_pieces` ``raw`` gradients into ``dkv_acc [2, *k.shape]`` (dK, dV) in
+    place; returns it."""
+    for ks, dk_b, dv_b in raw:
+        dkv_acc[0][:, :, ks] += dk_b
+        dkv_acc[1][:, :, ks] += dv_b
+    return dkv_acc

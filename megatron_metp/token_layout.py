@@ -38,7 +38,6 @@ Shapes::
 
 from __future__ import annotations
 
-import functools
 from typing import List, Optional, Tuple
 
 import torch
@@ -57,45 +56,41 @@ def can_balance(s: int, p: int) -> bool:
     return p > 1 and s % (2 * p) == 0
 
 
-@functools.lru_cache(maxsize=64)
-def _order_host(s: int, p: int, inverse: bool) -> torch.Tensor:
-    c = s // (2 * p)
-    order = torch.cat([torch.arange(k * c, (k + 1) * c) for r in range(p) for k in chunks_of(r, p)])
-    return torch.argsort(order) if inverse else order
-
-
-_DEVICE_CACHE: dict = {}
-
-
-def _on(t: torch.Tensor, device) -> torch.Tensor:
-    if device is None or torch.device(device).type == "cpu":
-        return t
-    key = (id(t), str(device))
-    hit = _DEVICE_CACHE.get(key)
-    if hit is None or hit[0] is not t:
-        hit = _DEVICE_CACHE[key] = (t, t.to(device))  # once per shape and device: no sync per step
-    return hit[1]
+def _order_chunks(p: int) -> List[int]:
+    """Chunk ids (of ``2p``) in balanced order: ``[0, 2p-1, 1, 2p-2, ...]``."""
+    return [c for r in range(p) for c in chunks_of(r, p)]
 
 
 def balanced_order(s: int, p: int, device=None) -> torch.Tensor:
     """``order [s]`` (int64): sequence position of each token in the balanced layout, so
-    ``x_bal = x_full.index_select(dim, order)``; requires :func:`can_balance`."""
-    if not can_balance(s, p):
-        raise ValueError(f"balanced layout: {s} tokens do not split into 2 x {p} equal chunks")
-    return _on(_order_host(s, p, False), device)
+    ``x_bal = x_full.index_select(dim, order)``; requires :func:`can_balance`. (The model and
+    the attention use :func:`permute_sequence` / :func:`take_balanced`: views and one ``cat``,
+    no index tensor on the device.)"""
+    _check(s, p)
+    return torch.arange(s, device=device).view(2 * p, -1)[_order_chunks(p)].reshape(-1)
 
 
 def balanced_inverse(s: int, p: int, device=None) -> torch.Tensor:
     """The inverse permutation: ``x_full = x_bal.index_select(dim, balanced_inverse(s, p))``."""
-    if not can_balance(s, p):
-        raise ValueError(f"balanced layout: {s} tokens do not split into 2 x {p} equal chunks")
-    return _on(_order_host(s, p, True), device)
+    return torch.argsort(balanced_order(s, p, device))
 
 
 def balanced_positions(rank: int, p: int, n: int, device=None) -> torch.Tensor:
     """Sequence positions ``[n]`` of rank ``rank``'s ``n = s/p`` tokens (its two chunks)."""
-    s = n * p
-    return balanced_order(s, p, device)[rank * n:(rank + 1) * n]
+    return take_balanced(torch.arange(n * p, device=device), rank, p)
+
+
+def take_balanced(t: torch.Tensor, rank: int, p: int, dim: int = 0) -> torch.Tensor:
+    """Rank ``rank``'s tokens of ``t`` (the whole sequence along ``dim``): chunks r and 2p-1-r."""
+    _check(t.shape[dim], p)
+    parts = t.chunk(2 * p, dim=dim)
+    a, b = chunks_of(rank, p)
+    return torch.cat([parts[a], parts[b]], dim=dim)
+
+
+def _check(s: int, p: int) -> None:
+    if not can_balance(s, p):
+        raise ValueError(f"balanced layout: {s} tokens do not split into 2 x {p} equal chunks")
 
 
 def balanced_block(tp_rank: int, tp_size: int, cp_rank: int) -> int:
@@ -134,9 +129,14 @@ BALANCED = BalancedLayout()
 
 def permute_sequence(t: Optional[torch.Tensor], p: int, dim: int = 1,
                      inverse: bool = False) -> Optional[torch.Tensor]:
-    """``t`` with its sequence dimension ``dim`` in the balanced order (or back, ``inverse``)."""
+    """``t`` with its sequence dimension ``dim`` in the balanced order (or back, ``inverse``):
+    ``2p`` chunk views and one ``cat``."""
     if t is None:
         return None
-    s = t.shape[dim]
-    idx = (balanced_inverse if inverse else balanced_order)(s, p, t.device)
-    return t.index_select(dim, idx)
+    _check(t.shape[dim], p)
+    parts = t.chunk(2 * p, dim=dim)
+    order = _order_chunks(p)
+    if inverse:
+        where = {c: k for k, c in enumerate(order)}   # chunk c sits at balanced place where[c]
+        return torch.cat([parts[where[c]] for c in range(2 * p)], dim=dim)
+    return torch.cat([parts[c] for c in order], dim=dim)

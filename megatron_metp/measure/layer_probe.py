@@ -226,7 +226,14 @@ def build_layer(config, mode: str, causal: bool = True):
     if not causal:
         spec.submodules.self_attention.params = {"attn_mask_type": AttnMaskType.no_mask}
     check_spec_importable(spec)
-    return build_module(spec, config=config, layer_number=1)
+    layer = build_module(spec, config=config, layer_number=1)
+    if mode == "metp":
+        # As MetpGPTModel trains it: causal tokens in the balanced layout (rank r holds chunks r
+        # and 2p-1-r), so every rank's trace is the same work.
+        from megatron_metp.metp.attention import set_balanced_layout
+
+        set_balanced_layout(layer, causal)
+    return layer
 
 
 def _layer_step(config, mode: str, seq_length: int, micro_batch: int, causal: bool,

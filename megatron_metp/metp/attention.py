@@ -66,7 +66,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_metp.metp.ring_attention import ring_attention_backward, ring_attention_forward
 from megatron_metp.packing import CPBlockLayout, PackedLayout
-from megatron_metp.token_layout import BALANCED, balanced_positions, can_balance
+from megatron_metp.token_layout import BALANCED, can_balance, take_balanced
 
 
 def check_metp_attention_config(config: TransformerConfig, p: int) -> None:
@@ -454,6 +454,17 @@ def _finish_reduce(item, plan: _Plan, own_grads: list) -> None:
         own_grads[:] = red
 
 
+def set_balanced_layout(module: torch.nn.Module, on: bool = True) -> bool:
+    """Tell every causal ``MetpSelfAttention`` in ``module`` that the model lays its tokens out
+    balanced (``megatron_metp.token_layout``); returns whether it is on (only when every METP
+    attention in ``module`` is causal: a non-causal ring reads contiguous blocks)."""
+    attns = [m for m in module.modules() if isinstance(m, MetpSelfAttention)]
+    on = bool(on and all(m.attn_mask_type == AttnMaskType.causal for m in attns))
+    for m in attns:
+        m.balanced_layout = on
+    return on
+
+
 class MetpSelfAttention(SelfAttention):
     """Self-attention computed by METP's two-level loop; parameters as Megatron's TP shards.
 
@@ -575,8 +586,7 @@ class MetpSelfAttention(SelfAttention):
         elif pair is not None and balanced:
             # This rank's tokens are chunks r and 2p-1-r of the (CP rank's) sequence.
             self._check_rotary_length(pair, s_shard)
-            pos = balanced_positions(rank, self.world_size, s_shard, device=pair[0].device)
-            freqs = tuple(f.index_select(0, pos) for f in pair)
+            freqs = tuple(take_balanced(f, rank, self.world_size) for f in pair)
         elif pair is not None:
             # The embedding covers the full sequence (under CP: the CP rank's tokens, in the
             # order get_batch_on_this_cp_rank lays them out, as Megatron's RotaryEmbedding

@@ -38,9 +38,8 @@ from __future__ import annotations
 
 import torch
 from megatron.core.models.gpt import GPTModel
-from megatron.core.transformer.enums import AttnMaskType
 
-from megatron_metp.metp.attention import MetpSelfAttention
+from megatron_metp.metp.attention import set_balanced_layout
 from megatron_metp.metp.cross_entropy import metp_cross_entropy
 from megatron_metp.metp.embedding import MetpLanguageModelEmbedding
 from megatron_metp.token_layout import can_balance, permute_sequence
@@ -56,14 +55,10 @@ class MetpGPTModel(GPTModel):
                  **kwargs):
         super().__init__(*args, **kwargs)
         self.tp_size = self.pg_collection.tp.size()
-        attns = [m for m in self.modules() if isinstance(m, MetpSelfAttention)]
         # Balanced only when every METP attention is causal: the layout changes which tokens a
         # rank holds, and only a causal ring reads the balanced block rule and positions.
-        self.balanced_layout = bool(
-            balanced_layout and self.tp_size > 1 and self.config.sequence_parallel
-            and all(m.attn_mask_type == AttnMaskType.causal for m in attns))
-        for m in attns:
-            m.balanced_layout = self.balanced_layout
+        self.balanced_layout = set_balanced_layout(
+            self, balanced_layout and self.tp_size > 1 and self.config.sequence_parallel)
         self.position_table_sharded = bool(
             shard_position_table and self.pre_process and self.embedding.add_position_embedding
             and self.config.sequence_parallel and self.config.context_parallel_size == 1)

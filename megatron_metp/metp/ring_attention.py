@@ -29,6 +29,9 @@ Under context parallelism the ring is longer than the TP group (METP's K/V ring,
 of ring rank i's block in the sequence (all blocks of s/p tokens, p = ring length), and the
 causal rule above reads those indices instead of the ring ranks (``blocks=None``: identity).
 
+K and V travel as one buffer ``[2, b, n_kv, s/p, d]`` (one send and one receive per step,
+posted together as one ``batch_isend_irecv``), and so do a block's dK and dV.
+
 Backward (Alg. 4): K/V make the same trip; dQ accumulates locally in fp32; the dK/dV of a block
 travel with it so they end at its owner. The owner keeps its own (step 0) contribution local;
 the travelling accumulator is born at rank src+1 and reaches the owner after p-1 hops, each
@@ -46,23 +49,7 @@ import torch.distributed as dist
 
 from megatron_metp.comm import DoubleBuffer, RingComm
 from megatron_metp.kernels import acc_dtype
-from megatron_metp.packing import Layout, backward_pieces, forward_pieces, whole
-
-# Layouts a [b, n, s, d] block may be stored in without a copy: bnsd itself, Megatron's
-# sbnd (a projection of [s, b, h] hidden states) and bsnd (flash-attn's).
-_LAYOUTS = ((0, 1, 2, 3), (2, 0, 1, 3), (0, 2, 1, 3))
-
-
-def _travel_layout(t: torch.Tensor):
-    """``(base, back)``: a contiguous tensor holding ``t``'s data and the permutation giving
-    back the [b, n, s, d] view. Blocks travel as ``base`` so that sending needs no copy."""
-    for perm in _LAYOUTS:
-        base = t.permute(perm)
-        if base.is_contiguous():
-            back = tuple(perm.index(i) for i in range(4))
-            return base, back
-    return t.contiguous(), (0, 1, 2, 3)
-
+from megatron_metp.packing import ALL, Layout, add_pieces, backward_pieces, forward_pieces, whole
 
 def _block_mode(causal: bool, q_block: int, k_block: int) -> Optional[bool]:
     """None: skip the block; otherwise the ``causal`` flag of the kernel call. ``q_block`` /
@@ -92,12 +79,18 @@ def _block_of(blocks: Optional[Sequence[int]], p: int):
     return blocks.__getitem__
 
 
-def _post_next_kv(comm: RingComm, k_buf: DoubleBuffer, v_buf: DoubleBuffer) -> None:
-    """Post the K/V blocks in hand to the next rank, receiving the previous rank's into the other
-    buffers (never the ones the kernel reads)."""
-    comm.send_recv(k_buf.current, k_buf.recv_buffer())
-    comm.send_recv(v_buf.current, v_buf.recv_buffer())
+def _post_next(comm: RingComm, buf: DoubleBuffer) -> None:
+    """Post the K/V block in hand (K and V in one buffer: one send and one receive per step) to
+    the next rank, receiving the previous rank's into the other buffer (never the one the kernel
+    reads)."""
+    comm.send_recv(buf.current, buf.recv_buffer())
     comm.commit()
+
+
+def _visible(layout) -> bool:
+    """Whether every row of every block piece sees a key (no padding rows): unpacked rings,
+    contiguous or balanced. The lean merge then applies (``packing.forward_pieces``)."""
+    return layout is None or getattr(layout, "balanced", False)
 
 
 def ring_attention_forward(
@@ -114,13 +107,15 @@ def ring_attention_forward(
     """Attention of this rank's queries to every rank's keys; returns ``(out, lse)``.
     ``backend``: the kernel (``megatron_metp.kernels.BACKENDS``), None to choose per block.
     ``blocks``: each ring rank's block index in the sequence (module docstring).
-    ``layout``: packed documents (``megatron_metp.packing``): attention only inside each."""
+    ``layout``: packed documents (``megatron_metp.packing``): attention only inside each;
+    or the balanced layout's block rule (``megatron_metp.token_layout``)."""
     p = dist.get_world_size(group) if group is not None or dist.is_initialized() else 1
     rank = dist.get_rank(group) if p > 1 else 0
     block = _block_of(blocks, p)
     comm = RingComm(group) if p > 1 else None
-    (k_base, k_back), (v_base, v_back) = _travel_layout(k), _travel_layout(v)
-    k_buf, v_buf = DoubleBuffer(k_base), DoubleBuffer(v_base)
+    # K and V travel together: one contiguous [2, b, n_kv, s/p, d] buffer (one copy per pass).
+    kv = DoubleBuffer(torch.stack((k, v)) if p > 1 else (k, v))
+    visible = _visible(layout)
     out = lse = None
     for j in range(p):
         src = (rank - j) % p
@@ -129,15 +124,14 @@ def ring_attention_forward(
             # transfer never writes what the kernel reads. That buffer was last read by the
             # previous step's kernel; on NCCL the batch is ordered after kernels already queued
             # on the compute stream, so it cannot overwrite them early.
-            _post_next_kv(comm, k_buf, v_buf)
+            _post_next(comm, kv)
         out, lse = forward_pieces(
             _block_pieces(layout, causal, block(rank), block(src), q.shape[2]), q,
-            k_buf.current.permute(k_back), v_buf.current.permute(v_back), out, lse,
-            softmax_scale=softmax_scale, backend=backend)
+            kv.current[0], kv.current[1], out, lse, softmax_scale=softmax_scale,
+            backend=backend, visible=visible)
         if j < p - 1:
             comm.wait()
-            k_buf.advance()
-            v_buf.advance()
+            kv.advance()
     if out is None:
         # Packed, and every token of this rank is padding: nothing is visible to any row.
         acc = acc_dtype(q.dtype)
@@ -146,6 +140,14 @@ def ring_attention_forward(
     # Unpacked, the diagonal block is never skipped, so every row has seen a key; packed, a
     # padding row keeps out = 0 and lse = -inf.
     return out.to(q.dtype), lse
+
+
+def _start_dkv(raw, k, acc):
+    """A ``[2, *k.shape]`` accumulator (dK, dV) in ``acc`` from a block's raw piece gradients
+    (``packing.backward_pieces``): the whole block's stacked, or zeros plus the pieces."""
+    if len(raw) == 1 and raw[0][0] == ALL:
+        return torch.stack(raw[0][1:]).to(acc)
+    return add_pieces(torch.zeros((2, *k.shape), dtype=acc, device=k.device), raw)
 
 
 def ring_attention_backward(
@@ -180,66 +182,54 @@ def ring_attention_backward(
     # compute. Every rank issues the two rings' batches in the same program order, so the
     # pairwise message order (gloo) / communicator order (NCCL) matches on both ends.
     dkv_comm = RingComm(group) if p > 1 else None
-    (k_base, k_back), (v_base, v_back) = _travel_layout(k), _travel_layout(v)
-    k_buf, v_buf = DoubleBuffer(k_base), DoubleBuffer(v_base)
+    kv = DoubleBuffer(torch.stack((k, v)) if p > 1 else (k, v))
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    dk_own = dv_own = None
-    # The travelling (dK, dV) accumulator pairs, fp32 [b, n_kv, s/p, d] each: the one sent at
-    # the previous step and the one receiving. They swap roles every step, so the ring holds
-    # two pairs; at the first hop the block's own kernel gradients are sent, not a copy.
+    own = None
+    # The travelling (dK, dV) accumulators, fp32 [2, b, n_kv, s/p, d] each (one message per
+    # hop): the one sent at the previous step and the one receiving. They swap roles every
+    # step, so the ring holds two.
     sent = recv = None
     for j in range(p):
         src = (rank - j) % p
         if j < p - 1:
-            _post_next_kv(kv_comm, k_buf, v_buf)
-        dk_b, dv_b = backward_pieces(
+            _post_next(kv_comm, kv)
+        raw = backward_pieces(
             _block_pieces(layout, causal, block(rank), block(src), q.shape[2]), dout, q,
-            k_buf.current.permute(k_back), v_buf.current.permute(v_back), out, lse, dq,
-            softmax_scale=softmax_scale, backend=backend)
+            kv.current[0], kv.current[1], out, lse, dq, softmax_scale=softmax_scale,
+            backend=backend, raw=True)
         if j == 0:
             # The owner's contribution never travels (zero for a rank of padding only).
-            if dk_b is None:
-                dk_own = torch.zeros(k.shape, dtype=acc, device=k.device)
-                dv_own = torch.zeros(v.shape, dtype=acc, device=v.device)
-            else:
-                dk_own, dv_own = dk_b.to(acc), dv_b.to(acc)
+            own = _start_dkv(raw, k, acc)
+            del raw
         else:
             if j == 1:
                 # The accumulator of block src is born here (src + 1 is its first visitor).
-                if dk_b is None:
-                    cur = (torch.zeros(k.shape, dtype=acc, device=k.device),
-                           torch.zeros(v.shape, dtype=acc, device=v.device))
-                else:
-                    cur = (dk_b.to(acc).contiguous(), dv_b.to(acc).contiguous())
-                target = tuple(torch.empty_like(t) for t in cur)
+                cur = _start_dkv(raw, k, acc)
+                target = torch.empty_like(cur)
             else:
                 # It arrived during this step's compute, from rank - 1 (its previous visitor);
-                # the pair sent at the previous step is free again (that batch is complete).
+                # the one sent at the previous step is free again (that batch is complete).
                 dkv_comm.wait()
                 cur, target = recv, sent
-                if dk_b is not None:
-                    cur[0].add_(dk_b)
-                    cur[1].add_(dv_b)
-            del dk_b, dv_b
+                add_pieces(cur, raw)
+            del raw
             # Send to rank + 1: the next visitor of block src, or its owner after the last step.
-            dkv_comm.send_recv(cur[0], target[0])
-            dkv_comm.send_recv(cur[1], target[1])
+            dkv_comm.send_recv(cur, target)
             dkv_comm.commit()
             sent, recv = cur, target
         if j < p - 1:
             kv_comm.wait()
-            k_buf.advance()
-            v_buf.advance()
+            kv.advance()
     dq = dq.to(q.dtype)
     if with_dq is not None:
         # The last dK/dV hop (posted at step p-1) is in flight and ``with_dq`` does not need it.
         # The K/V receive buffers are dropped first: they would otherwise outlive the ring.
-        del k_buf, v_buf
+        del kv
         with_dq(dq)
     if p > 1:
         dkv_comm.wait()
-        dk_own, dv_own = dk_own.add_(recv[0]), dv_own.add_(recv[1])
-    return dq, dk_own.to(k.dtype), dv_own.to(v.dtype)
+        own.add_(recv)
+    return dq, own[0].to(k.dtype), own[1].to(v.dtype)
 
 
 class RingAttentionFunction(torch.autograd.Function):
