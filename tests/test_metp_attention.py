@@ -31,7 +31,7 @@ def _cfg(p, kind):
     raise ValueError(kind)
 
 
-def _build(config, mode, causal=True, **kwargs):
+def _build(config, mode, causal=True, ring_pass=None, **kwargs):
     import dataclasses
 
     from megatron.core.transformer.enums import AttnMaskType
@@ -43,7 +43,10 @@ def _build(config, mode, causal=True, **kwargs):
     attn_spec = spec.submodules.self_attention
     if not causal:
         attn_spec = dataclasses.replace(attn_spec, params={"attn_mask_type": AttnMaskType.no_mask})
-    return build_module(attn_spec, config=config, layer_number=1, **kwargs)
+    module = build_module(attn_spec, config=config, layer_number=1, **kwargs)
+    if ring_pass is not None and mode == "metp":
+        module.ring_pass = ring_pass   # "whole": all head groups per ring pass; "head-group"
+    return module
 
 
 def _freqs(config, rope):
@@ -80,14 +83,15 @@ def _head_slices(on: bool = True):
         metp_attention.ATTN_MIN_TOKENS = saved
 
 
-def _mha_cases(kinds):
+def _mha_cases(kinds, ring_pass):
     # Every input here is short, so force the head slices on: with p = 1 and 2 the head groups
     # have 2-4 query groups and run as 2-4 slices; p = 4 (one query group per rank) runs whole.
+    # ring_pass "whole" runs every head group in one pass instead (_MetpWholeFunction).
     with _head_slices():
-        return _mha_cases_run(kinds)
+        return _mha_cases_run(kinds, ring_pass)
 
 
-def _mha_cases_run(kinds):
+def _mha_cases_run(kinds, ring_pass):
     from megatron.core import parallel_state as mpu
 
     from megatron_metp.metp.attention import MetpSelfAttention, head_chunks
@@ -102,7 +106,7 @@ def _mha_cases_run(kinds):
         config, rope = _cfg(p, kind)
         torch.manual_seed(5)
         tp_attn = _build(config, "tp")
-        metp_attn = _build(config, "metp")
+        metp_attn = _build(config, "metp", ring_pass=ring_pass)
         assert isinstance(metp_attn, MetpSelfAttention)
         groups_p = (config.num_query_groups or config.num_attention_heads) // p
         chunks = head_chunks(groups_p, config.num_attention_heads // p, config.kv_channels,
@@ -167,8 +171,9 @@ def _mha_cases_run(kinds):
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_metp_mha_matches_fp64_and_tp(world, report):
-    per_rank = run_ranks(world, _mha_cases, ["mha", "gqa", "qkln"])
+@pytest.mark.parametrize("ring_pass", ["head-group", "whole"])
+def test_metp_mha_matches_fp64_and_tp(world, ring_pass, report):
+    per_rank = run_ranks(world, _mha_cases, ["mha", "gqa", "qkln"], ring_pass)
     worst = {}
     for errs in per_rank:
         for key, vals in errs.items():
@@ -178,7 +183,7 @@ def test_metp_mha_matches_fp64_and_tp(world, report):
     for key in ("mha out vs fp64", "mha dx vs fp64", "mha dlinear_qkv.weight vs fp64",
                 "gqa out vs fp64", "gqa dlinear_qkv.weight vs fp64", "qkln out vs tp"):
         mx, mean = worst[key]
-        report(f"metp mha p={world} {key}: max {mx:.1e} mean {mean:.1e} (x max|ref|)")
+        report(f"metp mha p={world} {ring_pass} {key}: max {mx:.1e} mean {mean:.1e} (x max|ref|)")
 
 
 def test_head_chunks_of_the_paper_models():
@@ -243,9 +248,9 @@ def _comm_case():
         config = make_config("llama", hidden_size=h, num_attention_heads=heads,
                              num_query_groups=groups)  # llama preset: no biases
         rows = {}
-        for mode in ("metp", "tp"):
+        for mode, ring_pass in (("metp", "head-group"), ("metp-whole", "whole"), ("tp", None)):
             torch.manual_seed(0)
-            attn = _build(config, mode)
+            attn = _build(config, mode.split("-")[0], ring_pass=ring_pass)
             x = torch.randn(S // p, B, h, requires_grad=True)
             with CommCounter() as fwd:
                 y, _ = attn(x, None)
@@ -279,6 +284,12 @@ def test_metp_attention_communication(world, report):
             # K/V plus their travelling gradients (dK, dV) on the ring.
             assert m["bwd"] == {"broadcast": weights, "reduce": weights,
                                 "send": 2 * kv, "recv": 2 * kv}, (kind, m["bwd"])
+            # One ring pass for every head group: the same payload, the p broadcasts (reduces)
+            # of each weight as one all-gather (reduce-scatter) over the TP ranks.
+            w = rows["metp-whole"]
+            assert w["fwd"] == {"all_gather": weights, "send": kv, "recv": kv}, (kind, w["fwd"])
+            assert w["bwd"] == {"all_gather": weights, "reduce_scatter": weights,
+                                "send": 2 * kv, "recv": 2 * kv}, (kind, w["bwd"])
             if kind == "mha":
                 # The closed forms (MHA, no bias): 4h^2 + 2(p-1)/p bsh and
                 # 8h^2 + 4(p-1)/p bsh, sends only.
@@ -310,7 +321,8 @@ def _mem_case(s, h, heads):
     for mode, backend, causal in (("tp", None, True), ("metp", None, True),
                                   ("metp", "math", False), ("metp", None, False)):
         torch.manual_seed(0)
-        attn = _build(config, mode, causal, **({"kernel_backend": backend} if backend else {}))
+        attn = _build(config, mode, causal, ring_pass="head-group",
+                      **({"kernel_backend": backend} if backend else {}))
         x = torch.randn(s // p, 1, h, requires_grad=True)
         # Baseline: parameters and the input; the peak increase is what the sublayer's
         # forward allocates (activations kept for backward, temporaries, its output).
@@ -408,7 +420,7 @@ def test_metp_mha_bf16_within_te_tolerance(report):
 # K/V ring's sends and receives on another, over the same ranks.
 
 
-def _group_record():
+def _group_record(ring_pass):
     from megatron_metp.measure.comm_counter import CommCounter
     from megatron_metp.model import make_config
     from tests._models import setup
@@ -416,7 +428,7 @@ def _group_record():
     p = dist.get_world_size()
     setup(tp=p, mode="metp")
     config = make_config("llama", hidden_size=64, num_attention_heads=8, num_query_groups=4)
-    attn = _build(config, "metp")
+    attn = _build(config, "metp", ring_pass=ring_pass)
     x = torch.randn(S // p, B, 64, requires_grad=True)
     with CommCounter() as cc:
         y, _ = attn(x, None)
@@ -430,16 +442,20 @@ def _group_record():
     return by_op, ranks, counts
 
 
-def test_metp_attention_weights_and_ring_on_separate_groups(report):
-    for by_op, ranks, counts in run_ranks(2, _group_record):
-        weight = by_op["broadcast"] | by_op["reduce"]
+@pytest.mark.parametrize("ring_pass", ["head-group", "whole"])
+def test_metp_attention_weights_and_ring_on_separate_groups(ring_pass, report):
+    # The weights travel by broadcast / reduce per head group, or (one pass for every head
+    # group) by all-gather / reduce-scatter; either way on their own communicator.
+    ops = ("broadcast", "reduce") if ring_pass == "head-group" else ("all_gather", "reduce_scatter")
+    for by_op, ranks, counts in run_ranks(2, _group_record, ring_pass):
+        weight = by_op[ops[0]] | by_op[ops[1]]
         ring = by_op["send"] | by_op["recv"]
         assert len(weight) == 1 and len(ring) == 1, by_op
         assert weight.isdisjoint(ring), by_op  # two communicators
         (w,), (r,) = weight, ring
         assert ranks[w] == ranks[r] == [0, 1]  # over the same ranks (the TP group)
-    report(f"METP attention p=2 fwd+bwd, ops per process group: weight group {w!r} "
-           f"{counts['broadcast']} broadcasts + {counts['reduce']} reduces; ring group {r!r} "
+    report(f"METP attention p=2 {ring_pass} fwd+bwd, ops per process group: weight group "
+           f"{w!r} {counts[ops[0]]} {ops[0]} + {counts[ops[1]]} {ops[1]}; ring group {r!r} "
            f"{counts['send']} sends + {counts['recv']} receives")
 
 
@@ -454,14 +470,15 @@ def test_metp_attention_weights_and_ring_on_separate_groups(report):
 S_CP = 32  # 4 blocks of 8 tokens: each kernel call sees more than one row and column
 
 
-def _mha_cp_cases(kinds, force_chunks):
-    # force_chunks: METP attention's head slices on (2 query groups per rank here: 2 ring passes
-    # per head group), as _mha_cases does.
-    with _head_slices(force_chunks):
-        return _mha_cp_cases_run(kinds)
+def _mha_cp_cases(kinds, variant):
+    # "head-chunks": METP attention's head slices on (2 query groups per rank here: 2 ring
+    # passes per head group), as _mha_cases does; "head-group": one pass per head group;
+    # "whole": every head group in one pass; "balanced": whole, tokens in the balanced layout.
+    with _head_slices(variant == "head-chunks"):
+        return _mha_cp_cases_run(kinds, variant)
 
 
-def _mha_cp_cases_run(kinds):
+def _mha_cp_cases_run(kinds, variant):
     from megatron.core import parallel_state as mpu
 
     from megatron_metp.metp.attention import MetpSelfAttention
@@ -471,8 +488,16 @@ def _mha_cp_cases_run(kinds):
     setup(tp=2, mode="metp", context_parallel_size=2)
     t, c = mpu.get_tensor_model_parallel_rank(), mpu.get_context_parallel_rank()
     m = S_CP // 4
-    lo = zigzag_block(t, 2, c, 2) * m
-    mine = slice(lo, lo + m)  # this rank's global positions
+    if variant == "balanced":
+        # Global chunks i and 2P-1-i of 2P = 8 (i = c TP + t, megatron_metp.token_layout).
+        from megatron_metp.token_layout import balanced_block, chunks_of
+
+        half = m // 2
+        mine = torch.cat([torch.arange(k * half, (k + 1) * half)
+                          for k in chunks_of(balanced_block(t, 2, c), 4)])
+    else:
+        lo = zigzag_block(t, 2, c, 2) * m
+        mine = torch.arange(lo, lo + m)  # this rank's global positions
     tp_cp = mpu.get_tensor_and_context_parallel_group()
     cp_group = mpu.get_context_parallel_group()
     # Megatron-LM's route (initialize_metp() after Megatron initialises) gathers the layout
@@ -488,7 +513,9 @@ def _mha_cp_cases_run(kinds):
         config, rope = _cfg(2, kind)
         assert config.context_parallel_size == 2
         torch.manual_seed(5)
-        attn = _build(config, "metp")
+        attn = _build(config, "metp",
+                      ring_pass="head-group" if variant.startswith("head") else "whole")
+        attn.balanced_layout = variant == "balanced"
         assert isinstance(attn, MetpSelfAttention)
         # Three groups: weights on the TP ranks (weight group), K/V on all 4 ranks (its own).
         rings = (sorted(dist.get_process_group_ranks(attn.kv_group)), attn.kv_blocks,
@@ -537,9 +564,9 @@ def _mha_cp_cases_run(kinds):
     return errs, rings
 
 
-@pytest.mark.parametrize("force_chunks", [False, True], ids=["whole", "head-chunks"])
-def test_metp_mha_with_context_parallel_matches_fp64(force_chunks, report):
-    per_rank = run_ranks(4, _mha_cp_cases, ["mha", "gqa"], force_chunks)
+@pytest.mark.parametrize("variant", ["head-group", "head-chunks", "whole", "balanced"])
+def test_metp_mha_with_context_parallel_matches_fp64(variant, report):
+    per_rank = run_ranks(4, _mha_cp_cases, ["mha", "gqa"], variant)
     # The K/V ring is all 4 ranks, in global order (TP fastest), holding blocks 0, 2, 3, 1:
     # CP rank 0 holds chunks 0 and 3 of 4, CP rank 1 chunks 1 and 2.
     for rank, (_, (ring, blocks, weight)) in enumerate(per_rank):
@@ -551,5 +578,5 @@ def test_metp_mha_with_context_parallel_matches_fp64(force_chunks, report):
             worst[key] = max(worst.get(key, 0.0), *vals)
     for key in ("mha out", "mha dx", "mha dlinear_qkv.weight", "gqa out", "gqa dx",
                 "gqa dlinear_qkv.weight", "gqa dlinear_proj.weight"):
-        report(f"metp mha TP 2 x CP 2 ({'head chunks' if force_chunks else 'whole'}) {key} vs "
+        report(f"metp mha TP 2 x CP 2 ({variant}) {key} vs "
                f"fp64: max {worst[key]:.1e} (x max|ref|)")

@@ -408,7 +408,9 @@ def _attention_traces():
     # contiguous shards rank r skips the K/V blocks of ranks > r, and a hop in a skipped step
     # has no kernel to hide behind on that rank (METP's causal imbalance, not an order bug).
     config = make_config("gpt", hidden_size=32, num_attention_heads=P)
-    attn = _build(config, "metp", causal=False)
+    # The per-head-group loop (Alg. 5-6), whose prefetch and reduce order this checks; the one
+    # pass over every head group has no per-head-group weight traffic to order.
+    attn = _build(config, "metp", causal=False, ring_pass="head-group")
     x = torch.randn(4, 2, 32, generator=torch.Generator().manual_seed(dist.get_rank()))
     x.requires_grad_()
     rec = _recorder_cls()()

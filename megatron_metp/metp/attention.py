@@ -116,6 +116,27 @@ def check_metp_attention_config(config: TransformerConfig, p: int) -> None:
 # at p = 8 put it at +14 % of the step at 4k tokens per rank, +6 % at 16k, 1-2 % from 64k).
 ATTN_MIN_TOKENS = 8192
 
+# Up to this many tokens per rank (s/p x b) every head group runs in one K/V ring pass
+# (_MetpWholeFunction: weights all-gathered once, a few large GEMMs and kernels, one message
+# per hop) instead of one pass per head group (_MetpMHAFunction). The whole pass holds all
+# heads' Q/K/V (and their fp32 ring-backward accumulators) at once, ~(n + 2 ng) d values per
+# token: at 32k tokens per rank that is ~1.5 GiB for LLaMA-7B and ~4.5 GiB for GPT-175B (bf16
+# Q/K/V, fp32 backward state), which the memory plan shows fits beside the layers' saved
+# activations at those lengths on 80 GiB. Near the longest trainable sequence (for the paper's
+# models at p = 8: 72k-415k tokens per rank, `metp plan --longest-p 8`) the per-head-group loop
+# and its slices (head_chunks) keep the peak at METP's. `MetpSelfAttention.ring_pass` overrides.
+WHOLE_MAX_TOKENS = 32768
+RING_PASSES = ("auto", "whole", "head-group")
+
+
+def whole_pass(ring_pass: str, tokens: int, p: int) -> bool:
+    """Whether one ring pass takes every head group (``RING_PASSES``; ``tokens`` per rank)."""
+    if ring_pass not in RING_PASSES:
+        raise ValueError(f"METP attention ring pass {ring_pass!r}: choose one of {RING_PASSES}")
+    if ring_pass == "auto":
+        return p > 1 and tokens <= WHOLE_MAX_TOKENS
+    return ring_pass == "whole"
+
 
 def head_chunks(groups_p: int, heads_p: int, d: int, h: int, p: int, n: int) -> List[slice]:
     """Query-group slices of one head group, each run through the K/V ring on its own.
@@ -171,6 +192,7 @@ class _Plan:
         self.backend = module.kernel_backend
         self.chunks = head_chunks(self.groups_p, self.heads_p, self.d, module.config.hidden_size,
                                   self.p, tokens)
+        self.whole = whole_pass(module.ring_pass, tokens, self.p)
 
     def row_blocks(self, w_qkv, b_qkv, gs: slice):
         """The q / k / v row blocks of query groups ``gs`` of head group j's ``w_qkv`` (and its
@@ -446,6 +468,149 @@ class _ProjectionBackward:
                 self.db3.view(self.b_shape) if self.db3 is not None else None)
 
 
+def _gather_rows(t: Optional[torch.Tensor], plan: _Plan, async_op: bool = False):
+    """Every rank's ``t`` stacked along dim 0 over the weight group (TP rank order): for
+    ``linear_qkv``'s shards that is the TP = 1 weight (Megatron splits it by whole query groups).
+    Returns ``(full, handle)``; ``handle`` is None unless ``async_op``."""
+    if t is None:
+        return None, None
+    if plan.p == 1:
+        return t, None
+    t = t.contiguous()
+    full = torch.empty((plan.p * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
+    handle = dist.all_gather_into_tensor(full, t, group=plan.weight_group, async_op=async_op)
+    return full, handle if async_op else None
+
+
+def _scatter_rows(full: Optional[torch.Tensor], plan: _Plan):
+    """Sum ``full`` over the weight group and keep this rank's rows (async): ``(mine, handle)``."""
+    if full is None:
+        return None, None
+    if plan.p == 1:
+        return full, None
+    mine = torch.empty((full.shape[0] // plan.p, *full.shape[1:]), dtype=full.dtype,
+                       device=full.device)
+    return mine, dist.reduce_scatter_tensor(mine, full, group=plan.weight_group, async_op=True)
+
+
+def _split_qkv(qkv: torch.Tensor, plan: _Plan, s: int, b: int):
+    """``[s, b, ng, n/ng + 2, d]`` (Megatron's per-query-group rows, all groups) -> q
+    ``[s, b, n, d]`` (a copy) and k, v ``[s, b, ng, d]`` (views)."""
+    rep = plan.heads_p // plan.groups_p
+    ng = qkv.shape[2]
+    q = qkv[:, :, :, :rep].reshape(s, b, ng * rep, plan.d)
+    return q, qkv[:, :, :, rep], qkv[:, :, :, rep + 1]
+
+
+class _MetpWholeFunction(torch.autograd.Function):
+    """Every head group in one K/V ring pass: the coarse end of the head slicing.
+
+    The ``p`` head groups' weights are all-gathered once (``linear_qkv``'s and ``linear_proj``'s
+    shards, h(h + 2 ng d) + h^2 elements, the bytes of the p broadcasts), Q/K/V of all heads come
+    from one GEMM on this rank's tokens, one ring pass moves all K/V heads (p - 1 hops of one
+    message each), and the output projection is one GEMM. Backward mirrors it, with the weight
+    gradients reduce-scattered to their owners. The same arithmetic as the per-head-group loop
+    in fewer, larger operations (``head_chunks``: a few kernels and messages instead of p per
+    hop), at the price of all heads' Q/K/V at once: about ``(n + 2 ng) d`` values per token
+    while the ring runs, which is why long inputs keep the per-head-group loop. Saved for
+    backward as there: x, A and the lse.
+    """
+
+    @staticmethod
+    def forward(ctx, plan: _Plan, x, w_qkv, b_qkv, w_proj, *norm_params):
+        s, b, h = x.shape
+        x2d = x.reshape(s * b, h)
+        w_full, _ = _gather_rows(w_qkv, plan)
+        b_full, _ = _gather_rows(b_qkv, plan)
+        # W_proj^T's rows are the heads in order: gathered while Q/K/V and the ring compute.
+        wpt, wpt_handle = _gather_rows(w_proj.t(), plan, async_op=True)
+        qkv = F.linear(x2d, w_full, b_full).view(s, b, -1, plan.heads_p // plan.groups_p + 2,
+                                                 plan.d)
+        del w_full, b_full
+        q, k, v = _split_qkv(qkv, plan, s, b)
+        if plan.has_post:
+            q, k = plan.post(q, k)
+        a, lse = ring_attention_forward(plan.group, _bnsd(q), _bnsd(k), _bnsd(v), plan.causal,
+                                        plan.scale, plan.backend, plan.blocks, plan.layout)
+        del q, k, v, qkv
+        if wpt_handle is not None:
+            wpt_handle.wait()
+        out = _flat(a).mm(wpt)
+        ctx.plan = plan
+        ctx.has_bias = b_qkv is not None
+        ctx.save_for_backward(x, w_qkv, b_qkv, w_proj, a, lse)
+        return out.view(s, b, h)
+
+    @staticmethod
+    def backward(ctx, dout):
+        plan: _Plan = ctx.plan
+        x, w_qkv, b_qkv, w_proj, a, lse = ctx.saved_tensors
+        norm_params = [prm for m in (plan.q_norm, plan.k_norm) if m is not None
+                       for prm in m.parameters()]
+        n_q = len(list(plan.q_norm.parameters())) if plan.q_norm is not None else 0
+        dnorm = [torch.zeros_like(prm) for prm in norm_params]
+        s, b, h = x.shape
+        x2d, dout2d = x.reshape(s * b, h), dout.reshape(s * b, h)
+        wpt, wpt_handle = _gather_rows(w_proj.t(), plan, async_op=True)
+        w_full, w_handle = _gather_rows(w_qkv, plan, async_op=True)
+        b_full, b_handle = _gather_rows(b_qkv, plan, async_op=True)
+        # Weight gradients are summed over p ranks: in fp32 for bf16/fp16 weights, so the sum
+        # adds no rounding TP's single matmul does not have.
+        gacc = torch.promote_types(w_proj.dtype, torch.float32)
+        a2d = _flat(a)
+        # dW_proj^T = A^T dO (this rank's tokens), reduce-scattered while the ring runs.
+        dwpt, dwpt_handle = _scatter_rows(a2d.t().mm(dout2d).to(gacc), plan)
+        del a2d
+        if wpt_handle is not None:
+            wpt_handle.wait()
+        da = dout2d.mm(wpt.t()).view(s, b, -1, plan.d).permute(1, 2, 0, 3)
+        del wpt
+        for hnd in (w_handle, b_handle):
+            if hnd is not None:
+                hnd.wait()
+        # Recompute Q/K/V (Alg. 6 line 6); only the q/k norm and RoPE go through autograd.
+        rep = plan.heads_p // plan.groups_p
+        qkv = F.linear(x2d, w_full, b_full).view(s, b, -1, rep + 2, plan.d)
+        ng = qkv.shape[2]
+        q_lin, k_lin, v = _split_qkv(qkv, plan, s, b)
+        with torch.enable_grad():
+            if plan.has_post:
+                q_lin.requires_grad_(True)
+                k_lin = k_lin.detach().requires_grad_(True)
+            q, k = plan.post(q_lin, k_lin) if plan.has_post else (q_lin, k_lin)
+        dqkv = torch.empty_like(qkv)   # dQ, dK, dV in Megatron's row layout, for one GEMM
+        del qkv
+
+        def q_side(dq):
+            dq = _sbnd(dq)
+            if plan.has_post:
+                dq = _post_grad(q, q_lin, norm_params[:n_q], dq, dnorm[:n_q])
+            dqkv[:, :, :, :rep] = dq.view(s, b, ng, rep, plan.d)
+
+        _, dk, dv = ring_attention_backward(
+            plan.group, da, _bnsd(q.detach()), _bnsd(k.detach()), _bnsd(v), a, lse,
+            plan.causal, plan.scale, plan.backend, with_dq=q_side, blocks=plan.blocks,
+            layout=plan.layout)
+        del da, q_side
+        dk = _sbnd(dk)
+        if plan.has_post:
+            dk = _post_grad(k, k_lin, norm_params[n_q:], dk, dnorm[n_q:])
+        dqkv[:, :, :, rep] = dk
+        dqkv[:, :, :, rep + 1] = _sbnd(dv)
+        del q, k, q_lin, k_lin, v, dk, dv
+        dqkv2d = dqkv.view(s * b, -1)
+        dx = dqkv2d.mm(w_full)
+        del w_full, b_full
+        dw, dw_handle = _scatter_rows(dqkv2d.t().mm(x2d).to(gacc), plan)
+        db, db_handle = _scatter_rows(dqkv2d.sum(0).to(gacc) if ctx.has_bias else None, plan)
+        for hnd in (dwpt_handle, dw_handle, db_handle):
+            if hnd is not None:
+                hnd.wait()
+        return (None, dx.view(s, b, h), dw.to(w_qkv.dtype),
+                db.to(b_qkv.dtype) if ctx.has_bias else None,
+                dwpt.t().contiguous().to(w_proj.dtype), *dnorm)
+
+
 def _finish_reduce(item, plan: _Plan, own_grads: list) -> None:
     handles, red, j = item
     for hnd in handles:
@@ -523,6 +688,8 @@ class MetpSelfAttention(SelfAttention):
         # :meth:`uses_balanced_layout` says so. A stock GPTModel (the spec-only route) scatters
         # the sequence contiguously, hence the default.
         self.balanced_layout = False
+        # "auto" (whole_pass), "whole" or "head-group": how many head groups one ring pass takes.
+        self.ring_pass = "auto"
         self._softmax_scale = (config.softmax_scale if config.softmax_scale is not None
                                else 1.0 / math.sqrt(self.hidden_size_per_attention_head))
 
@@ -598,7 +765,8 @@ class MetpSelfAttention(SelfAttention):
         plan = _Plan(self, freqs, causal, s_shard * hidden_states.shape[1], layout, balanced)
         norm_params = [prm for m in (self.q_layernorm, self.k_layernorm) if m is not None
                        for prm in m.parameters()]
-        out = _MetpMHAFunction.apply(
+        fn = _MetpWholeFunction if plan.whole else _MetpMHAFunction
+        out = fn.apply(
             plan, hidden_states, self.linear_qkv.weight, self.linear_qkv.bias,
             self.linear_proj.weight, *norm_params,
         )
