@@ -114,16 +114,20 @@ def test_bench_json_and_counts(tmp_path, report):
     assert metp["mlp"]["sent_elements"] == formulas.metp_mlp_comm(H, FFN, p, gated=True)
     assert tp["mlp"]["sent_elements"] == formulas.tp_sp_mlp_comm(B, S, H, p)
     # METP attention (llama style: no biases; num_query_groups = heads here), payload elements:
-    # W_qkv_j (h + 2 ng d rows of h) and W_proj_j (h x h/p), summed over j, broadcast in forward
-    # and again in backward, the gradients reduced once; K/V of s/p tokens for p - 1 hops
-    # forward, K/V and dK/dV backward (the closed forms of test_metp_attention).
+    # W_qkv_j (h + 2 ng d rows of h) and W_proj_j (h x h/p), summed over j. At these lengths
+    # every head group runs in one ring pass: the weights are all-gathered in forward and again
+    # in backward, the gradients reduce-scattered once (the bytes of the per-head-group loop's
+    # broadcasts and reduces); K/V of s/p tokens for p - 1 hops forward, K/V and dK/dV backward
+    # (the closed forms of test_metp_attention).
     weights = H * (H + 2 * HEADS * D) + H * H
     kv = 2 * (p - 1) * B * S * HEADS * D // p
     ops = {op: o["payload_elements"] for op, o in metp["attention"]["ops"].items()}
-    assert ops == {"broadcast": 2 * weights, "reduce": weights, "send": 3 * kv, "recv": 3 * kv}
-    # MHA closed form 4h^2 + 2(p-1)/p bsh forward, 8h^2 + 4(p-1)/p bsh backward, at log2(p) = 1
-    # for the tree broadcast / reduce: the attention's sent elements.
-    assert metp["attention"]["sent_elements"] == 12 * H * H + 6 * (p - 1) * B * S * H // p
+    assert ops == {"all_gather": 2 * weights, "reduce_scatter": weights, "send": 3 * kv,
+                   "recv": 3 * kv}
+    # MHA: weights 4h^2, each all-gather / reduce-scatter sends (p-1)/p of it from a rank
+    # (three of them), K/V 2(p-1)/p bsh forward and 4(p-1)/p bsh backward: sent elements.
+    assert metp["attention"]["sent_elements"] == (3 * (p - 1) * 4 * H * H // p
+                                                  + 6 * (p - 1) * B * S * H // p)
     # The whole layer is its two sublayers (layer norms communicate nothing in a step).
     assert metp["step"]["sent_elements"] == (metp["attention"]["sent_elements"]
                                              + metp["mlp"]["sent_elements"])

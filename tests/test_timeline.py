@@ -106,6 +106,47 @@ def test_chrome_trace_is_valid_json_labelled_estimate(tmp_path):
     assert send["tid"] == 1 and send["ts"] == 0 and send["dur"] == pytest.approx(1000)
 
 
+def test_host_issue_time_bounds_many_small_ops():
+    from dataclasses import replace
+
+    # Ten 0.1 ms ops issued at 1 ms each: the GPU waits for the host, step 10.1 ms, host-bound.
+    slow_host = replace(M, host_op_s=1 * MS)
+    sch = simulate([comp(0.1) for _ in range(10)], slow_host)
+    assert sch.step == pytest.approx(10.1 * MS) and sch.host == pytest.approx(10 * MS)
+    assert sch.host_bound
+    # Two 5 ms ops: the host issues the second while the first runs; hidden, not host-bound.
+    sch = simulate([comp(5), comp(5)], slow_host)
+    assert sch.step == pytest.approx(11 * MS) and not sch.host_bound
+    # A send is issued by the host too (at 1 ms: it runs 1..2 ms); the wait costs the host
+    # nothing and holds the stream to 2 ms; the compute op is issued at 2 ms and runs 2..3 ms.
+    sch = simulate([comm(0, 1), wait(0), comp(1)], slow_host)
+    assert sch.step == pytest.approx(3 * MS) and sch.host == pytest.approx(2 * MS)
+    # With no host cost (the default Machine) nothing changes.
+    assert simulate([comp(0.1) for _ in range(10)], M).step == pytest.approx(1 * MS)
+
+
+def test_timeline_rows_trace_every_metp_rank():
+    # tiny-gpt at p = 2: METP's rows come from both ranks (balanced: max/mean near 1), keep the
+    # fields scripts read, and add the host and per-rank ones.
+    import warnings
+
+    from megatron_metp.training.config import load_config
+    from megatron_metp.measure.timeline_report import timeline_rows
+
+    warnings.filterwarnings("ignore")
+    rows = timeline_rows([load_config("tiny-gpt")], [2], ("tp", "metp"), [1024], ["H100"], 0.5,
+                         8, host_op_s=10e-6)
+    by = {r["scenario"]: r for r in rows}
+    for r in rows:
+        assert {"model", "p", "gpu", "seq_length", "scenario", "step_s", "mfu",
+                "comm_ops"} <= set(r)
+        assert r["host_s"] == pytest.approx(10e-6 * (r["compute_ops"] + r["comm_ops"]))
+        assert r["step_s"] >= r["host_s"]
+    assert by["metp"]["ranks_traced"] == 2 and by["tp"]["ranks_traced"] == 1
+    # Equal FLOPs on both ranks; the balanced rule's pieces differ only in shape.
+    assert by["metp"]["rank_compute_max_over_mean"] < 1.05
+
+
 @pytest.fixture(scope="module")
 def traces():
     """tiny-gpt (h = 64) traced at p = 2, s = 256 in every mode, on rank 1."""
@@ -130,9 +171,12 @@ def _comms(ops):
 def test_recorder_sees_each_mode_on_its_groups(traces):
     # tp: Megatron's SP all-gathers and reduce-scatters, all on the TP group.
     assert _comms(traces["tp"]) == {("all_gather", "tp"), ("reduce_scatter", "tp")}
-    # metp: ring P2P on the ring (= TP group), weight broadcasts / reduces on the weight group.
+    # metp: ring P2P on the ring (= TP group); weights on the weight group: at 128 tokens per
+    # rank every head group runs in one ring pass, so they are all-gathered and their
+    # gradients reduce-scattered (the per-head-group loop broadcasts and reduces them).
     assert _comms(traces["metp"]) == {("send", "tp"), ("recv", "tp"),
-                                      ("broadcast", "metp_weight"), ("reduce", "metp_weight")}
+                                      ("all_gather", "metp_weight"),
+                                      ("reduce_scatter", "metp_weight")}
     # wallfacer (C = 1): ring P2P over the context-parallel group.
     assert {g for _, g in _comms(traces["wallfacer"])} == {"cp"}
     for ops in traces.values():
@@ -161,6 +205,7 @@ def test_recorder_flops_match_megatron_gemms(traces):
 @pytest.mark.parametrize("argv,flag", [
     (["plan", "--timeline", "--gpus", "V100"], "--gpus"),
     (["plan", "--timeline", "--gpus-per-node", "0"], "--gpus-per-node"),
+    (["plan", "--timeline", "--host-op-us", "-1"], "--host-op-us"),
     (["plan", "--timeline", "--trace-seq-length", "1000"], "--trace-seq-length"),
     (["plan", "--timeline", "--validate", "/nonexistent.json"], "--validate"),
     (["plan", "--validate", "/nonexistent.json"], "--validate"),

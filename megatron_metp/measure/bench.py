@@ -16,7 +16,12 @@ time                 best of ``--iters`` steps, each timed on the slowest rank:
                      Fig. 7: comp = compute / serialised, comm = comm / serialised,
                      async = overlapped / serialised
 throughput           tokens/s (overlapped); model FLOPs (``megatron_metp.training.flops``) per second per
-                     rank, and MFU on a GPU with a known peak
+                     rank, and MFU on a GPU with a known peak; ``vs_tp``: each mode's tokens/s
+                     over tp's at the same s, from the same run
+busy per rank        each rank's own time in the ``compute`` variant (communication stubbed):
+                     its CPU time on CPU (one torch thread per rank, so ranks sharing cores do
+                     not inflate each other's), its wall time on a GPU; max / mean over ranks
+                     shows how evenly a causal ring spreads the work
 ===================  ============================================================================
 
 Modes: ``tp`` (Megatron TP+SP, TP = p), ``metp`` (METP weight rings and two-level attention,
@@ -150,15 +155,19 @@ def _comm_stats(cc: CommCounter) -> Dict:
     }
 
 
-def _timed(step: Callable, device, group=None) -> float:
+def _timed(step: Callable, device, group=None):
+    """``(slowest rank's wall time, this rank's busy time)`` of one step (busy: module
+    docstring)."""
     dist.barrier(group)
     sync(device)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     step()
     sync(device)
-    t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
+    wall = time.perf_counter() - t0
+    busy = wall if device.type == "cuda" else time.process_time() - c0
+    t = torch.tensor([wall], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)  # a step ends on the slowest rank
-    return float(t)
+    return float(t), busy
 
 
 def _measure(step, external, sublayers, args, device) -> Dict:
@@ -177,12 +186,15 @@ def _measure(step, external, sublayers, args, device) -> Dict:
     contexts = {"overlapped": contextlib.nullcontext, "serialised": serialised_comm,
                 "compute": stubbed_comm}
     times: Dict[str, List[float]] = {v: [] for v in VARIANTS}
+    busy: List[float] = []
     for i in range(args.warmup + args.iters):
         for v in VARIANTS:
             with contexts[v]():
-                t = _timed(step, device)
+                t, mine = _timed(step, device)
             if i >= args.warmup:
                 times[v].append(t)
+                if v == "compute":
+                    busy.append(mine)
     # Best of the timed steps: on a shared machine other jobs only ever add time, so the
     # minimum is the least disturbed estimate (timeit's rule); every sample is kept in the JSON.
     best = {v: min(ts) for v, ts in times.items()}
@@ -194,6 +206,10 @@ def _measure(step, external, sublayers, args, device) -> Dict:
     out["shares"] = {"comp": best["compute"] / ser, "comm": best["comm"] / ser,
                      "async": best["overlapped"] / ser}
     out["overlap_vs_max"] = best["overlapped"] / max(best["compute"], best["comm"])
+    every: List = [None] * dist.get_world_size()
+    dist.all_gather_object(every, min(busy))
+    out["busy_s_per_rank"] = every
+    out["busy_max_over_mean"] = max(every) / (sum(every) / len(every))
     return out
 
 
@@ -274,6 +290,13 @@ def bench_in_rank(args: argparse.Namespace) -> Dict:
                 del step, ext, subs
         finally:
             teardown()
+    tp = {pt["seq_length"]: pt["throughput"]["tokens_per_s"] for pt in result["points"]
+          if pt["mode"] == "tp"}
+    result["vs_tp"] = [{"mode": pt["mode"], "seq_length": pt["seq_length"],
+                        "tokens_per_s_over_tp": pt["throughput"]["tokens_per_s"]
+                        / tp[pt["seq_length"]],
+                        "busy_max_over_mean": pt["busy_max_over_mean"]}
+                       for pt in result["points"] if pt["seq_length"] in tp]
     return result
 
 

@@ -39,6 +39,18 @@ def markdown(result: Dict) -> str:
             f"| {_ms(t['comm'])} | {sh['comp']:.2f} | {sh['comm']:.2f} | {sh['async']:.2f} "
             f"| {pt['overlap_vs_max']:.2f} | {th['tokens_per_s']:.0f} "
             f"| {th['tflops_per_rank']:.4f} | {mfu} |")
+    if result.get("vs_tp"):
+        lines += ["", "Against tp, same run (busy: each rank's compute-only time, CPU time on "
+                  "CPU; max/mean over ranks):", "",
+                  "| mode | s | tokens/s over tp | busy ms per rank | busy max/mean |",
+                  "|---|---:|---:|---|---:|"]
+        busy = {(pt["mode"], pt["seq_length"]): pt.get("busy_s_per_rank", [])
+                for pt in result["points"]}
+        for row in result["vs_tp"]:
+            per = ", ".join(_ms(b) for b in busy.get((row["mode"], row["seq_length"]), []))
+            lines.append(f"| {row['mode']} | {row['seq_length']} | "
+                         f"{row['tokens_per_s_over_tp']:.2f} | {per} | "
+                         f"{row['busy_max_over_mean']:.3f} |")
     lines += ["", "Communication per op (rank 0, one step; payload convention of CommCounter):",
               "", "| mode | s | part | op | calls | payload MiB |", "|---|---:|---|---|---:|---:|"]
     for pt in result["points"]:

@@ -58,14 +58,12 @@ def teardown() -> None:
 
 def layer_step(config, spec_mode: str, s: int, b: int, device):
     """One TransformerLayer on ``x_shard_s [s/p, b, h]``; also its two sublayers alone."""
-    from megatron.core.transformer.spec_utils import build_module
-
-    from megatron_metp.measure.layer_probe import give_main_grads
-    from megatron_metp.specs import get_gpt_layer_spec
+    from megatron_metp.measure.layer_probe import build_layer, give_main_grads
 
     p = config.tensor_model_parallel_size * config.context_parallel_size
     torch.manual_seed(0)
-    layer = build_module(get_gpt_layer_spec(spec_mode), config=config, layer_number=1).to(device)
+    # A causal layer as the models train it (METP: the balanced token layout).
+    layer = build_layer(config, spec_mode).to(device)
     give_main_grads(layer)  # what DDP provides; the fused weight-gradient GEMM writes there
     x_shard_s = torch.randn(s // p, b, config.hidden_size, dtype=config.params_dtype,
                             device=device, requires_grad=True)

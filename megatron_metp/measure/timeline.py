@@ -37,6 +37,15 @@ DGX reaches about 80 % of the NVLink per-direction figure for large messages (~2
 InfiniBand. Alpha (per call): 10 us on NVLink, 20 us over InfiniBand: the order of NCCL-tests'
 small-message (8 B-64 KiB) times inside a DGX and across two; assumptions, not measured here.
 Compute efficiency defaults to 0.5 of peak (``--efficiency``, as ``metp plan``), HBM to 0.8.
+
+Host: one CPU thread issues the ops in program order, ``host_op_s`` each (compute and comm
+alike; a wait costs nothing on the host: ``Work.wait()`` on NCCL only orders streams). No op starts
+on the GPU before the host has issued it, so a layer of many small ops becomes host-bound: its
+step is then set by the host's issue time, not by the GPU's. ``metp plan --timeline`` defaults
+to 10 us per op (``--host-op-us``): the order of PyTorch eager's per-op dispatch plus a CUDA
+launch (~5-10 us for an aten op, ~5 us for cudaLaunchKernel) and of an NCCL call's host time;
+an assumption, not measured here (no GPU). A row is flagged host-bound when the host's issue
+time is at least the compute stream's busy time.
 """
 
 from __future__ import annotations
@@ -76,6 +85,7 @@ class Machine:
     mem_efficiency: float = 0.8   # fraction of HBM bandwidth
     gpus_per_node: int = 8
     op_overhead: float = 0.0      # seconds per compute op (GPUs: 0, launches are queued ahead)
+    host_op_s: float = 0.0        # host seconds to issue one op (module docstring)
 
     def compute_time(self, op: TraceOp) -> float:
         return self.op_overhead + max(op.flops / (self.peak_flops * self.efficiency),
@@ -125,6 +135,12 @@ class Schedule:
     step: float = 0.0
     compute: float = 0.0            # busy time of the compute stream
     comm: Dict[str, float] = field(default_factory=dict)   # busy time per communicator
+    host: float = 0.0               # time the host spends issuing the ops
+
+    @property
+    def host_bound(self) -> bool:
+        """The host issues ops no faster than the GPU runs them (module docstring)."""
+        return self.host > 0 and self.host >= self.compute
 
     @property
     def exposed_comm(self) -> float:
@@ -140,10 +156,14 @@ def simulate(ops: List[TraceOp], machine: Machine) -> Schedule:
     end: Dict[int, list] = {}                 # comm id -> [end] (shared by a P2P batch)
     batch: Dict[str, tuple] = {}              # group -> (position, start, [end])
     position = 0                              # counts computes and waits (batch boundaries)
+    host = 0.0                                # host clock: when the next op is issued
     for op in ops:
+        if op.kind != "wait":
+            host += machine.host_op_s
         if op.kind == "compute":
             d = machine.compute_time(op)
             if d > 0:
+                t = max(t, host)
                 sch.intervals.append(Interval("compute", op.name, op.phase, t, t + d))
                 t += d
                 sch.compute += d
@@ -159,7 +179,7 @@ def simulate(ops: List[TraceOp], machine: Machine) -> Schedule:
                 start, shared = open_batch[1], open_batch[2]
                 shared[0] = max(shared[0], start + d)
             else:
-                start = max(t, fifo.get(op.group, 0.0))
+                start = max(t, host, fifo.get(op.group, 0.0))
                 shared = [start + d]
                 batch[op.group] = (position, start, shared) if op.name in ("send", "recv") \
                     else (None, 0.0, shared)
@@ -167,7 +187,8 @@ def simulate(ops: List[TraceOp], machine: Machine) -> Schedule:
             fifo[op.group] = shared[0]
             sch.intervals.append(Interval(lane, op.name, op.phase, start, start + d))
             sch.comm[lane] = sch.comm.get(lane, 0.0) + d
-    sch.step = max([t] + [v[0] for v in end.values()])
+    sch.step = max([t, host] + [v[0] for v in end.values()])
+    sch.host = host
     return sch
 
 

@@ -1,9 +1,10 @@
 """``metp plan --timeline``: ESTIMATED per-layer step time, MFU and exposed communication on
 H100 / A100 from one layer's traced ops (``op_trace``) replayed on a GPU model (``timeline``).
 
-Per (model, p, mode, s) one layer's forward + backward is traced once, on rank p - 1 (the most
-loaded rank of a causal ring without zigzag, METP's; tp and WallFacer's zigzag are balanced), at
-the full sequence length (fake tensors cost no memory), then replayed per GPU and scenario:
+Per (model, p, mode, s) one layer's forward + backward is traced at the full sequence length
+(fake tensors cost no memory): on every rank for METP (its rows report the slowest rank and the
+max / mean of the ranks' compute), on rank p - 1 for tp and WallFacer (every rank runs the same
+ops), then replayed per GPU and scenario:
 ``tp`` (stock Megatron-Core TP+SP as traced), ``tp+overlap`` (the trace rewritten by
 ``timeline.tp_comm_overlap``: Megatron's ``--tp-comm-overlap``), ``metp``, ``wallfacer`` (C = 1,
 ring attention over CP = p). MFU = Megatron-LM's model FLOPs of one layer (``flops``) / p /
@@ -36,6 +37,10 @@ def add_arguments(parser) -> None:
     a("--gpus", default="H100,A100", help=f"GPU models for --timeline: {', '.join(GPUS)}")
     a("--trace-seq-length", default="128k",
       help="sequence of the Chrome trace (--timeline; one of --seq-lengths)")
+    a("--host-op-us", type=float, default=10.0, metavar="US",
+      help="host time to issue one op, compute or communication, in microseconds (--timeline; "
+           "default 10: PyTorch eager dispatch + a CUDA launch; an assumption, see "
+           "megatron_metp/measure/timeline.py); 0 leaves the host out")
     a("--gpus-per-node", type=int, default=8,
       help="groups up to this size run on NVLink, larger ones on InfiniBand (--timeline)")
     a("--validate", default=None, metavar="BENCH_JSON",
@@ -59,6 +64,8 @@ def check(args, ints) -> None:
     bad = [g for g in gpus if g not in GPUS]
     if bad or not gpus:
         raise ValueError(f"--gpus {args.gpus!r}: choose from {', '.join(GPUS)} (e.g. H100,A100)")
+    if args.host_op_us < 0:
+        raise ValueError(f"--host-op-us {args.host_op_us}: must be >= 0 (microseconds per op)")
     if args.gpus_per_node < 1:
         raise ValueError(f"--gpus-per-node {args.gpus_per_node}: must be >= 1 (GPUs per node)")
     ts = ints(args.trace_seq_length)
@@ -82,9 +89,14 @@ def _flop_model(cfg):
                      swiglu=cfg.swiglu, causal=cfg.causal)
 
 
-def timeline_rows(cfgs, ps, modes, seqs, gpus, efficiency, gpus_per_node, keep=None):
+# Modes whose ranks run different ops (METP's ring pieces differ by rank): traced on every rank.
+PER_RANK_MODES = ("metp",)
+
+
+def timeline_rows(cfgs, ps, modes, seqs, gpus, efficiency, gpus_per_node, keep=None,
+                  host_op_s: float = 0.0):
     """Every (model, p, s, scenario, GPU) row; ``keep`` collects schedules for the trace:
-    ``{(model, s): {label: Schedule}}``."""
+    ``{(model, s): {label: Schedule}}``. ``host_op_s``: host seconds per issued op."""
     from dataclasses import replace
 
     from megatron_metp.training.flops import training_flops
@@ -95,20 +107,28 @@ def timeline_rows(cfgs, ps, modes, seqs, gpus, efficiency, gpus_per_node, keep=N
     rows = []
     for cfg in cfgs:
         for p in ps:
-            world = FakeWorld(rank=p - 1)
             for mode in modes:
+                ranks = range(p) if mode in PER_RANK_MODES else [p - 1]
                 for s in seqs:
                     t0 = time.time()
-                    ops = trace_layer(cfg, mode, p, s, world=world)
+                    traces = []
+                    for r in ranks:
+                        world = FakeWorld(rank=r)
+                        traces.append(trace_layer(cfg, mode, p, s, world=world))
+                        world.teardown()
                     traced_s = time.time() - t0
-                    sm = summary(ops)
                     model_flops = training_flops(_flop_model(cfg), 1, s) / p
                     for scen in SCENARIOS[mode]:
-                        trace = tp_comm_overlap(ops) if scen == "tp+overlap" else ops
                         for g in gpus:
                             m = replace(GPUS[g], efficiency=efficiency,
-                                        gpus_per_node=gpus_per_node)
-                            sch = simulate(trace, m)
+                                        gpus_per_node=gpus_per_node, host_op_s=host_op_s)
+                            runs = []
+                            for ops in traces:
+                                trace = tp_comm_overlap(ops) if scen == "tp+overlap" else ops
+                                runs.append((simulate(trace, m), summary(trace)))
+                            # The synchronous ring runs at its slowest rank's pace.
+                            sch, sm = max(runs, key=lambda run: run[0].step)
+                            busy = [run[0].compute for run in runs]
                             rows.append(dict(
                                 model=cfg.name, p=p, seq_length=s, scenario=scen, gpu=g,
                                 step_s=sch.step, compute_s=sch.compute,
@@ -116,11 +136,15 @@ def timeline_rows(cfgs, ps, modes, seqs, gpus, efficiency, gpus_per_node, keep=N
                                 comm_busy_s=dict(sch.comm), mfu=model_flops / sch.step /
                                 m.peak_flops, model_flops=model_flops,
                                 executed_flops=sm["flops"], compute_bytes=sm["compute_bytes"],
-                                comm_ops=sm["comm_ops"], trace_s=traced_s))
+                                comm_ops=sm["comm_ops"], trace_s=traced_s,
+                                # added fields (older readers ignore them)
+                                compute_ops=sm["compute_ops"], host_op_s=host_op_s,
+                                host_s=sch.host, host_bound=sch.host_bound,
+                                ranks_traced=len(runs), rank_compute_s=busy,
+                                rank_compute_max_over_mean=max(busy) / (sum(busy) / len(busy))))
                             if keep is not None:
                                 keep.setdefault((cfg.name, g, s), {})[
                                     f"{cfg.name} p={p} s={seq_label(s)} {scen} {g}"] = sch
-            world.teardown()
     return rows
 
 
@@ -130,12 +154,16 @@ def markdown(rows) -> str:
     out = ["ESTIMATE: simulated, not measured on a GPU (megatron_metp/measure/timeline.py "
            "states every input).\n",
            "| model | p | GPU | s | scenario | step ms (ESTIMATE) | MFU (ESTIMATE) | "
-           "exposed comm ms (ESTIMATE) | exposed / step |",
-           "|---|---:|---|---:|---|---:|---:|---:|---:|"]
+           "exposed comm ms (ESTIMATE) | exposed / step | compute ops | comm calls | "
+           "host ms (ESTIMATE) | host-bound | rank compute max/mean |",
+           "|---|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     for r in rows:
         out.append(f"| {r['model']} | {r['p']} | {r['gpu']} | {seq_label(r['seq_length'])} | "
                    f"{r['scenario']} | {r['step_s'] * 1e3:,.1f} | {r['mfu']:.1%} | "
-                   f"{r['exposed_comm_s'] * 1e3:,.1f} | {r['exposed_comm_s'] / r['step_s']:.1%} |")
+                   f"{r['exposed_comm_s'] * 1e3:,.1f} | {r['exposed_comm_s'] / r['step_s']:.1%} | "
+                   f"{r['compute_ops']:,} | {r['comm_ops']:,} | {r['host_s'] * 1e3:,.1f} | "
+                   f"{'yes' if r['host_bound'] else 'no'} | "
+                   f"{r['rank_compute_max_over_mean']:.3f} ({r['ranks_traced']} ranks) |")
     return "\n".join(out)
 
 
@@ -209,7 +237,8 @@ def run(args, ints, default_models, default_seqs) -> int:
     keep: Dict = {}
     t0 = time.time()
     rows = timeline_rows([load_config(m) for m in models], ps, modes, seqs, gpus,
-                         args.efficiency, args.gpus_per_node, keep)
+                         args.efficiency, args.gpus_per_node, keep,
+                         host_op_s=args.host_op_us * 1e-6)
     md = markdown(rows)
     print(md)
     print(f"\n(traced and simulated in {time.time() - t0:.0f} s)")
@@ -217,7 +246,7 @@ def run(args, ints, default_models, default_seqs) -> int:
     with open(os.path.join(d, "timeline.md"), "w") as f:
         f.write(md + "\n")
     with open(os.path.join(d, "timeline.json"), "w") as f:
-        json.dump(dict(label=ESTIMATE, efficiency=args.efficiency,
+        json.dump(dict(label=ESTIMATE, efficiency=args.efficiency, host_op_us=args.host_op_us,
                        gpus={g: {"name": GPUS[g].name, "peak_flops": GPUS[g].peak_flops,
                                  "hbm_bandwidth": GPUS[g].hbm_bandwidth,
                                  "intra": vars(GPUS[g].intra), "inter": vars(GPUS[g].inter)}
