@@ -86,6 +86,11 @@ def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         help="WallFacer team size C (C^2 must divide the WallFacer size P; default 1 = ring "
              "attention); 'auto' profiles every valid C and placement at start-up")
     group.add_argument(
+        "--metp-ring-pass", choices=("auto", "whole", "head-group"), default="auto",
+        help="METP attention: every head group in one K/V ring pass (whole: fewer, larger "
+             "operations, all heads' Q/K/V at once), one per head group (head-group: the "
+             "paper's Alg. 5-6, least memory), or auto (whole up to 32k tokens per rank)")
+    group.add_argument(
         "--wallfacer-placement", choices=PLACEMENTS, default=PLACEMENTS[0],
         help="team-consecutive: each team of C on consecutive ranks (team collectives in a "
              "node); ring-consecutive: each sub-ring on consecutive ranks (ring P2P in a node)")
@@ -169,7 +174,7 @@ _YAML_SECTIONS = ("model_parallel", "language_model")
 _REMAPPED = ("tensor_model_parallel_size", "context_parallel_size", "sequence_parallel",
              "cp_comm_type")
 _PLUGIN_DEFAULTS = (("tensor_parallel_mode", "tp"), ("wallfacer_team_size", None),
-                    ("wallfacer_placement", PLACEMENTS[0]))
+                    ("wallfacer_placement", PLACEMENTS[0]), ("metp_ring_pass", "auto"))
 
 
 def _yaml_view(ns) -> SimpleNamespace:
@@ -346,6 +351,8 @@ def gpt_builder(args, pre_process=True, post_process=True, vp_stage=None, config
 
     if config is None:
         config = _config_from_args(args)
+    # Read once by METP attention at construction (not a TransformerConfig field).
+    config.metp_ring_pass = getattr(args, "metp_ring_pass", "auto")
     initialize_plugin_groups(args)  # first: the wallfacer spec carries the groups
     spec = layer_spec_for(args, config, vp_stage)  # a mode missing from this install fails here
     model_cls, extra = GPTModel, {}

@@ -106,6 +106,9 @@ def make_config(style: str = "gpt", **overrides: Any) -> TransformerConfig:
     if style not in _PRESETS:
         raise ValueError(f"make_config: style must be 'gpt' or 'llama', got {style!r}")
     stock = overrides.pop("stock", False)
+    # The plugin's own setting, carried on the config for METP attention to read once at
+    # construction (metp.attention.RING_PASSES): not a TransformerConfig field.
+    ring_pass = overrides.pop("metp_ring_pass", "auto")
     kw: dict = dict(num_layers=2, hidden_size=64, num_attention_heads=4)
     kw.update(_CPU_SAFE)
     kw.update(_PRESETS[style])
@@ -125,7 +128,9 @@ def make_config(style: str = "gpt", **overrides: Any) -> TransformerConfig:
         kw.setdefault("pipeline_dtype", kw.get("params_dtype", torch.float32))
     if kw.get("bf16"):
         kw.setdefault("params_dtype", torch.bfloat16)
-    return TransformerConfig(**kw)
+    config = TransformerConfig(**kw)
+    config.metp_ring_pass = ring_pass
+    return config
 
 
 def build_gpt_model(

@@ -580,3 +580,31 @@ def test_metp_mha_with_context_parallel_matches_fp64(variant, report):
                 "gqa dlinear_qkv.weight", "gqa dlinear_proj.weight"):
         report(f"metp mha TP 2 x CP 2 ({variant}) {key} vs "
                f"fp64: max {worst[key]:.1e} (x max|ref|)")
+
+
+def _ring_pass_from_config():
+    from megatron_metp.model import make_config
+    from tests._models import setup
+
+    setup(tp=2, mode="metp")
+    got = {}
+    for value in ("auto", "whole", "head-group"):
+        config = make_config("llama", hidden_size=64, num_attention_heads=8, num_query_groups=4,
+                             metp_ring_pass=value)
+        got[value] = _build(config, "metp").ring_pass
+    config = make_config("llama", hidden_size=64, num_attention_heads=8, num_query_groups=4,
+                         metp_ring_pass="sometimes")
+    try:
+        _build(config, "metp")
+    except ValueError as e:
+        got["bad"] = str(e)
+    return got
+
+
+def test_ring_pass_reaches_the_module_from_the_config():
+    # --metp-ring-pass travels on the TransformerConfig (metp train, metp plan, the Megatron-LM
+    # route) and is read once, at construction; an unknown value fails there.
+    got = run_ranks(2, _ring_pass_from_config)[0]
+    assert {k: got[k] for k in ("auto", "whole", "head-group")} == {
+        "auto": "auto", "whole": "whole", "head-group": "head-group"}
+    assert "sometimes" in got["bad"] and "head-group" in got["bad"]

@@ -185,13 +185,14 @@ _RATIO_SCRIPT = textwrap.dedent(
     cfg = load_config("{model}")
     world, out = FakeWorld(), {{}}
     for p in (2, 4, 8):
-        for mode in ("tp", "metp"):
+        for mode, ring_pass in (("tp", None), ("metp", "head-group"), ("metp", "whole")):
             world.setup(mode, p)
             with FakeTensorMode():
                 tcfg = transformer_config(cfg, p, mode)
-                a = layer_probe.measure_sublayers(tcfg, mode, {s})
-                b = layer_probe.measure_sublayers(tcfg, mode, 2 * {s})
-            out[f"{{p}}/{{mode}}"] = {{k: b[k]["fwd_peak"] - a[k]["fwd_peak"] for k in a}}
+                a = layer_probe.measure_sublayers(tcfg, mode, {s}, ring_pass=ring_pass)
+                b = layer_probe.measure_sublayers(tcfg, mode, 2 * {s}, ring_pass=ring_pass)
+            key = mode + ("-whole" if ring_pass == "whole" else "")
+            out[f"{{p}}/{{key}}"] = {{k: b[k]["fwd_peak"] - a[k]["fwd_peak"] for k in a}}
     with FakeTensorMode():
         import torch
         q = torch.empty(1, 8, {s}, 64, dtype=torch.bfloat16)
@@ -239,13 +240,22 @@ def test_ffn_activation_ratio_within_one_over_p(activation_slopes, p, report):
 # p = 2 measured 0.613 (0.06 % over) while each head group ran its K/V ring whole: its Q/K/V and
 # output blocks were h/p wide. Long inputs now run the ring in query-group slices
 # (metp/attention.py head_chunks), which brings it under the bound.
+# Eq. 10 is the per-head-group loop's (Alg. 5-6), which METP runs near its longest sequence; at
+# shorter inputs (<= WHOLE_MAX_TOKENS per rank) it runs every head group in one pass, holding all
+# heads' Q/K/V at once: more attention memory for fewer, larger operations. Both are measured;
+# the bound is asserted for the loop, the one pass's ratio is reported (measured 1.11 at p = 2:
+# all heads' Q/K/V, the ring's K/V buffers and fp32 accumulators at once, more than TP+SP's
+# attention at p = 2; its cost is stated with the results, and --metp-ring-pass head-group
+# keeps the loop at every length).
 @pytest.mark.parametrize("p", [2, 4, 8])
 def test_attention_activation_ratio_within_eq10(activation_slopes, p, report):
     """Eq. 10: METP/TP peak of the attention's intermediate results <= (3+2p)/(p(4+p)) x 1.05."""
-    r = activation_slopes[f"{p}/metp"]["attention"] / activation_slopes[f"{p}/tp"]["attention"]
+    tp = activation_slopes[f"{p}/tp"]["attention"]
+    r = activation_slopes[f"{p}/metp"]["attention"] / tp
+    whole = activation_slopes[f"{p}/metp-whole"]["attention"] / tp
     bound = (3 + 2 * p) / (p * (4 + p))
     report(f"plan {RATIO_MODEL} s=32k p={p}: attention METP/TP forward activation {r:.4f} "
-           f"(Eq. 10 bound {bound:.4f})")
+           f"(Eq. 10 bound {bound:.4f}); every head group in one pass: {whole:.4f}")
     assert r <= 1.05 * bound
 
 

@@ -215,8 +215,10 @@ def saved_for_backward(module: torch.nn.Module, x: torch.Tensor, run_forward,
     return list(found.values())
 
 
-def build_layer(config, mode: str, causal: bool = True):
-    """One Megatron ``TransformerLayer`` of ``mode``'s spec (``wallfacer`` needs its groups)."""
+def build_layer(config, mode: str, causal: bool = True, ring_pass: Optional[str] = None):
+    """One Megatron ``TransformerLayer`` of ``mode``'s spec (``wallfacer`` needs its groups).
+    ``ring_pass``: METP attention's head groups per ring pass (``metp.attention.RING_PASSES``;
+    None keeps its default, ``auto``)."""
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.spec_utils import build_module
 
@@ -233,6 +235,10 @@ def build_layer(config, mode: str, causal: bool = True):
         from megatron_metp.metp.attention import set_balanced_layout
 
         set_balanced_layout(layer, causal)
+        if ring_pass is not None:
+            from megatron_metp.metp.attention import set_ring_pass
+
+            set_ring_pass(layer, ring_pass)
     return layer
 
 
@@ -342,7 +348,8 @@ def measure_head(config, vocab_size: int, seq_length: int, micro_batch: int = 1,
 
 
 def measure_sublayers(config, mode: str, seq_length: int, micro_batch: int = 1, *,
-                      causal: bool = True) -> Dict[str, Dict[str, int]]:
+                      causal: bool = True, ring_pass: Optional[str] = None
+                      ) -> Dict[str, Dict[str, int]]:
     """Forward activation peak of the attention and the MLP sublayers alone (METP Tables 1-2).
 
     Tables 1-2 compare the *peak memory overhead during forward propagation* of one sublayer's
@@ -350,8 +357,9 @@ def measure_sublayers(config, mode: str, seq_length: int, micro_batch: int = 1, 
     what it saves for backward counts, as in the tables) high-water mark over its parameters and
     its ``[s/p, b, h]`` input (``fwd_peak``), and for reference its forward + backward one
     (``peak``) and what it keeps for backward (``retained``). No rotary embedding.
+    ``ring_pass``: as :func:`build_layer`.
     """
-    layer = build_layer(config, mode, causal)
+    layer = build_layer(config, mode, causal, ring_pass)
     layer.train()
     p = config.tensor_model_parallel_size * config.context_parallel_size
     out: Dict[str, Dict[str, int]] = {}

@@ -75,6 +75,10 @@ def add_arguments(parser) -> None:
     a("--recompute-modules", default=None, metavar="M1,M2",
       help="Megatron's selective recompute in every mode (--recompute-granularity selective), "
            "e.g. layernorm: norm outputs are recomputed in backward")
+    a("--metp-ring-pass", choices=("auto", "whole", "head-group"), default="auto",
+      help="METP attention: every head group in one K/V ring pass (whole: fewer, larger "
+           "operations, all heads' Q/K/V at once), one pass per head group (head-group: the "
+           "paper's Alg. 5-6, least memory), or auto (whole up to 32k tokens per rank)")
     a("--cpu-offloading-num-layers", type=int, default=0, metavar="N",
       help="plan Megatron-LM's --cpu-offloading --cpu-offloading-num-layers N "
            "(TransformerEngine, GPU only): N layers' saved activations in host memory, "
@@ -162,7 +166,8 @@ def run(args) -> int:
                             offload_layers=args.cpu_offloading_num_layers,
                             host_memory_gib=args.host_memory_gb,
                             megatron_fsdp=args.use_megatron_fsdp,
-                            wallfacer_team=args.wallfacer_team_size)
+                            wallfacer_team=args.wallfacer_team_size,
+                            metp_ring_pass=args.metp_ring_pass)
     planner = Planner(settings)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     cfgs = [load_config(n.strip()) for n in args.models.split(",") if n.strip()]

@@ -112,6 +112,8 @@ class PlanSettings:
     megatron_fsdp: bool = False
     # WallFacer's team size C (the probe runs C = 1; the team's extra shards are added).
     wallfacer_team: int = 1
+    # METP attention's head groups per ring pass (--metp-ring-pass; metp.attention.RING_PASSES).
+    metp_ring_pass: str = "auto"
 
 
 @dataclass
@@ -227,10 +229,12 @@ class FakeWorld:
         self.key = None
 
 
-def transformer_config(cfg, p: int, mode: str, recompute_modules: Optional[List[str]] = None):
+def transformer_config(cfg, p: int, mode: str, recompute_modules: Optional[List[str]] = None,
+                       ring_pass: str = "auto"):
     """Megatron ``TransformerConfig`` of one layer of ``cfg`` (a ``config.ModelConfig``), bf16.
     ``recompute_modules``: Megatron's selective recompute (``--recompute-granularity selective
-    --recompute-modules ...``), the same in every mode."""
+    --recompute-modules ...``), the same in every mode. ``ring_pass``: METP attention's
+    ``--metp-ring-pass``."""
     import torch.nn.functional as F
 
     from megatron_metp.model import make_config
@@ -248,7 +252,7 @@ def transformer_config(cfg, p: int, mode: str, recompute_modules: Optional[List[
         context_parallel_size=cp, sequence_parallel=tp > 1, bf16=True,
         params_dtype=torch.bfloat16,
         # Initialisation of fake weights costs time and means nothing.
-        perform_initialization=False,
+        perform_initialization=False, metp_ring_pass=ring_pass,
         stock=True)  # Megatron-LM's default fusions: tp is the stock baseline
 
 
@@ -277,7 +281,8 @@ class Planner:
         key = (cfg.name, mode, p, s)
         if key not in self._layer:
             self.world.setup(mode, p)
-            tcfg = transformer_config(cfg, p, mode, self.settings.recompute_modules)
+            tcfg = transformer_config(cfg, p, mode, self.settings.recompute_modules,
+                                  self.settings.metp_ring_pass)
             b = self.settings.micro_batch
             with FakeTensorMode():
                 # RoPE under context parallelism slices the table with a pinned CUDA tensor
@@ -296,7 +301,8 @@ class Planner:
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         self.world.setup(mode, p)
-        tcfg = transformer_config(cfg, p, mode, self.settings.recompute_modules)
+        tcfg = transformer_config(cfg, p, mode, self.settings.recompute_modules,
+                                  self.settings.metp_ring_pass)
         with FakeTensorMode():
             return layer_probe.itemise_layer(
                 tcfg, mode, s, self.settings.micro_batch, causal=cfg.causal,

@@ -94,7 +94,7 @@ PER_RANK_MODES = ("metp",)
 
 
 def timeline_rows(cfgs, ps, modes, seqs, gpus, efficiency, gpus_per_node, keep=None,
-                  host_op_s: float = 0.0):
+                  host_op_s: float = 0.0, ring_pass: str = "auto"):
     """Every (model, p, s, scenario, GPU) row; ``keep`` collects schedules for the trace:
     ``{(model, s): {label: Schedule}}``. ``host_op_s``: host seconds per issued op."""
     from dataclasses import replace
@@ -114,7 +114,8 @@ def timeline_rows(cfgs, ps, modes, seqs, gpus, efficiency, gpus_per_node, keep=N
                     traces = []
                     for r in ranks:
                         world = FakeWorld(rank=r)
-                        traces.append(trace_layer(cfg, mode, p, s, world=world))
+                        traces.append(trace_layer(cfg, mode, p, s, world=world,
+                                                  ring_pass=ring_pass))
                         world.teardown()
                     traced_s = time.time() - t0
                     model_flops = training_flops(_flop_model(cfg), 1, s) / p
@@ -238,7 +239,8 @@ def run(args, ints, default_models, default_seqs) -> int:
     t0 = time.time()
     rows = timeline_rows([load_config(m) for m in models], ps, modes, seqs, gpus,
                          args.efficiency, args.gpus_per_node, keep,
-                         host_op_s=args.host_op_us * 1e-6)
+                         host_op_s=args.host_op_us * 1e-6,
+                         ring_pass=getattr(args, "metp_ring_pass", "auto"))
     md = markdown(rows)
     print(md)
     print(f"\n(traced and simulated in {time.time() - t0:.0f} s)")

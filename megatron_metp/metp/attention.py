@@ -64,7 +64,8 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_metp.metp.ring_attention import ring_attention_backward, ring_attention_forward
+from megatron_metp.metp.ring_attention import (ring_attention_backward, ring_attention_forward,
+                                               stack_kv)
 from megatron_metp.packing import CPBlockLayout, PackedLayout
 from megatron_metp.token_layout import BALANCED, can_balance, take_balanced
 
@@ -502,6 +503,30 @@ def _split_qkv(qkv: torch.Tensor, plan: _Plan, s: int, b: int):
     return q, qkv[:, :, :, rep], qkv[:, :, :, rep + 1]
 
 
+def _project_gathered(x2d, w_qkv, b_qkv, plan: _Plan):
+    """``x2d W_qkv^T + b`` with the full (gathered) ``W_qkv``, gathered as two halves of every
+    rank's rows, so that the first half's GEMM runs while the second half travels (one
+    gather would be exposed at the start of the attention). Each output is one GEMM's, as in
+    TP (no split of the reduction); one copy puts the halves back in Megatron's row order."""
+    if plan.p == 1:
+        return F.linear(x2d, w_qkv, b_qkv)
+    rows, sb = w_qkv.shape[0], x2d.shape[0]
+    cut = rows // 2
+    w_lo, lo = _gather_rows(w_qkv[:cut], plan, async_op=True)
+    w_hi, hi = _gather_rows(w_qkv[cut:], plan, async_op=True)
+    b_full, bh = _gather_rows(b_qkv, plan, async_op=True)
+    lo.wait()
+    first = x2d.mm(w_lo.t()).view(sb, plan.p, cut)
+    del w_lo
+    hi.wait()
+    second = x2d.mm(w_hi.t()).view(sb, plan.p, rows - cut)
+    out = torch.cat((first, second), dim=2).view(sb, plan.p * rows)
+    if bh is not None:
+        bh.wait()
+        out.add_(b_full)
+    return out
+
+
 class _MetpWholeFunction(torch.autograd.Function):
     """Every head group in one K/V ring pass: the coarse end of the head slicing.
 
@@ -520,19 +545,19 @@ class _MetpWholeFunction(torch.autograd.Function):
     def forward(ctx, plan: _Plan, x, w_qkv, b_qkv, w_proj, *norm_params):
         s, b, h = x.shape
         x2d = x.reshape(s * b, h)
-        w_full, _ = _gather_rows(w_qkv, plan)
-        b_full, _ = _gather_rows(b_qkv, plan)
-        # W_proj^T's rows are the heads in order: gathered while Q/K/V and the ring compute.
+        qkv = _project_gathered(x2d, w_qkv, b_qkv, plan).view(
+            s, b, -1, plan.heads_p // plan.groups_p + 2, plan.d)
+        # W_proj^T's rows are the heads in order: gathered while the ring computes.
         wpt, wpt_handle = _gather_rows(w_proj.t(), plan, async_op=True)
-        qkv = F.linear(x2d, w_full, b_full).view(s, b, -1, plan.heads_p // plan.groups_p + 2,
-                                                 plan.d)
-        del w_full, b_full
         q, k, v = _split_qkv(qkv, plan, s, b)
         if plan.has_post:
             q, k = plan.post(q, k)
-        a, lse = ring_attention_forward(plan.group, _bnsd(q), _bnsd(k), _bnsd(v), plan.causal,
+        # K and V into the buffer the ring sends; the projection's output is freed before it.
+        k, v = stack_kv(_bnsd(k), _bnsd(v))
+        del qkv
+        a, lse = ring_attention_forward(plan.group, _bnsd(q), k, v, plan.causal,
                                         plan.scale, plan.backend, plan.blocks, plan.layout)
-        del q, k, v, qkv
+        del q, k, v
         if wpt_handle is not None:
             wpt_handle.wait()
         out = _flat(a).mm(wpt)
@@ -579,7 +604,8 @@ class _MetpWholeFunction(torch.autograd.Function):
                 k_lin = k_lin.detach().requires_grad_(True)
             q, k = plan.post(q_lin, k_lin) if plan.has_post else (q_lin, k_lin)
         dqkv = torch.empty_like(qkv)   # dQ, dK, dV in Megatron's row layout, for one GEMM
-        del qkv
+        k_ring, v_ring = stack_kv(_bnsd(k.detach()), _bnsd(v))
+        del qkv, v
 
         def q_side(dq):
             dq = _sbnd(dq)
@@ -588,21 +614,22 @@ class _MetpWholeFunction(torch.autograd.Function):
             dqkv[:, :, :, :rep] = dq.view(s, b, ng, rep, plan.d)
 
         _, dk, dv = ring_attention_backward(
-            plan.group, da, _bnsd(q.detach()), _bnsd(k.detach()), _bnsd(v), a, lse,
+            plan.group, da, _bnsd(q.detach()), k_ring, v_ring, a, lse,
             plan.causal, plan.scale, plan.backend, with_dq=q_side, blocks=plan.blocks,
             layout=plan.layout)
-        del da, q_side
+        del da, q_side, k_ring, v_ring
         dk = _sbnd(dk)
         if plan.has_post:
             dk = _post_grad(k, k_lin, norm_params[n_q:], dk, dnorm[n_q:])
         dqkv[:, :, :, rep] = dk
         dqkv[:, :, :, rep + 1] = _sbnd(dv)
-        del q, k, q_lin, k_lin, v, dk, dv
+        del q, k, q_lin, k_lin, dk, dv
         dqkv2d = dqkv.view(s * b, -1)
-        dx = dqkv2d.mm(w_full)
-        del w_full, b_full
+        # The weight gradient first, so that its reduce-scatter runs behind dX's GEMM.
         dw, dw_handle = _scatter_rows(dqkv2d.t().mm(x2d).to(gacc), plan)
         db, db_handle = _scatter_rows(dqkv2d.sum(0).to(gacc) if ctx.has_bias else None, plan)
+        dx = dqkv2d.mm(w_full)
+        del w_full, b_full
         for hnd in (dwpt_handle, dw_handle, db_handle):
             if hnd is not None:
                 hnd.wait()
@@ -617,6 +644,15 @@ def _finish_reduce(item, plan: _Plan, own_grads: list) -> None:
         hnd.wait()
     if j == plan.rank:
         own_grads[:] = red
+
+
+def set_ring_pass(module: torch.nn.Module, ring_pass: str) -> None:
+    """Set how many head groups one ring pass takes (``RING_PASSES``) on every
+    ``MetpSelfAttention`` in ``module``."""
+    whole_pass(ring_pass, 0, 2)  # validates the name
+    for m in module.modules():
+        if isinstance(m, MetpSelfAttention):
+            m.ring_pass = ring_pass
 
 
 def set_balanced_layout(module: torch.nn.Module, on: bool = True) -> bool:
@@ -688,8 +724,10 @@ class MetpSelfAttention(SelfAttention):
         # :meth:`uses_balanced_layout` says so. A stock GPTModel (the spec-only route) scatters
         # the sequence contiguously, hence the default.
         self.balanced_layout = False
-        # "auto" (whole_pass), "whole" or "head-group": how many head groups one ring pass takes.
-        self.ring_pass = "auto"
+        # "auto" (whole_pass), "whole" or "head-group": how many head groups one ring pass
+        # takes (--metp-ring-pass, carried on the config; read once here).
+        self.ring_pass = getattr(config, "metp_ring_pass", "auto")
+        whole_pass(self.ring_pass, 0, 2)  # an unknown name fails here, at construction
         self._softmax_scale = (config.softmax_scale if config.softmax_scale is not None
                                else 1.0 / math.sqrt(self.hidden_size_per_attention_head))
 

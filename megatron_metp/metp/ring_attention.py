@@ -87,6 +87,26 @@ def _post_next(comm: RingComm, buf: DoubleBuffer) -> None:
     comm.commit()
 
 
+def _kv_buffer(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """K and V as one contiguous ``[2, ...]`` buffer, the one the ring sends: the caller's own
+    when ``k`` and ``v`` are its two halves (no copy; :func:`stack_kv`), else a stacked copy."""
+    base = k._base
+    if (base is not None and v._base is base and base.dim() == k.dim() + 1
+            and base.shape[0] == 2 and base.is_contiguous() and k.shape == base.shape[1:]
+            and k.stride() == base.stride()[1:] and v.stride() == base.stride()[1:]
+            and k.storage_offset() == base.storage_offset()
+            and v.storage_offset() == base.storage_offset() + base.stride(0)):
+        return base
+    return torch.stack((k, v))
+
+
+def stack_kv(k: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(k', v')``: the halves of one new contiguous buffer holding ``k`` and ``v``, which the
+    ring then sends as it is. For callers that can drop their own K/V before the ring runs."""
+    kv = torch.stack((k, v))
+    return kv[0], kv[1]
+
+
 def _visible(layout) -> bool:
     """Whether every row of every block piece sees a key (no padding rows): unpacked rings,
     contiguous or balanced. The lean merge then applies (``packing.forward_pieces``)."""
@@ -113,8 +133,8 @@ def ring_attention_forward(
     rank = dist.get_rank(group) if p > 1 else 0
     block = _block_of(blocks, p)
     comm = RingComm(group) if p > 1 else None
-    # K and V travel together: one contiguous [2, b, n_kv, s/p, d] buffer (one copy per pass).
-    kv = DoubleBuffer(torch.stack((k, v)) if p > 1 else (k, v))
+    # K and V travel together: one contiguous [2, b, n_kv, s/p, d] buffer.
+    kv = DoubleBuffer(_kv_buffer(k, v) if p > 1 else (k, v))
     visible = _visible(layout)
     out = lse = None
     for j in range(p):
@@ -182,7 +202,7 @@ def ring_attention_backward(
     # compute. Every rank issues the two rings' batches in the same program order, so the
     # pairwise message order (gloo) / communicator order (NCCL) matches on both ends.
     dkv_comm = RingComm(group) if p > 1 else None
-    kv = DoubleBuffer(torch.stack((k, v)) if p > 1 else (k, v))
+    kv = DoubleBuffer(_kv_buffer(k, v) if p > 1 else (k, v))
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     own = None
     # The travelling (dK, dV) accumulators, fp32 [2, b, n_kv, s/p, d] each (one message per

@@ -102,6 +102,9 @@ def _train_parser(p: argparse.ArgumentParser) -> Callable:
     a("--clip-grad", type=float, default=None)
     a("--hidden-dropout", type=float, default=None)
     a("--attention-dropout", type=float, default=None)
+    a("--metp-ring-pass", choices=("auto", "whole", "head-group"), default=None,
+      help="METP attention: every head group in one K/V ring pass (whole), one per head group "
+           "(head-group: least memory), or auto (default: whole up to 32k tokens per rank)")
     a("--recompute-granularity", choices=("selective",), default=None,
       help="Megatron's selective activation recompute (with --recompute-modules)")
     a("--recompute-modules", nargs="+", choices=("layernorm", "mlp", "core_attn"), default=None,

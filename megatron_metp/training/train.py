@@ -234,6 +234,7 @@ def _transformer_config(ns: Namespace, cfg: ModelConfig):
         kw["pipeline_dtype"] = dtype
     if getattr(ns, "cp_comm_type", None):
         kw["cp_comm_type"] = ns.cp_comm_type
+    kw["metp_ring_pass"] = getattr(ns, "metp_ring_pass", None) or "auto"
     return make_config(style="llama" if cfg.swiglu else "gpt", **kw)
 
 
