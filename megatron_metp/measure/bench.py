@@ -98,6 +98,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
       "(needs matplotlib: pip install 'megatron-metp[plot]')")
     a("--nproc-per-node", type=int, default=None,
       help="ranks to launch when not under torchrun/srun (default: 4 on CPU, #GPUs)")
+    c = p.add_argument_group("calibration (one device, no launcher)")
+    c.add_argument("--calibrate", action="store_true",
+                   help="run one rank's share of one layer of --calibrate-model on this device "
+                        "with its communication stubbed, at each --seq-lengths, and compare "
+                        "with the per-rank ESTIMATE of metp plan --timeline "
+                        "(megatron_metp/measure/calibrate.py)")
+    c.add_argument("--calibrate-model", default="llama-7b", help="configs/<name>.yaml")
+    c.add_argument("--calibrate-mode", choices=("tp", "metp", "wallfacer"), default="metp")
+    c.add_argument("--calibrate-p", type=int, default=8, help="ranks the layer is split over")
+    c.add_argument("--calibrate-rank", type=int, default=None, help="default p - 1")
+    c.add_argument("--calibrate-gpu", choices=("H100", "A100"), default="H100",
+                   help="the data sheet the estimate uses on a GPU")
+    c.add_argument("--calibrate-host-op-us", type=float, default=10.0,
+                   help="host time per op in the GPU estimate, microseconds")
 
 
 def preflight(args: argparse.Namespace, world: int) -> None:
@@ -332,6 +346,11 @@ def main(args: argparse.Namespace, argv: List[str]) -> int:
     (``megatron_metp.launch``)."""
     from megatron_metp.launch import launch_or_run
 
+    if args.calibrate:
+        from megatron_metp.measure import calibrate
+
+        calibrate.check(args)
+        return calibrate.run(args)
     return launch_or_run(argv, args.nproc_per_node, lambda: _rank_entry(args),
                          lambda world: preflight(args, world))
 

@@ -8,7 +8,9 @@ ops), then replayed per GPU and scenario:
 ``tp`` (stock Megatron-Core TP+SP as traced), ``tp+overlap`` (the trace rewritten by
 ``timeline.tp_comm_overlap``: Megatron's ``--tp-comm-overlap``), ``metp``, ``wallfacer`` (C = 1,
 ring attention over CP = p). MFU = Megatron-LM's model FLOPs of one layer (``flops``) / p /
-(step x bf16 peak). ``--validate BENCH_JSON`` replays ``metp bench``'s layers on this machine's
+(step x bf16 peak). Each row also carries the executed FLOPs and the bytes the compute ops
+read and write (one rank, fwd + bwd: METP's Q/K/V recompute and merges next to tp's),
+compute ops and comm calls. ``--validate BENCH_JSON`` replays ``metp bench``'s layers on this machine's
 measured FLOP/s, memory bandwidth and gloo ring step instead, and compares.
 """
 
@@ -155,13 +157,14 @@ def markdown(rows) -> str:
     out = ["ESTIMATE: simulated, not measured on a GPU (megatron_metp/measure/timeline.py "
            "states every input).\n",
            "| model | p | GPU | s | scenario | step ms (ESTIMATE) | MFU (ESTIMATE) | "
-           "exposed comm ms (ESTIMATE) | exposed / step | compute ops | comm calls | "
-           "host ms (ESTIMATE) | host-bound | rank compute max/mean |",
-           "|---|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+           "exposed comm ms (ESTIMATE) | exposed / step | TFLOP executed | GB moved | "
+           "compute ops | comm calls | host ms (ESTIMATE) | host-bound | rank compute max/mean |",
+           "|---|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     for r in rows:
         out.append(f"| {r['model']} | {r['p']} | {r['gpu']} | {seq_label(r['seq_length'])} | "
                    f"{r['scenario']} | {r['step_s'] * 1e3:,.1f} | {r['mfu']:.1%} | "
                    f"{r['exposed_comm_s'] * 1e3:,.1f} | {r['exposed_comm_s'] / r['step_s']:.1%} | "
+                   f"{r['executed_flops'] / 1e12:,.1f} | {r['compute_bytes'] / 1e9:,.1f} | "
                    f"{r['compute_ops']:,} | {r['comm_ops']:,} | {r['host_s'] * 1e3:,.1f} | "
                    f"{'yes' if r['host_bound'] else 'no'} | "
                    f"{r['rank_compute_max_over_mean']:.3f} ({r['ranks_traced']} ranks) |")

@@ -1,0 +1,146 @@
+"""One device against the timeline: rank r's share of one layer, measured with its communication
+stubbed, next to the per-rank ESTIMATE ``metp plan --timeline`` makes for it
+(``metp bench --calibrate``; the GPU tier runs it when a GPU is lent).
+
+How the communication is stubbed: this process joins torch.distributed's ``fake`` backend as rank
+``r`` of ``p`` (``planner.FakeWorld``, Megatron's and the plugin's groups on it). Every
+collective and P2P op then returns at once and leaves its output buffer as it was, so the layer
+runs exactly rank r's kernels (its ring pieces, its GEMMs, in its order) on real tensors on one
+device, with no transfer. Values received are whatever the buffers held: the timing is real,
+the numbers are not (none are checked).
+
+The estimate is the same layer traced under FakeTensorMode for the same rank (``op_trace``),
+its communication and waits removed, replayed by ``timeline.simulate`` on the device's machine
+model: a GPU's data sheet (``timeline.GPUS``, ``--efficiency``, ``--host-op-us``), or on a CPU
+this machine's measured matmul FLOP/s, copy bandwidth and per-op time (``timeline_validate``;
+efficiencies 1). ``measured / estimate`` calibrates the timeline: on a GPU it says how far the
+roofline, the 50 % efficiency and the host cost are from that GPU.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Dict, Optional
+
+import torch
+
+
+def machine_for(device: torch.device, gpu: str, efficiency: float, host_op_us: float):
+    """The timeline's machine model for ``device`` (module docstring)."""
+    from megatron_metp.measure.timeline import GPUS, Link, Machine
+
+    if device.type == "cuda":
+        return replace(GPUS[gpu], efficiency=efficiency, host_op_s=host_op_us * 1e-6)
+    from megatron_metp.measure.comm_modes import matmul_flops
+    from megatron_metp.measure.timeline_validate import copy_bandwidth, op_overhead
+
+    threads = torch.get_num_threads()
+    none = Link("none", 1e18, 0.0, efficiency=1.0)   # no communication in this replay
+    return Machine(f"this CPU ({threads} threads)", matmul_flops(dtype=torch.bfloat16),
+                   copy_bandwidth(threads), none, none, efficiency=1.0, mem_efficiency=1.0,
+                   op_overhead=op_overhead())
+
+
+def calibrate(cfg, mode: str, p: int, rank: int, seq_length: int, device: torch.device, *,
+              iters: int = 5, warmup: int = 2, gpu: str = "H100", efficiency: float = 0.5,
+              host_op_us: float = 10.0, ring_pass: str = "auto") -> Dict:
+    """Measure rank ``rank``'s share of one layer of ``cfg`` (a model config) at ``p`` ranks and
+    ``seq_length`` on ``device`` (fwd + bwd, best of ``iters``), and estimate it; returns both."""
+    from megatron_metp.measure import layer_probe
+    from megatron_metp.measure.comm_modes import sync
+    from megatron_metp.measure.op_trace import summary, trace_layer
+    from megatron_metp.measure.planner import FakeWorld, transformer_config
+    from megatron_metp.measure.timeline import simulate
+
+    if not 0 <= rank < p:
+        raise ValueError(f"--calibrate-rank {rank}: must be in 0..{p - 1}")
+    world = FakeWorld(rank=rank)
+    try:
+        ops = trace_layer(cfg, mode, p, seq_length, world=world, ring_pass=ring_pass)
+        compute_ops = [op for op in ops if op.kind == "compute"]
+        machine = machine_for(device, gpu, efficiency, host_op_us)
+        est = simulate(compute_ops, machine)
+        tcfg = transformer_config(cfg, p, mode, None, ring_pass)
+        causal = getattr(cfg, "causal", True)
+        rope = cfg.position_embedding_type == "rope" and mode != "wallfacer"
+        layer = layer_probe.build_layer(tcfg, mode, causal).to(device)
+        layer, x, _extra, fwd = layer_probe._layer_step(
+            tcfg, mode, seq_length, 1, causal, rope, getattr(cfg, "rotary_base", 10000), layer,
+            device)
+        layer_probe.give_main_grads(layer)
+        grad = torch.randn_like(x)
+        samples = []
+        for i in range(warmup + iters):
+            x.grad = None
+            sync(device)
+            t0 = time.perf_counter()
+            fwd(x).backward(grad)
+            sync(device)
+            if i >= warmup:
+                samples.append(time.perf_counter() - t0)
+        del layer, x, grad
+    finally:
+        world.teardown()
+    measured = min(samples)
+    estimate = max(est.compute, est.host)
+    return {"model": cfg.name, "mode": mode, "p": p, "rank": rank, "seq_length": seq_length,
+            "ring_pass": ring_pass, "device": str(device), "machine": machine.name,
+            "measured_s": measured, "samples_s": samples,
+            "estimate_s": estimate, "estimate_compute_s": est.compute,
+            "estimate_host_s": est.host, "compute_ops": summary(compute_ops)["compute_ops"],
+            "measured_over_estimate": measured / estimate,
+            "label": "estimate: simulated (megatron_metp/measure/timeline.py); measured: this "
+                     "device, communication stubbed"}
+
+
+def markdown(res: Dict) -> str:
+    return (f"metp bench --calibrate: {res['model']} {res['mode']} p={res['p']} rank "
+            f"{res['rank']} s={res['seq_length']} on {res['device']}: measured "
+            f"{res['measured_s'] * 1e3:,.2f} ms (best of {len(res['samples_s'])}, communication "
+            f"stubbed); ESTIMATE {res['estimate_s'] * 1e3:,.2f} ms on {res['machine']} "
+            f"(compute {res['estimate_compute_s'] * 1e3:,.2f}, host "
+            f"{res['estimate_host_s'] * 1e3:,.2f}; {res['compute_ops']} ops); measured / "
+            f"estimate = {res['measured_over_estimate']:.2f}")
+
+
+__all__ = ["calibrate", "machine_for", "markdown"]
+
+
+def run(args) -> int:
+    """``metp bench --calibrate``: one process, no launcher (module docstring)."""
+    import json
+    import warnings
+
+    from megatron_metp.training.config import load_config
+
+    warnings.filterwarnings("ignore")
+    device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+              else torch.device("cpu"))
+    cfg = load_config(args.calibrate_model)
+    results = [calibrate(cfg, args.calibrate_mode, args.calibrate_p,
+                         args.calibrate_p - 1 if args.calibrate_rank is None
+                         else args.calibrate_rank, s, device, iters=args.iters,
+                         warmup=args.warmup, gpu=args.calibrate_gpu,
+                         host_op_us=args.calibrate_host_op_us)
+               for s in args.seq_lengths]
+    for res in results:
+        print(markdown(res))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"calibration": results}, f, indent=1)
+        print(f"[metp bench --calibrate] wrote {args.json}")
+    return 0
+
+
+def check(args, rank: Optional[int] = None) -> None:
+    """Start-up checks of the calibration flags (exit code 2 through the CLI)."""
+    if args.calibrate_p < 1:
+        raise ValueError(f"--calibrate-p {args.calibrate_p}: must be >= 1")
+    r = args.calibrate_rank
+    if r is not None and not 0 <= r < args.calibrate_p:
+        raise ValueError(f"--calibrate-rank {r}: must be in 0..{args.calibrate_p - 1}")
+    for s in args.seq_lengths:
+        if s % (2 * args.calibrate_p):
+            raise ValueError(f"--seq-lengths: {s} is not divisible by 2 x --calibrate-p "
+                             f"{args.calibrate_p}")
