@@ -52,9 +52,25 @@ def _ints(t) -> List[int]:
     return [int(x) for x in (t.tolist() if isinstance(t, torch.Tensor) else t)]
 
 
+_SEQLEN_FIELDS = ("cu_seqlens_q", "cu_seqlens_q_padded", "cu_seqlens_kv", "cu_seqlens_kv_padded")
+
+
+def _fingerprint(params):
+    """What a cached layout was derived from: each ``cu_seqlens`` field's object and, for a
+    tensor, its version counter (bumped by every in-place write: a reassigned field is another
+    object, a buffer updated in place, as CUDA-graph capture keeps them, has a new version).
+    The entry keeps the objects themselves, so an id is never reused while it is cached."""
+    objs = tuple(getattr(params, f, None) for f in _SEQLEN_FIELDS)
+    key = tuple((id(o), o._version if isinstance(o, torch.Tensor) else
+                 (tuple(o) if isinstance(o, (list, tuple)) else o)) for o in objs)
+    return key, objs
+
+
 def _cached(params, key, build):
     """``build()`` after the self-attention check, kept on the ``PackedSeqParams`` object under
-    ``key`` (see :meth:`PackedLayout.from_packed_seq_params`)."""
+    ``key`` and the fingerprint of its ``cu_seqlens`` (:func:`_fingerprint`): a layout is
+    derived again whenever the tensors it came from change (see
+    :meth:`PackedLayout.from_packed_seq_params`)."""
     cache = getattr(params, "_metp_packed_layouts", None)
     if cache is None:
         cache = {}
@@ -62,10 +78,12 @@ def _cached(params, key, build):
             params._metp_packed_layouts = cache
         except AttributeError:   # a frozen or slotted stand-in: no cache
             pass
-    if key not in cache:
+    stamp, objs = _fingerprint(params)
+    hit = cache.get(key)
+    if hit is None or hit[0] != stamp:
         _check_self_attention(params)
-        cache[key] = build()
-    return cache[key]
+        hit = cache[key] = (stamp, build(), objs)
+    return hit[1]
 
 
 def _check_self_attention(params) -> None:
@@ -264,11 +282,15 @@ class CPBlockLayout(_Memo):
     run or disjoint, so a (query block, key block) pair's pieces are: the same segment, causal;
     an earlier segment of the document, whole; a later one, nothing (causal)."""
 
-    def __init__(self, cu_seqlens, cu_seqlens_padded, tp_size: int, cp_size: int):
+    def __init__(self, cu_seqlens, cu_seqlens_padded, tp_size: int, cp_size: int,
+                 block_of=None):
         docs = CPDocumentLayout(cu_seqlens, cu_seqlens_padded, cp_size)
-        if tp_size % 2:
-            raise ValueError(f"METP with context parallelism needs an even TP size, got "
-                             f"{tp_size}")
+        self.docs = docs
+        if block_of is None:
+            if tp_size % 2:
+                raise ValueError(f"METP with context parallelism needs an even TP size, got "
+                                 f"{tp_size}")
+            block_of = lambda t, c: zigzag_block(t, tp_size, c, cp_size)  # noqa: E731
         local = 2 * docs.chunk                     # tokens per CP rank
         if local % tp_size:
             raise ValueError(f"packed sequences: {local} tokens per CP rank do not split into "
@@ -294,7 +316,7 @@ class CPBlockLayout(_Memo):
                     pos = first + (a - start)
                     real = min(max(length - pos, 0), e - a)   # padding ends each document
                     segs.append((a - lo, e - a, real, d, pos))
-                self.segments[zigzag_block(t, tp_size, c, cp_size)] = segs
+                self.segments[block_of(t, c)] = segs
 
     @classmethod
     def from_packed_seq_params(cls, params, tp_size: int, cp_size: int) -> "CPBlockLayout":
@@ -323,6 +345,54 @@ class CPBlockLayout(_Memo):
         for off, _, real, _, first in self.segments[block]:
             pos[off:off + real] = torch.arange(first, first + real)
         return pos
+
+
+class BalancedDocLayout(CPBlockLayout):
+    """METP without context parallelism on THD batches, balanced (``megatron_metp.token_layout``
+    for packed documents): every document, padded to a multiple of 2p (``cu_seqlens_padded``),
+    is cut into 2p chunks and TP rank r holds chunks r and 2p-1-r *of each document*, document
+    after document: :class:`CPDocumentLayout`'s split with the TP ranks in the CP ranks' place,
+    one ring block per rank (block r = rank r). Causal work per rank is then the same for every
+    document, whatever its length. ``MetpGPTModel`` puts the tokens there with :meth:`order` and
+    back with :meth:`inverse`; :func:`balanced_packed_layout` says when a batch allows it."""
+
+    def __init__(self, cu_seqlens, cu_seqlens_padded, p: int):
+        super().__init__(cu_seqlens, cu_seqlens_padded, 1, p, block_of=lambda t, c: c)
+        self.p = p
+        self.total = 2 * p * self.docs.chunk
+
+    def order(self, device=None) -> torch.Tensor:
+        """``order [s]``: sequence position of each token in rank-major balanced order
+        (``x_bal = x.index_select(dim, order)``; rank r's shard is ``x_bal[r s/p:(r+1) s/p]``)."""
+        def build():
+            d, p = self.docs, self.p
+            parts = [torch.arange(2 * p * o + k * m, 2 * p * o + (k + 1) * m)
+                     for r in range(p) for m, o in zip(d.sizes, d.offsets)
+                     for k in (r, 2 * p - 1 - r)]
+            return torch.cat(parts).to(device)
+        return self._memo(("order", str(device)), build)
+
+    def inverse(self, device=None) -> torch.Tensor:
+        return self._memo(("inverse", str(device)),
+                          lambda: torch.argsort(self.order()).to(device))
+
+
+def balanced_packed_layout(params, p: int, total: int) -> Optional[BalancedDocLayout]:
+    """The :class:`BalancedDocLayout` of a THD batch of ``total`` tokens over ``p`` ranks, or
+    None when it does not split so (another format, a padded document length that 2p does not
+    divide, tokens beyond the documents). Read once per batch (cached on ``params``): the model
+    and its attention ask the same question and get the same answer."""
+    if p < 2 or getattr(params, "qkv_format", "thd") != "thd":
+        return None
+
+    def build():
+        cu = _ints(params.cu_seqlens_q)
+        pad = _ints(getattr(params, "cu_seqlens_q_padded", None)) or cu
+        if len(pad) < 2 or pad[-1] != total or any(
+                (b - a) % (2 * p) for a, b in zip(pad[:-1], pad[1:])):
+            return None
+        return BalancedDocLayout(cu, pad, p)
+    return _cached(params, ("balanced", p, total), build)
 
 
 Layout = Union[PackedLayout, CPDocumentLayout, CPBlockLayout]

@@ -536,6 +536,11 @@ def _mha_cp_cases_run(kinds, variant):
 
             freqs = RotaryEmbedding(config.kv_channels, rotary_percent=1.0, cp_group=cp_group)(S_CP)
             assert freqs.shape[0] == S_CP // 2
+            if variant == "balanced":
+                # In the balanced order over the TP ranks, as MetpGPTModel hands it over.
+                from megatron_metp.token_layout import permute_sequence
+
+                freqs = permute_sequence(freqs, 2, dim=0)
         out, dx, grads = _run(attn, x[mine], g[mine], freqs)
 
         full = {n: gather_full(prm.detach(), prm) for n, prm in attn.named_parameters()}

@@ -34,6 +34,9 @@ CASES = {
     "padded": dict(cu=[0, 3, 9, 12], cu_pad=[0, 4, 12, 16]),
 }
 THD_CP = dict(cu=[0, 5, 16, 22], cu_pad=[0, 8, 24, 32])
+# Every document padded to a multiple of 2p (p = 2), filling the sequence: METP takes it in
+# the balanced layout (each document's chunks r and 2p-1-r on rank r, packing.BalancedDocLayout).
+BALANCED_THD = dict(cu=[0, 5, 16, 19, 23], cu_pad=[0, 8, 24, 28, 32])
 
 
 def _thd_partition(r, cp, pad=THD_CP["cu_pad"]):
@@ -48,7 +51,7 @@ def _thd_partition(r, cp, pad=THD_CP["cu_pad"]):
 
 
 def _case(case):
-    return THD_CP if case == "thd_cp" else CASES[case]
+    return {"thd_cp": THD_CP, "balanced_thd": BALANCED_THD}.get(case) or CASES[case]
 
 
 def _docs(case):
@@ -303,6 +306,9 @@ def _metp_model_task(case):
     full = M.full_state(model)
     ddp = M.wrap_ddp(model)
     b = _packed_batch(case)
+    # Which layout runs: balanced when every padded document splits into 2p chunks and the
+    # documents fill the sequence; the contiguous one otherwise.
+    assert model.uses_balanced_layout(S, b["params"]) == (case == "balanced_thd"), case
     ddp.zero_grad_buffer()
     loss_bs = ddp(b["tokens"], b["position_ids"], None, labels=b["labels"],
                   packed_seq_params=b["params"])
@@ -391,7 +397,7 @@ def _metp_cp_model_task(case):
     return dict(loss=loss.item(), ref=ref_loss.item(), grad_err=worst)
 
 
-_TASKS = {"metp": (2, ["docs", "padded"]), "wallfacer": (4, ["docs", "padded", "thd_cp"]),
+_TASKS = {"metp": (2, ["docs", "padded", "balanced_thd"]), "wallfacer": (4, ["docs", "padded", "thd_cp"]),
           "metp x cp": (4, ["thd_cp"])}
 
 
@@ -447,7 +453,7 @@ def test_layouts_cover_exactly_the_visible_pairs():
     """Random documents (empty ones and padding included), causal and not: for every block pair
     of every layout the pieces cover each visible (query, key) pair exactly once and nothing
     else, causal pieces are square, and the RoPE positions are each token's in its document."""
-    from megatron_metp.packing import CPBlockLayout, CPDocumentLayout
+    from megatron_metp.packing import BalancedDocLayout, CPBlockLayout, CPDocumentLayout
     from megatron_metp.parallel_state import zigzag_block
 
     g = torch.Generator().manual_seed(0)
@@ -505,4 +511,27 @@ def test_layouts_cover_exactly_the_visible_pairs():
                     checked += 1
         for b, toks in blocks.items():
             assert cpb.block_positions(b, cpb.n).tolist() == [pos[t] for t in toks]
+        # METP at CP 1, balanced: rank r holds chunks r and 2tp-1-r of each document, as one
+        # block, in the order BalancedDocLayout.order gives the model.
+        bal = BalancedDocLayout(cu, pad, tp)
+        order = bal.order().tolist()
+        assert sorted(order) == list(range(total))
+        assert torch.equal(bal.order()[bal.inverse()], torch.arange(total))
+        owned = {}
+        for r in range(tp):
+            idx = []
+            for a, e in zip(pad[:-1], pad[1:]):
+                m = (e - a) // (2 * tp)
+                for chunk in (r, 2 * tp - 1 - r):
+                    idx += range(a + chunk * m, a + (chunk + 1) * m)
+            owned[r] = idx
+            assert order[r * n:(r + 1) * n] == idx
+        for causal in (True, False):
+            for qb in range(tp):
+                for kb in range(tp):
+                    assert torch.equal(_covered(bal.block_pieces(qb, kb, n, causal), n, n),
+                                       _visible(owned[qb], owned[kb], doc, pos, causal))
+                    checked += 1
+        for r in range(tp):
+            assert bal.block_positions(r, n).tolist() == [pos[t] for t in owned[r]]
     assert checked > 1000

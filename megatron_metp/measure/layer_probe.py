@@ -262,6 +262,13 @@ def _layer_step(config, mode: str, seq_length: int, micro_batch: int, causal: bo
         # by GPTModel (outside the layers): counted as external, like the input.
         rot = RotaryEmbedding(kv_channels=config.kv_channels, rotary_percent=1.0,
                               rotary_base=rotary_base)(seq_length).to(device or "cpu")
+        attn = getattr(layer, "self_attention", None)
+        if getattr(attn, "uses_balanced_layout", None) and attn.uses_balanced_layout(
+                seq_length // p, causal):
+            # The table in the balanced order, as MetpGPTModel hands it to its layers.
+            from megatron_metp.token_layout import permute_sequence
+
+            rot = permute_sequence(rot, config.tensor_model_parallel_size, dim=0)
 
     def fwd(inp):
         out, _ = layer(inp, attention_mask=None, rotary_pos_emb=rot)

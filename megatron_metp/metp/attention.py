@@ -66,8 +66,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_metp.metp.ring_attention import (ring_attention_backward, ring_attention_forward,
                                                stack_kv)
-from megatron_metp.packing import CPBlockLayout, PackedLayout
-from megatron_metp.token_layout import BALANCED, can_balance, take_balanced
+from megatron_metp.packing import CPBlockLayout, PackedLayout, balanced_packed_layout
+from megatron_metp.token_layout import BALANCED, can_balance
 
 
 def check_metp_attention_config(config: TransformerConfig, p: int) -> None:
@@ -768,9 +768,10 @@ class MetpSelfAttention(SelfAttention):
         s_shard = hidden_states.shape[0]
         rank = dist.get_rank(self.tp_group) if self.world_size > 1 else 0
         layout = None
-        if packed_seq_params is not None:
-            layout = self._packed_layout(packed_seq_params, hidden_states, causal)
         balanced = self.uses_balanced_layout(s_shard, causal, packed_seq_params)
+        if packed_seq_params is not None:
+            layout = self._packed_layout(packed_seq_params, hidden_states, causal, balanced)
+            balanced = False   # the documents' own balanced layout carries the block rule
         freqs = None
         pair = (rotary_pos_emb if isinstance(rotary_pos_emb, tuple) or rotary_pos_emb is None
                 else (rotary_pos_emb,) * 2)
@@ -788,15 +789,13 @@ class MetpSelfAttention(SelfAttention):
                                      f"document needs {need} (max_seqlen_q)")
             pos = layout.block_positions(block, s_shard, device=pair[0].device)
             freqs = tuple(f.index_select(0, pos) for f in pair)
-        elif pair is not None and balanced:
-            # This rank's tokens are chunks r and 2p-1-r of the (CP rank's) sequence.
-            self._check_rotary_length(pair, s_shard)
-            freqs = tuple(take_balanced(f, rank, self.world_size) for f in pair)
         elif pair is not None:
             # The embedding covers the full sequence (under CP: the CP rank's tokens, in the
             # order get_batch_on_this_cp_rank lays them out, as Megatron's RotaryEmbedding
-            # returns them); this rank's tokens are the contiguous chunk
-            # [rank * s/p, (rank + 1) * s/p) of it: slice their global positions.
+            # returns them), in the order the model laid the tokens out: sequence order, or
+            # the balanced one (MetpGPTModel permutes the table with the tokens, once per step).
+            # This rank's tokens are the contiguous chunk [rank * s/p, (rank + 1) * s/p) of it:
+            # a view of their positions.
             lo = rank * s_shard
             self._check_rotary_length(pair, s_shard)
             freqs = tuple(f[lo : lo + s_shard] for f in pair)
@@ -818,10 +817,16 @@ class MetpSelfAttention(SelfAttention):
 
     def uses_balanced_layout(self, s_shard: int, causal: bool, packed_seq_params=None) -> bool:
         """Whether this call's tokens are in the balanced layout. The model that laid them out
-        decides with the same rule (``MetpGPTModel``): a causal, unpacked sequence whose
-        ``s_shard * p`` tokens split into ``2p`` equal chunks."""
-        return (self.balanced_layout and causal and packed_seq_params is None
-                and can_balance(s_shard * self.world_size, self.world_size))
+        decides with the same rule (``MetpGPTModel``): a causal sequence whose ``s_shard * p``
+        tokens split into ``2p`` equal chunks; packed (THD, no CP), every document's padded
+        length split so (``packing.balanced_packed_layout``)."""
+        if not (self.balanced_layout and causal):
+            return False
+        p = self.world_size
+        if packed_seq_params is None:
+            return can_balance(s_shard * p, p)
+        return self.kv_blocks is None and balanced_packed_layout(
+            packed_seq_params, p, s_shard * p) is not None
 
     def _check_rotary_length(self, pair, s_shard: int) -> None:
         for f in pair:
@@ -832,9 +837,10 @@ class MetpSelfAttention(SelfAttention):
                     f"(--seq-length / --context-parallel-size)"
                 )
 
-    def _packed_layout(self, params, hidden_states, causal: bool):
+    def _packed_layout(self, params, hidden_states, causal: bool, balanced: bool = False):
         """Megatron's ``PackedSeqParams`` (THD, or the same documents in SBHD with b = 1) as
-        the ring's document layout; the sequence is this rank's tokens times the TP ranks."""
+        the ring's document layout; the sequence is this rank's tokens times the TP ranks.
+        ``balanced``: the model put each document's chunks r and 2p-1-r on rank r."""
         if params.qkv_format not in ("thd", "sbhd"):
             raise ValueError(f"MetpSelfAttention: packed qkv_format {params.qkv_format!r}; "
                              f"use 'thd' (or 'sbhd' with micro batch 1)")
@@ -852,5 +858,7 @@ class MetpSelfAttention(SelfAttention):
                                  "(qkv_format 'thd', get_thd_batch_on_this_cp_rank)")
             return CPBlockLayout.from_packed_seq_params(
                 params, self.world_size, len(self.kv_blocks) // self.world_size)
-        return PackedLayout.from_packed_seq_params(
-            params, total=hidden_states.shape[0] * self.world_size)
+        total = hidden_states.shape[0] * self.world_size
+        if balanced:
+            return balanced_packed_layout(params, self.world_size, total)
+        return PackedLayout.from_packed_seq_params(params, total=total)

@@ -42,6 +42,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron_metp.metp.attention import set_balanced_layout
 from megatron_metp.metp.cross_entropy import metp_cross_entropy
 from megatron_metp.metp.embedding import MetpLanguageModelEmbedding
+from megatron_metp.packing import balanced_packed_layout
 from megatron_metp.token_layout import can_balance, permute_sequence
 
 __all__ = ["MetpGPTModel"]
@@ -73,7 +74,14 @@ class MetpGPTModel(GPTModel):
     def uses_balanced_layout(self, s: int, packed_seq_params=None) -> bool:
         """Whether a batch of ``s`` tokens per sequence (the CP rank's) is laid out balanced;
         the attention decides with the same rule from its shard of ``s / p`` tokens."""
-        return self.balanced_layout and packed_seq_params is None and can_balance(s, self.tp_size)
+        return self._packed_order(s, packed_seq_params) is not None if packed_seq_params \
+            is not None else self.balanced_layout and can_balance(s, self.tp_size)
+
+    def _packed_order(self, s: int, packed_seq_params):
+        """The balanced layout of a packed (THD) batch, or None (``packing``)."""
+        if not self.balanced_layout or self.config.context_parallel_size != 1:
+            return None
+        return balanced_packed_layout(packed_seq_params, self.tp_size, s)
 
     def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None,
                 inference_context=None, packed_seq_params=None, extra_block_kwargs=None,
@@ -81,23 +89,48 @@ class MetpGPTModel(GPTModel):
                 padding_mask=None):
         ref = next((t for t in (input_ids, labels, position_ids) if t is not None), None)
         balanced = ref is not None and self.uses_balanced_layout(ref.shape[1], packed_seq_params)
+        docs = None   # a packed batch's balanced layout (packing.BalancedDocLayout)
         if balanced:
             if decoder_input is not None:
                 raise ValueError(
                     "MetpGPTModel: decoder_input with the balanced token layout; pass input_ids "
                     "(or build the model with balanced_layout=False)")
             p = self.tp_size
+            if packed_seq_params is not None:
+                docs = self._packed_order(ref.shape[1], packed_seq_params)
+                order = docs.order(ref.device)
             input_ids, position_ids, labels, loss_mask, padding_mask = (
-                permute_sequence(t, p) for t in (input_ids, position_ids, labels, loss_mask,
-                                                 padding_mask))
-        out = super().forward(
-            input_ids, position_ids, attention_mask, decoder_input=decoder_input, labels=labels,
-            inference_context=inference_context, packed_seq_params=packed_seq_params,
-            extra_block_kwargs=extra_block_kwargs, runtime_gather_output=runtime_gather_output,
-            inference_params=inference_params, loss_mask=loss_mask, padding_mask=padding_mask)
+                (permute_sequence(t, p) if docs is None else
+                 t.index_select(1, order) if t is not None else None)
+                for t in (input_ids, position_ids, labels, loss_mask, padding_mask))
+        # Read by _preprocess in this call only: the rotary table follows the tokens.
+        self._rotary_balanced = balanced and docs is None
+        try:
+            out = super().forward(
+                input_ids, position_ids, attention_mask, decoder_input=decoder_input,
+                labels=labels, inference_context=inference_context,
+                packed_seq_params=packed_seq_params, extra_block_kwargs=extra_block_kwargs,
+                runtime_gather_output=runtime_gather_output, inference_params=inference_params,
+                loss_mask=loss_mask, padding_mask=padding_mask)
+        finally:
+            self._rotary_balanced = False
         if balanced and self.post_process and isinstance(out, torch.Tensor):
             # [b, s] losses or [b, s, V] logits, back in sequence order.
-            out = permute_sequence(out, self.tp_size, dim=1, inverse=True)
+            out = (permute_sequence(out, self.tp_size, dim=1, inverse=True) if docs is None
+                   else out.index_select(1, docs.inverse(out.device)))
+        return out
+
+    def _preprocess(self, *args, **kwargs):
+        """``GPTModel``'s, with the rotary table ``[s, 1, 1, d]`` (the CP rank's positions) put
+        in the balanced order once per step, as the tokens are: every layer's attention then
+        takes its contiguous slice of it, a view (a per-layer copy of its two chunks would be
+        kept by each layer until backward). Packed batches keep their per-document positions."""
+        out = super()._preprocess(*args, **kwargs)
+        if getattr(self, "_rotary_balanced", False) and out[1] is not None:
+            rot = out[1]
+            rot = (tuple(permute_sequence(r, self.tp_size, dim=0) for r in rot)
+                   if isinstance(rot, tuple) else permute_sequence(rot, self.tp_size, dim=0))
+            out = (out[0], rot, *out[2:])
         return out
 
     def _postprocess(self, hidden_states, input_ids, position_ids, labels, *args, **kwargs):
