@@ -535,3 +535,123 @@ def test_layouts_cover_exactly_the_visible_pairs():
         for r in range(tp):
             assert bal.block_positions(r, n).tolist() == [pos[t] for t in owned[r]]
     assert checked > 1000
+
+
+# ------------------------------------------------------------------------------------------
+# A PackedSeqParams object reused with new cu_seqlens (issue 27 item 1): the layout cached on it
+# must follow the tensors, never the object.
+
+_REUSE = {  # three documents each, so that a buffer can be updated in place
+    "first": dict(cu=[0, 3, 9, 12], cu_pad=[0, 4, 12, 16]),
+    "second": dict(cu=[0, 8, 10, 14], cu_pad=[0, 8, 12, 16]),
+    "third": dict(cu=[0, 1, 2, 10], cu_pad=[0, 4, 8, 16]),
+}
+
+
+def _params(c, **kw):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu, pad = (torch.tensor(c[k], dtype=torch.int32) for k in ("cu", "cu_pad"))
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                           cu_seqlens_q_padded=pad, cu_seqlens_kv_padded=pad, **kw)
+
+
+def _reuse(params, c, how):
+    """Point ``params`` at the documents ``c``: new tensors (reassigned), or the same tensors
+    written in place (an update, or a CUDA-graph static buffer: same storage every step)."""
+    if how == "reassign":
+        fresh = _params(c)
+        params.cu_seqlens_q, params.cu_seqlens_kv = fresh.cu_seqlens_q, fresh.cu_seqlens_kv
+        params.cu_seqlens_q_padded = fresh.cu_seqlens_q_padded
+        params.cu_seqlens_kv_padded = fresh.cu_seqlens_kv_padded
+    else:
+        for f, key in (("cu_seqlens_q", "cu"), ("cu_seqlens_q_padded", "cu_pad")):
+            getattr(params, f).copy_(torch.tensor(c[key], dtype=torch.int32))
+        if how == "in-place":   # kv given as its own tensors
+            params.cu_seqlens_kv.copy_(params.cu_seqlens_q)
+            params.cu_seqlens_kv_padded.copy_(params.cu_seqlens_q_padded)
+
+
+@pytest.mark.parametrize("how", ["reassign", "in-place", "static-buffer"])
+def test_reused_packed_params_follow_their_tensors(how):
+    from megatron_metp.packing import (BalancedDocLayout, CPBlockLayout, CPDocumentLayout,
+                                       PackedLayout, balanced_packed_layout)
+
+    params = _params(_REUSE["first"])
+    if how == "static-buffer":   # one storage for q and kv, as a captured graph keeps them
+        params.cu_seqlens_kv, params.cu_seqlens_kv_padded = (params.cu_seqlens_q,
+                                                             params.cu_seqlens_q_padded)
+    layouts = {
+        "metp": lambda prm: PackedLayout.from_packed_seq_params(prm, total=16),
+        "wallfacer thd": lambda prm: CPDocumentLayout.from_packed_seq_params(prm, 2),
+        "metp x cp": lambda prm: CPBlockLayout.from_packed_seq_params(prm, 2, 2),
+        "metp balanced": lambda prm: balanced_packed_layout(prm, 2, 16),
+    }
+    seen = {name: make(params) for name, make in layouts.items()}
+    for step in ("second", "third", "first", "second"):
+        _reuse(params, _REUSE[step], how)
+        fresh = _params(_REUSE[step])
+        for name, make in layouts.items():
+            got, want = make(params), make(fresh)
+            assert got is not seen[name], (how, step, name)   # derived again ...
+            # ... and equal to a fresh object's, piece by piece.
+            n = 8 if name in ("metp", "metp balanced") else 4
+            for qb in range(2 if n == 8 else 4):
+                for kb in range(2 if n == 8 else 4):
+                    if name == "wallfacer thd":
+                        assert got.chunk_pieces(qb, kb, got.chunk) == \
+                            want.chunk_pieces(qb, kb, want.chunk), (how, step, name)
+                    else:
+                        assert got.block_pieces(qb, kb, n) == want.block_pieces(qb, kb, n), \
+                            (how, step, name, qb, kb)
+            if isinstance(got, BalancedDocLayout):
+                assert torch.equal(got.order(), want.order())
+            seen[name] = got
+        # Unchanged tensors: the cached layout is reused (one host read per batch).
+        assert layouts["metp"](params) is seen["metp"]
+
+
+def _reused_ring_task(how):
+    """METP's ring on 2 ranks with one PackedSeqParams reused across three batches of other
+    documents: each step's output against the fp64 reference of its own documents and against a
+    fresh PackedSeqParams."""
+    from megatron_metp.metp.ring_attention import ring_attention
+    from megatron_metp.packing import PackedLayout
+
+    p, r = dist.get_world_size(), dist.get_rank()
+    sl, total = 8, 16
+    params = _params(_REUSE["first"])
+    if how == "static-buffer":
+        params.cu_seqlens_kv, params.cu_seqlens_kv_padded = (params.cu_seqlens_q,
+                                                             params.cu_seqlens_q_padded)
+    errs = []
+    for step in ("first", "second", "third"):
+        if step != "first":
+            _reuse(params, _REUSE[step], how)
+        g = torch.Generator().manual_seed(3)
+        q, k, v, dout = (torch.randn(total, 1, heads, 8, generator=g, dtype=torch.float64)
+                         for heads in (4, 2, 2, 4))
+        c = _REUSE[step]
+        ref = torch.zeros_like(q)
+        for i in range(3):
+            a, e = c["cu_pad"][i], c["cu_pad"][i] + c["cu"][i + 1] - c["cu"][i]
+            ref[a:e] = R.attention_grads(q[a:e], k[a:e], v[a:e], dout[a:e], scale=8 ** -0.5,
+                                         causal=True, layout="sbhd")[0]
+        mine = slice(r * sl, (r + 1) * sl)
+        bnsd = lambda t: t[mine].permute(1, 2, 0, 3).float()  # noqa: E731
+        outs = []
+        for prm in (params, _params(c)):
+            out = ring_attention(bnsd(q), bnsd(k), bnsd(v), None, causal=True,
+                                 softmax_scale=8 ** -0.5,
+                                 layout=PackedLayout.from_packed_seq_params(prm, total))
+            outs.append(out.permute(2, 0, 1, 3))
+        assert torch.equal(outs[0], outs[1]), (how, step)
+        errs.append(_close(outs[0], ref[mine]))
+    return max(errs)
+
+
+@pytest.mark.parametrize("how", ["reassign", "in-place", "static-buffer"])
+def test_reused_packed_params_ring_matches_fp64(how, report):
+    worst = max(run_ranks(2, _reused_ring_task, how))
+    report(f"reused PackedSeqParams ({how}), METP ring p=2, 3 batches of other documents: "
+           f"max |err| vs fp64 {worst:.1e}")
