@@ -87,14 +87,38 @@ def _cached(params, key, build):
 
 
 def _check_self_attention(params) -> None:
-    """Self-attention: the key/value lengths must be the query lengths. Reads ``cu_seqlens``
-    on the host, so it runs inside a layout's cached build (once per micro batch)."""
+    """Every ``PackedSeqParams`` check that needs no layout: cumulative offsets that start at 0
+    and never decrease, padded offsets for both q and kv or for neither, and self-attention (the
+    key/value offsets equal the query's). Reads ``cu_seqlens`` on the host, so it runs inside a
+    layout's cached build (once per micro batch), before any communication."""
     cu, pad = params.cu_seqlens_q, getattr(params, "cu_seqlens_q_padded", None)
     kv, kv_pad = params.cu_seqlens_kv, getattr(params, "cu_seqlens_kv_padded", None)
+    for name, t in (("cu_seqlens_q", cu), ("cu_seqlens_q_padded", pad)):
+        v = _ints(t)
+        if v is not None and (len(v) < 2 or v[0] != 0 or any(b < a for a, b in zip(v, v[1:]))):
+            raise ValueError(f"packed sequences: {name} must start at 0 and never decrease "
+                             f"(cumulative offsets, one per document plus one), got {v}")
+    if kv is not None and (pad is None) != (kv_pad is None):
+        given = "cu_seqlens_q_padded" if pad is not None else "cu_seqlens_kv_padded"
+        raise ValueError(f"packed sequences: {given} is given without its twin; pass "
+                         f"cu_seqlens_q_padded and cu_seqlens_kv_padded together (or neither)")
     if kv is not None and _ints(kv) != _ints(cu) or (
             kv_pad is not None and pad is not None and _ints(kv_pad) != _ints(pad)):
         raise ValueError("packed sequences: self-attention needs cu_seqlens_kv equal to "
                          "cu_seqlens_q (and the padded ones equal)")
+
+
+def check_tokens(layout, tokens: int, what: str) -> None:
+    """Refuse a layout that does not cover exactly ``tokens`` (``what``: whose tokens, for the
+    message), before any communication: a CP rank's tokens for the THD split (each CP rank holds
+    2 x the documents' chunk), a METP block for :class:`CPBlockLayout`."""
+    have = (2 * layout.chunk if isinstance(layout, CPDocumentLayout)
+            else layout.n if isinstance(layout, CPBlockLayout) else tokens)
+    if have != tokens:
+        raise ValueError(
+            f"packed sequences: cu_seqlens_q_padded gives {have} tokens for {what}, which holds "
+            f"{tokens}; pass the offsets of this batch (their last entry is the packed "
+            f"sequence's length)")
 
 
 class _Memo:
@@ -153,8 +177,9 @@ class PackedLayout(_Memo):
             self.ends.append(starts[i] + length)
         self.total = starts[-1] if total is None else int(total)
         if self.total < starts[-1]:
-            raise ValueError(f"packed sequences: the documents fill {starts[-1]} positions, more "
-                             f"than the sequence's {self.total}")
+            raise ValueError(f"packed sequences: cu_seqlens_q (cu_seqlens_q_padded) covers "
+                             f"{starts[-1]} positions, more than the {self.total} tokens of the "
+                             f"sequence; pass the offsets of this batch")
 
     @classmethod
     def from_packed_seq_params(cls, params, total: Optional[int] = None) -> "PackedLayout":

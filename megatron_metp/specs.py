@@ -72,6 +72,8 @@ MODES = ("tp", "metp", "metp_mlp", "wallfacer")
 METP_MLP = ("megatron_metp.metp.mlp", "MetpMLP")
 METP_SELF_ATTENTION = ("megatron_metp.metp.attention", "MetpSelfAttention")
 WALLFACER_CORE_ATTENTION = ("megatron_metp.wallfacer.core_attention", "WallFacerCoreAttention")
+# Megatron's SelfAttention with a packed-batch check before its THD RoPE (same parameters).
+WALLFACER_SELF_ATTENTION = ("megatron_metp.wallfacer.core_attention", "WallFacerSelfAttention")
 
 _Module = Union[type, Tuple[str, str]]
 
@@ -132,7 +134,8 @@ def get_gpt_layer_spec(mode: str, *, qk_layernorm: bool = False,
             f"unknown --tensor-parallel-mode {mode!r}: choose one of {', '.join(MODES)}"
         )
     mlp_module = METP_MLP if mode in ("metp", "metp_mlp") else MLP
-    attn_module = METP_SELF_ATTENTION if mode == "metp" else SelfAttention
+    attn_module = (METP_SELF_ATTENTION if mode == "metp" else
+                   WALLFACER_SELF_ATTENTION if mode == "wallfacer" else SelfAttention)
     core = WALLFACER_CORE_ATTENTION if mode == "wallfacer" else SDPACoreAttention
     core_params = None
     if mode == "wallfacer":

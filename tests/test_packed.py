@@ -655,3 +655,87 @@ def test_reused_packed_params_ring_matches_fp64(how, report):
     worst = max(run_ranks(2, _reused_ring_task, how))
     report(f"reused PackedSeqParams ({how}), METP ring p=2, 3 batches of other documents: "
            f"max |err| vs fp64 {worst:.1e}")
+
+
+# ------------------------------------------------------------------------------------------
+# Bad packed inputs (issue 27 item 2): each refused with one line naming the argument and the
+# fix, before any communication; the same process group then runs the next batch (nothing is
+# left posted). METP at TP = p (THD, CP = 1) and WallFacer at CP = p (Megatron-LM's THD split).
+
+def _bad_cases(total, mode):
+    """name -> (cu_seqlens, cu_seqlens_q_padded, cu_seqlens_kv_padded, text the error names).
+    Fewer tokens than the sequence is legal for METP at CP = 1 (padding at the end), not for
+    Megatron-LM's THD split under CP, whose ranks each hold their part of every document."""
+    half = total // 2
+    cases = {
+        "decreasing cu_seqlens": ([0, half + 3, 5, total], None, None, "never decrease"),
+        "padded offsets for q only": ([0, 5, half + 3], [0, half, total], None, "without its twin"),
+        "padded offsets for kv only": ([0, 5, half + 3], None, [0, half, total],
+                                       "without its twin"),
+        "covers more tokens than held": ([0, total, 2 * total], [0, total, 2 * total],
+                                         [0, total, 2 * total], "cu_seqlens_q"),
+    }
+    if mode == "wallfacer":
+        cases["covers fewer tokens than held"] = ([0, 3, half // 2 + 3], [0, half // 2, half],
+                                                  [0, half // 2, half], "cu_seqlens_q_padded")
+    return cases
+
+
+def _bad_params(cu, q_pad, kv_pad):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    t = lambda v: None if v is None else torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=t(cu), cu_seqlens_kv=t(cu),
+                           cu_seqlens_q_padded=t(q_pad), cu_seqlens_kv_padded=t(kv_pad),
+                           max_seqlen_q=64, max_seqlen_kv=64)
+
+
+def _bad_inputs_task(mode):
+    from megatron_metp.model import make_config
+    from tests import _models as M
+
+    p = dist.get_world_size()
+    total = 8 * p   # 4 tokens per zigzag chunk per document ... of two documents' 2p chunks
+    if mode == "metp":
+        M.setup(tp=p, mode="metp")
+        model = M.build("metp", "llama", max_sequence_length=total, num_attention_heads=p,
+                        num_query_groups=p)
+    else:
+        from megatron_metp.wallfacer.scheduler import initialize_wallfacer
+
+        M.setup(tp=1, context_parallel_size=p)
+        initialize_wallfacer(1, "collective_intra")
+        model = M.build("wallfacer", "llama", max_sequence_length=total,
+                        cp_comm_type="wallfacer", num_query_groups=2)
+    tokens = total if mode == "metp" else total // p   # what this rank is handed
+    ids = torch.randint(0, M.VOCAB, (1, tokens), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(tokens)[None]
+    seen = {}
+    for name, (cu, qp, kvp, needle) in _bad_cases(total, mode).items():
+        for attempt in range(2):
+            try:
+                model(ids, pos, None, packed_seq_params=_bad_params(cu, qp, kvp))
+            except ValueError as e:
+                msg = str(e)
+                assert needle in msg and "\n" not in msg, (name, msg)
+                seen[name] = msg
+            else:
+                raise AssertionError(f"{mode}: {name} was accepted")
+    # The group is still in step: a valid batch (two documents, padded to 2p multiples) runs.
+    good = _bad_params([0, 5, total // 2 + 3], [0, total // 2, total], [0, total // 2, total])
+    if mode == "wallfacer":
+        idx = _thd_partition(dist.get_rank(), p, pad=[0, total // 2, total])
+        ids = torch.randint(0, M.VOCAB, (1, total), generator=torch.Generator().manual_seed(0))
+        ids, pos = ids.index_select(1, idx), pos
+    out = model(ids, pos, None, packed_seq_params=good)
+    assert torch.isfinite(out).all()
+    return seen
+
+
+@pytest.mark.parametrize("mode", ["metp", "wallfacer"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_bad_packed_inputs_are_refused_before_communication(mode, world, report):
+    seen = run_ranks(world, _bad_inputs_task, mode)
+    assert all(s == seen[0] for s in seen)   # every rank refuses with the same line
+    for name, msg in seen[0].items():
+        report(f"bad packed input, {mode} p={world}, {name}: {msg}")

@@ -66,7 +66,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_metp.metp.ring_attention import (ring_attention_backward, ring_attention_forward,
                                                stack_kv)
-from megatron_metp.packing import CPBlockLayout, PackedLayout, balanced_packed_layout
+from megatron_metp.packing import (CPBlockLayout, PackedLayout, balanced_packed_layout,
+                                   check_tokens)
 from megatron_metp.token_layout import BALANCED, can_balance
 
 
@@ -856,8 +857,10 @@ class MetpSelfAttention(SelfAttention):
                 raise ValueError("MetpSelfAttention: packed sequences under context "
                                  "parallelism come as Megatron-LM's THD batches "
                                  "(qkv_format 'thd', get_thd_batch_on_this_cp_rank)")
-            return CPBlockLayout.from_packed_seq_params(
+            layout = CPBlockLayout.from_packed_seq_params(
                 params, self.world_size, len(self.kv_blocks) // self.world_size)
+            check_tokens(layout, hidden_states.shape[0], "a METP rank's block")
+            return layout
         total = hidden_states.shape[0] * self.world_size
         if balanced:
             return balanced_packed_layout(params, self.world_size, total)

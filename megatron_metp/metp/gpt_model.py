@@ -77,6 +77,21 @@ class MetpGPTModel(GPTModel):
         return self._packed_order(s, packed_seq_params) is not None if packed_seq_params \
             is not None else self.balanced_layout and can_balance(s, self.tp_size)
 
+    def _check_packed(self, params, s: int) -> None:
+        """Refuse bad packed inputs here, before the embedding's first collective: the layout
+        the attention will read (cached on ``params``, so it is built once) must cover exactly
+        this batch's ``s`` tokens (``packing``'s checks: offsets, padded twins, lengths)."""
+        from megatron_metp.packing import CPBlockLayout, PackedLayout, check_tokens
+
+        cp = self.config.context_parallel_size
+        if cp == 1:
+            if self._packed_order(s, params) is None:
+                PackedLayout.from_packed_seq_params(params, total=s)
+            return
+        if getattr(params, "qkv_format", "thd") == "thd":
+            layout = CPBlockLayout.from_packed_seq_params(params, self.tp_size, cp)
+            check_tokens(layout, s // self.tp_size, "a METP rank's block")
+
     def _packed_order(self, s: int, packed_seq_params):
         """The balanced layout of a packed (THD) batch, or None (``packing``)."""
         if not self.balanced_layout or self.config.context_parallel_size != 1:
@@ -88,6 +103,8 @@ class MetpGPTModel(GPTModel):
                 runtime_gather_output=None, *, inference_params=None, loss_mask=None,
                 padding_mask=None):
         ref = next((t for t in (input_ids, labels, position_ids) if t is not None), None)
+        if packed_seq_params is not None and ref is not None:
+            self._check_packed(packed_seq_params, ref.shape[1])
         balanced = ref is not None and self.uses_balanced_layout(ref.shape[1], packed_seq_params)
         docs = None   # a packed batch's balanced layout (packing.BalancedDocLayout)
         if balanced:

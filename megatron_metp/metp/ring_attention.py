@@ -134,6 +134,9 @@ def ring_attention_forward(
     block = _block_of(blocks, p)
     comm = RingComm(group) if p > 1 else None
     # K and V travel together: one contiguous [2, b, n_kv, s/p, d] buffer.
+    # The layout's checks (block size, documents) run here, before anything is posted: an error
+    # raised inside the loop would leave a posted batch behind and hang a caller that retries.
+    _block_pieces(layout, causal, block(rank), block(rank), q.shape[2])
     kv = DoubleBuffer(_kv_buffer(k, v) if p > 1 else (k, v))
     visible = _visible(layout)
     out = lse = None
@@ -202,6 +205,7 @@ def ring_attention_backward(
     # compute. Every rank issues the two rings' batches in the same program order, so the
     # pairwise message order (gloo) / communicator order (NCCL) matches on both ends.
     dkv_comm = RingComm(group) if p > 1 else None
+    _block_pieces(layout, causal, block(rank), block(rank), q.shape[2])   # before any post
     kv = DoubleBuffer(_kv_buffer(k, v) if p > 1 else (k, v))
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     own = None

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Optional
 
 import torch
+from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_metp.packing import CPDocumentLayout, PackedLayout
+from megatron_metp.packing import CPDocumentLayout, PackedLayout, check_tokens
 from megatron_metp.wallfacer.attention import wallfacer_attention
 from megatron_metp.wallfacer.groups import WallFacerGroups
 
@@ -91,6 +93,7 @@ class WallFacerCoreAttention(MegatronModule):
             if packed_seq_params.qkv_format == "thd" and self.plan.cp_size > 1:
                 layout = CPDocumentLayout.from_packed_seq_params(packed_seq_params,
                                                                  self.plan.cp_size)
+                check_tokens(layout, query.shape[0], "this context-parallel rank")
                 # Megatron-LM's THD split, document by document -> WallFacer's two chunks.
                 order = layout.chunk_major_index(query.device)
                 query, key, value = (t.index_select(0, order) for t in (query, key, value))
@@ -105,6 +108,15 @@ class WallFacerCoreAttention(MegatronModule):
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             return out.reshape(sq, np_ * hn)   # Megatron's THD output [t, h]
         return out.reshape(sq, b, np_ * hn)
+
+    def check_packed(self, params, tokens: int) -> None:
+        """Refuse a packed batch whose offsets do not fit this rank's ``tokens`` (before any
+        communication; the layout is cached on ``params`` for :meth:`forward`)."""
+        if params.qkv_format == "thd" and self.plan.cp_size > 1:
+            layout = CPDocumentLayout.from_packed_seq_params(params, self.plan.cp_size)
+            check_tokens(layout, tokens, "this context-parallel rank")
+        else:
+            PackedLayout.from_packed_seq_params(params, total=tokens * self.plan.cp_size)
 
     def _packed_inputs(self, params, query, key, value):
         """Packed documents (Megatron's ``PackedSeqParams``, b = 1), in one of two layouts:
@@ -134,3 +146,22 @@ class WallFacerCoreAttention(MegatronModule):
             raise ValueError("WallFacer attention: packed sequences take one packed sequence "
                              f"per micro batch (b = 1), got b = {query.shape[1]}")
         return query, key, value
+
+
+class WallFacerSelfAttention(SelfAttention):
+    """Megatron's ``SelfAttention`` (same constructor, parameters and checkpoint keys) that
+    checks a packed batch before anything runs: Megatron applies its THD RoPE to the
+    ``cu_seqlens`` splits before the core attention is reached, so offsets that decrease or
+    cover another number of tokens must be refused here, with one line, before RoPE and before
+    any communication (:meth:`WallFacerCoreAttention.check_packed`)."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        params = kwargs.get("packed_seq_params")
+        if params is None and args:
+            bound = inspect.signature(SelfAttention.forward).bind_partial(
+                self, hidden_states, *args, **kwargs)
+            params = bound.arguments.get("packed_seq_params")
+        if params is not None and isinstance(self.core_attention, WallFacerCoreAttention):
+            self.core_attention.check_packed(params, hidden_states.shape[0])
+        return super().forward(hidden_states, *args, **kwargs)
+
