@@ -218,7 +218,13 @@ def test_spec_objects_and_errors():
     mlp, attn, core = parts(specs.metp_mlp_layer_spec)
     assert (mlp, attn, core) == (specs.METP_MLP, SelfAttention, SDPACoreAttention)
     mlp, attn, core = parts(specs.wallfacer_layer_spec)
-    assert (mlp, attn, core.module) == (MLP, SelfAttention, specs.WALLFACER_CORE_ATTENTION)
+    # WallFacer: Megatron's SelfAttention subclassed only to check packed batches before its
+    # THD RoPE (same parameters and checkpoint keys), WallFacer's core attention inside.
+    assert (mlp, attn, core.module) == (MLP, specs.WALLFACER_SELF_ATTENTION,
+                                        specs.WALLFACER_CORE_ATTENTION)
+    from megatron_metp.wallfacer.core_attention import WallFacerSelfAttention
+
+    assert issubclass(WallFacerSelfAttention, SelfAttention)
     with pytest.raises(ValueError, match="--tensor-parallel-mode"):
         specs.get_gpt_layer_spec("ulysses")
     missing = ModuleSpec(module=("megatron_metp.no_such_module", "Nothing"))
