@@ -234,7 +234,7 @@ def resolve_auto(ns) -> None:
     ``--tensor-model-parallel-size`` and ``--seq-length`` (``measure.auto``), print the table
     on rank 0, and set the chosen mode (and WallFacer's C and placement) in ``ns``."""
     from megatron_metp.measure import auto
-    from megatron_metp.training.config import ConfigError, config_from_megatron_args
+    from megatron_metp.models.config import ConfigError, config_from_megatron_args
 
     p = getattr(ns, "tensor_model_parallel_size", 1) or 1
     if (getattr(ns, "context_parallel_size", 1) or 1) > 1:
@@ -398,7 +398,7 @@ def make_gpt_builder(fallback: Optional[Callable] = None) -> Callable:
 def config_flags(name_or_path: str, *, training: bool = True) -> List[str]:
     """Megatron-LM flags for a ``configs/<model>.yaml`` (the model, then its training defaults),
     for ``pretrain_gpt.py``; flags given later on the command line override these."""
-    from megatron_metp.training.config import load_config
+    from megatron_metp.models.config import load_config
 
     cfg = load_config(name_or_path)
     out = ["--num-layers", str(cfg.num_layers), "--hidden-size", str(cfg.hidden_size),
@@ -427,7 +427,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     config; ``vocab-size CONFIG`` prints its vocabulary size (for ``--vocab-size``)."""
     import shlex
 
-    from megatron_metp.training.config import load_config
+    from megatron_metp.models.config import load_config
 
     p = argparse.ArgumentParser(prog="python -m megatron_metp.megatron_lm")
     p.add_argument("command", choices=("flags", "vocab-size"))

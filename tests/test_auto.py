@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _tiny():
-    from megatron_metp.training.config import load_config
+    from megatron_metp.models.config import load_config
 
     return load_config("tiny-gpt")
 

@@ -163,7 +163,7 @@ def test_calibration_path_runs_one_rank_with_comm_stubbed(report):
     import warnings
 
     from megatron_metp.measure.calibrate import calibrate
-    from megatron_metp.training.config import load_config
+    from megatron_metp.models.config import load_config
 
     warnings.filterwarnings("ignore")
     cfg = load_config("tiny-gpt")

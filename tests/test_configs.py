@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_metp.training.config import ConfigError, load_config, parse_config
-from megatron_metp.training.flops import FlopModel, gpu_peak_tflops, throughput, training_flops
+from megatron_metp.models.config import ConfigError, load_config, parse_config
+from megatron_metp.models.flops import FlopModel, gpu_peak_tflops, throughput, training_flops
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
 BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4)

@@ -152,7 +152,7 @@ def test_metp_train_bf16_on_gpus_matches_tp_and_reports_mfu(tmp_path, report):
         assert abs(a - b) <= 0.02 * abs(a), (a, b)
     assert losses["metp"][-1] < losses["metp"][0]
     # A GPU whose peak the plugin knows reports MFU; an unknown one reports None by design.
-    from megatron_metp.training.flops import gpu_peak_tflops
+    from megatron_metp.models.flops import gpu_peak_tflops
 
     if gpu_peak_tflops() is not None:
         assert all(m is not None and 0 < m < 1 for m in mfu["tp"][1:] + mfu["metp"][1:])
@@ -169,7 +169,7 @@ def test_metp_bench_on_gpus_writes_mfu_next_to_tp(tmp_path, report):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     text = out.read_text()
     report(f"GPU tier: metp bench (2 GPUs, bf16, s = 4096): {text[:400]}")
-    from megatron_metp.training.flops import gpu_peak_tflops
+    from megatron_metp.models.flops import gpu_peak_tflops
 
     if gpu_peak_tflops() is not None:
         found = [m for m in _values(json.loads(text), "mfu") if m is not None]

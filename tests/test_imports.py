@@ -15,12 +15,13 @@ PACKAGE = Path(__file__).resolve().parent.parent / "megatron_metp"
 # Lowest first. A module may import its own layer and the layers below it, never one above.
 # Longest prefix wins (``measure.flops`` before ``measure``).
 LAYERS = [
-    ("core", ["comm", "kernels", "packing", "parallel_state", "errors", "token_layout"]),
+    # models: the model configs and Megatron-LM's FLOPs formula, read by the planner, the
+    # Megatron-LM entry points and the trainer alike.
+    ("core", ["comm", "kernels", "packing", "parallel_state", "errors", "token_layout",
+              "models"]),
     ("algorithms", ["metp", "wallfacer"]),
     ("integration", ["layers", "te_backend", "cpu_compat", "specs", "model", "validation",
-                     "launch",
-                     # two leaves of the trainer's package that measure and megatron_lm read
-                     "training.config", "training.flops"]),
+                     "launch"]),
     # Megatron-LM's entry points sit beside measure: --tensor-parallel-mode auto plans there.
     ("measure", ["measure", "megatron_lm", "megatron_lm_hooks"]),
     ("trainer", ["training"]),
@@ -139,6 +140,17 @@ def test_top_level_shows_the_plugin():
     top = {p.stem if p.is_file() else p.name for p in PACKAGE.iterdir()
            if (p.suffix == ".py" or (p / "__init__.py").exists()) and p.name != "__init__.py"}
     assert top == {"comm", "kernels", "packing", "parallel_state", "errors", "token_layout",
+                   "models",
                    "metp", "wallfacer", "layers",
                    "te_backend", "cpu_compat", "specs", "model", "validation", "megatron_lm",
                    "megatron_lm_hooks", "launch", "measure", "training"}
+
+
+def test_measure_never_imports_the_trainer():
+    # measure/ (bench, plan, timeline) serves the plugin and the trainer; it reads the model
+    # configs and the FLOPs formula from models/, never anything from training/.
+    graph = _graph()
+    bad = sorted((a, b) for a, targets in graph.items() if a.startswith("megatron_metp.measure")
+                 for b in targets if b.startswith("megatron_metp.training"))
+    assert bad == []
+

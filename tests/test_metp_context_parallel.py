@@ -47,7 +47,7 @@ def _one_layer(config, tmp_path):
     nothing CP-specific), as a --config path."""
     import yaml
 
-    from megatron_metp.training.config import resolve_config_path
+    from megatron_metp.models.config import resolve_config_path
 
     data = yaml.safe_load(resolve_config_path(config).read_text())
     data.update(name=f"{config}-1-layer", num_layers=1)

@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from megatron_metp.training.config import parse_config
+from megatron_metp.models.config import parse_config
 from tests._harness import run_ranks
 
 # A tiny GPT-style layer (LayerNorm, GeLU, biases) and a LLaMA-style one (RMSNorm, SwiGLU, GQA,
@@ -178,7 +178,7 @@ _RATIO_SCRIPT = textwrap.dedent(
     import json, warnings
     warnings.filterwarnings("ignore")
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from megatron_metp.training.config import load_config
+    from megatron_metp.models.config import load_config
     from megatron_metp.measure import layer_probe
     from megatron_metp.measure.planner import FakeWorld, transformer_config
     from megatron_metp.kernels import select_backend
@@ -263,7 +263,7 @@ _BISECT_SCRIPT = textwrap.dedent(
     """
     import json, warnings
     warnings.filterwarnings("ignore")
-    from megatron_metp.training.config import load_config
+    from megatron_metp.models.config import load_config
     from megatron_metp.measure.planner import Planner, PlanSettings
     cfg = load_config("llama-7b")
     # 48 GiB at p = 4: LLaMA-7B's 28 GiB of model state leave room for about 8k tokens under
@@ -313,7 +313,7 @@ _STOCK_SCRIPT = textwrap.dedent(
     warnings.filterwarnings("ignore")
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from megatron_metp.training.config import load_config
+    from megatron_metp.models.config import load_config
     from megatron_metp.measure import layer_probe
     from megatron_metp.measure.planner import FakeWorld, transformer_config
     world = FakeWorld()
@@ -360,7 +360,7 @@ def _stock_tp_hand_count(cfg, p: int, s: int) -> int:
 
 
 def test_stock_tp_layer_equals_hand_count(report):
-    from megatron_metp.training.config import load_config
+    from megatron_metp.models.config import load_config
 
     got = _run_fake(_STOCK_SCRIPT)
     s, p = 16384, 8
@@ -378,7 +378,7 @@ _OFFLOAD_SCRIPT = textwrap.dedent(
     """
     import json, warnings
     warnings.filterwarnings("ignore")
-    from megatron_metp.training.config import load_config
+    from megatron_metp.models.config import load_config
     from megatron_metp.measure.planner import Planner, PlanSettings
     cfg = load_config("llama-70b")  # 5 layers per device
     out = {}
@@ -424,7 +424,7 @@ _FSDP_SCRIPT = textwrap.dedent(
     """
     import json, warnings
     warnings.filterwarnings("ignore")
-    from megatron_metp.training.config import load_config
+    from megatron_metp.models.config import load_config
     from megatron_metp.measure.planner import Planner, PlanSettings
     cfg = load_config("llama-7b")
     pl = Planner()

@@ -130,7 +130,7 @@ def test_timeline_rows_trace_every_metp_rank():
     # fields scripts read, and add the host and per-rank ones.
     import warnings
 
-    from megatron_metp.training.config import load_config
+    from megatron_metp.models.config import load_config
     from megatron_metp.measure.timeline_report import timeline_rows
 
     warnings.filterwarnings("ignore")
@@ -152,7 +152,7 @@ def traces():
     """tiny-gpt (h = 64) traced at p = 2, s = 256 in every mode, on rank 1."""
     import warnings
 
-    from megatron_metp.training.config import load_config
+    from megatron_metp.models.config import load_config
     from megatron_metp.measure.op_trace import trace_layer
     from megatron_metp.measure.planner import FakeWorld
 

@@ -15,7 +15,7 @@ time                 best of ``--iters`` steps, each timed on the slowest rank:
                      out); ``comm`` = serialised - compute. Shares as in the METP paper's
                      Fig. 7: comp = compute / serialised, comm = comm / serialised,
                      async = overlapped / serialised
-throughput           tokens/s (overlapped); model FLOPs (``megatron_metp.training.flops``) per second per
+throughput           tokens/s (overlapped); model FLOPs (``megatron_metp.models.flops``) per second per
                      rank, and MFU on a GPU with a known peak; ``vs_tp``: each mode's tokens/s
                      over tp's at the same s, from the same run
 busy per rank        each rank's own time in the ``compute`` variant (communication stubbed):
@@ -236,7 +236,7 @@ def bench_in_rank(args: argparse.Namespace) -> Dict:
     Needs ``torch.distributed`` initialised and ``cpu_compat.apply()`` called (``main`` does
     both; the tests' harness too).
     """
-    from megatron_metp.training.flops import gpu_peak_tflops, throughput
+    from megatron_metp.models.flops import gpu_peak_tflops, throughput
 
     p = dist.get_world_size()
     preflight(args, p)

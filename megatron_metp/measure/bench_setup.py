@@ -118,7 +118,7 @@ def model_step(config, spec_mode: str, s: int, b: int, vocab: int, device, style
 
 
 def model_flops(config, args, s: int, vocab: int) -> float:
-    from megatron_metp.training.flops import FlopModel, training_flops
+    from megatron_metp.models.flops import FlopModel, training_flops
 
     m = FlopModel(num_layers=config.num_layers, hidden_size=config.hidden_size,
                   num_attention_heads=config.num_attention_heads,

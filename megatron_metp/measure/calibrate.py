@@ -112,7 +112,7 @@ def run(args) -> int:
     import json
     import warnings
 
-    from megatron_metp.training.config import load_config
+    from megatron_metp.models.config import load_config
 
     warnings.filterwarnings("ignore")
     device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()

@@ -98,7 +98,7 @@ def _modules(value: Optional[str]) -> Optional[List[str]]:
 
 
 def _check(args) -> None:
-    from megatron_metp.training.config import load_config
+    from megatron_metp.models.config import load_config
     from megatron_metp.validation import check_output_file
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -147,7 +147,7 @@ def _check(args) -> None:
 def run(args) -> int:
     import warnings
 
-    from megatron_metp.training.config import load_config
+    from megatron_metp.models.config import load_config
 
     _check(args)
     if args.timeline:

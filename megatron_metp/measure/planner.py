@@ -64,7 +64,7 @@ Method (per rank; b = micro batch 1, s = sequence, p = parallel degree, L = laye
    1024 tokens.
 
 Estimated step time (ESTIMATES, not measurements): compute = the step's FLOPs on this rank
-(Megatron-LM's formula, ``megatron_metp.training.flops``, / p, METP's recomputed Q/K/V added) / (peak x
+(Megatron-LM's formula, ``megatron_metp.models.flops``, / p, METP's recomputed Q/K/V added) / (peak x
 ``efficiency``); communication = sent bytes / (link bandwidth x 0.8 bus efficiency) + calls x
 alpha (wallfacer adds its data-parallel-over-CP gradient reduce-scatter and parameter
 all-gather, analytic); overlap rule: tp is serialised (compute + comm: the SP all-gathers / reduce-scatters sit on
@@ -423,7 +423,7 @@ def step_time(mode: str, compute_s: float, comm_s: float, p: int) -> float:
 def estimate_step_time(cfg, mode: str, p: int, s: int, sent_bytes: float, calls: int,
                        st: PlanSettings) -> Dict[str, float]:
     """ESTIMATED step seconds on H100 and A100 (module docstring: compute, comm, overlap rule)."""
-    from megatron_metp.training.flops import FlopModel, training_flops
+    from megatron_metp.models.flops import FlopModel, training_flops
 
     L = cfg.layers_per_device
     fm = FlopModel(num_layers=L, hidden_size=cfg.hidden_size,

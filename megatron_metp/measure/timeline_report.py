@@ -82,7 +82,7 @@ def check(args, ints) -> None:
 
 
 def _flop_model(cfg):
-    from megatron_metp.training.flops import FlopModel
+    from megatron_metp.models.flops import FlopModel
 
     return FlopModel(num_layers=1, hidden_size=cfg.hidden_size,
                      num_attention_heads=cfg.num_attention_heads,
@@ -101,7 +101,7 @@ def timeline_rows(cfgs, ps, modes, seqs, gpus, efficiency, gpus_per_node, keep=N
     ``{(model, s): {label: Schedule}}``. ``host_op_s``: host seconds per issued op."""
     from dataclasses import replace
 
-    from megatron_metp.training.flops import training_flops
+    from megatron_metp.models.flops import training_flops
     from megatron_metp.measure.op_trace import summary, trace_layer
     from megatron_metp.measure.planner import FakeWorld, seq_label
     from megatron_metp.measure.timeline import tp_comm_overlap
@@ -216,7 +216,7 @@ def svg(rows, path: str) -> None:
 def run(args, ints, default_models, default_seqs) -> int:
     import warnings
 
-    from megatron_metp.training.config import load_config
+    from megatron_metp.models.config import load_config
     from megatron_metp.measure.planner import seq_label
 
     check(args, ints)

@@ -230,7 +230,7 @@ def _config_hint(command: str, unknown: List[str]) -> str:
     """Model-shape flags of Megatron-LM are config keys in ``metp train``: say so."""
     if command != "train":
         return ""
-    from megatron_metp.training.config import ALL_KEYS
+    from megatron_metp.models.config import ALL_KEYS
 
     keys = [k for k in (u.split("=", 1)[0].lstrip("-").replace("-", "_") for u in unknown
                         if u.startswith("--")) if k in ALL_KEYS]

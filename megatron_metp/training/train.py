@@ -38,10 +38,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron_metp.training.config import ModelConfig, load_config
+from megatron_metp.models.config import ModelConfig, load_config
 from megatron_metp.training.data import GPTSamples, load_tokens, padded_vocab_size
 from megatron_metp.training.data.tokenizer import ByteTokenizer
-from megatron_metp.training.flops import FlopModel, gpu_peak_tflops, throughput, training_flops
+from megatron_metp.models.flops import FlopModel, gpu_peak_tflops, throughput, training_flops
 from megatron_metp.training.train_report import Reporter
 
 # Hard defaults, used when neither a flag nor the config gives a value (Megatron-LM's where it
