@@ -59,7 +59,10 @@ def _fingerprint(params):
     """What a cached layout was derived from: each ``cu_seqlens`` field's object and, for a
     tensor, its version counter (bumped by every in-place write: a reassigned field is another
     object, a buffer updated in place, as CUDA-graph capture keeps them, has a new version).
-    The entry keeps the objects themselves, so an id is never reused while it is cached."""
+    The entry keeps the objects themselves, so an id is never reused while it is cached.
+    What the version counter does not see: a buffer refilled by a collective
+    (``dist.broadcast`` into it) or through ``.data``; such a caller hands over a new tensor
+    or writes with ``copy_`` (as CUDA-graph static buffers are filled)."""
     objs = tuple(getattr(params, f, None) for f in _SEQLEN_FIELDS)
     key = tuple((id(o), o._version if isinstance(o, torch.Tensor) else
                  (tuple(o) if isinstance(o, (list, tuple)) else o)) for o in objs)
@@ -385,6 +388,16 @@ class BalancedDocLayout(CPBlockLayout):
         super().__init__(cu_seqlens, cu_seqlens_padded, 1, p, block_of=lambda t, c: c)
         self.p = p
         self.total = 2 * p * self.docs.chunk
+
+    @classmethod
+    def from_packed_seq_params(cls, params, p: int, total: int) -> "BalancedDocLayout":
+        """The batch's balanced layout (cached on ``params``); refuses a batch that does not
+        split so (:func:`balanced_packed_layout` says None instead)."""
+        layout = balanced_packed_layout(params, p, total)
+        if layout is None:
+            raise ValueError(f"packed sequences: cu_seqlens_q_padded does not split into 2 x {p} "
+                             f"chunks per document filling {total} tokens")
+        return layout
 
     def order(self, device=None) -> torch.Tensor:
         """``order [s]``: sequence position of each token in rank-major balanced order

@@ -124,7 +124,10 @@ def _create_kv_rings(tp: int, cp: int, rank_layout, timeout):
             # new_group numbers its ranks in sorted order: group rank i is global ranks[i].
             blocks = tuple(zigzag_block(rank_layout[g][0], tp, rank_layout[g][1], cp)
                            for g in ranks)
-            balanced = tuple(rank_layout[g][1] * tp + rank_layout[g][0] for g in ranks)
+            from megatron_metp.token_layout import balanced_block
+
+            balanced = tuple(balanced_block(rank_layout[g][0], tp, rank_layout[g][1])
+                             for g in ranks)
             if sorted(blocks) != list(range(tp * cp)) or sorted(balanced) != list(range(tp * cp)):
                 raise RuntimeError(f"METP K/V ring over ranks {ranks}: blocks {blocks} "
                                    f"(balanced {balanced}) do not cover the sequence once")

@@ -181,3 +181,32 @@ def test_metp_head_loss_equals_tp(p, report):
             worst[k] = max(worst.get(k, 0.0), v)
     report(f"MetpGPTModel ring-CE loss vs GPTModel TP+SP p={p}: max |dloss per token| "
            + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()))
+
+
+def _middle_stage_rotary():
+    """A METP model stage that gets no tokens (Megatron-LM's middle pipeline stages): the
+    rotary table its layers receive is in the balanced order, as on the first stage."""
+    from megatron_metp.metp.gpt_model import MetpGPTModel
+    from megatron_metp.model import make_config
+    from megatron_metp.specs import get_gpt_layer_spec
+    from megatron_metp.token_layout import permute_sequence
+
+    M.setup(tp=2, mode="metp")
+    config = make_config("llama", num_layers=1, hidden_size=32, num_attention_heads=4,
+                         num_query_groups=2)
+    model = MetpGPTModel(config=config, transformer_layer_spec=get_gpt_layer_spec("metp"),
+                         vocab_size=M.VOCAB, max_sequence_length=M.SEQ, pre_process=False,
+                         post_process=False, position_embedding_type="rope")
+    seen = {}
+    model.decoder.register_forward_pre_hook(
+        lambda mod, args, kwargs: seen.update(rot=kwargs["rotary_pos_emb"]), with_kwargs=True)
+    model.set_input_tensor(torch.randn(M.SEQ // 2, 1, 32))
+    model(None, None, None)
+    full = model.rotary_pos_emb(M.SEQ)
+    assert model.balanced_layout
+    assert torch.equal(seen["rot"], permute_sequence(full, 2, dim=0))
+    return True
+
+
+def test_middle_pipeline_stage_gets_the_balanced_rotary_table():
+    assert all(run_ranks(2, _middle_stage_rotary))

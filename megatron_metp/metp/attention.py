@@ -131,11 +131,15 @@ WHOLE_MAX_TOKENS = 32768
 RING_PASSES = ("auto", "whole", "head-group")
 
 
+def check_ring_pass(ring_pass: str) -> str:
+    if ring_pass not in RING_PASSES:
+        raise ValueError(f"--metp-ring-pass {ring_pass!r}: choose one of {', '.join(RING_PASSES)}")
+    return ring_pass
+
+
 def whole_pass(ring_pass: str, tokens: int, p: int) -> bool:
     """Whether one ring pass takes every head group (``RING_PASSES``; ``tokens`` per rank)."""
-    if ring_pass not in RING_PASSES:
-        raise ValueError(f"METP attention ring pass {ring_pass!r}: choose one of {RING_PASSES}")
-    if ring_pass == "auto":
+    if check_ring_pass(ring_pass) == "auto":
         return p > 1 and tokens <= WHOLE_MAX_TOKENS
     return ring_pass == "whole"
 
@@ -318,8 +322,10 @@ class _MetpMHAFunction(torch.autograd.Function):
                 q, k, v = plan.linear(x, plan.row_blocks(w_qkv_j, b_qkv_j, gs))
                 if plan.has_post:
                     q, k = plan.post(q, k)
+                # K and V into the one buffer the ring sends; their own tensors go.
+                k, v = stack_kv(_bnsd(k), _bnsd(v)) if plan.p > 1 else (_bnsd(k), _bnsd(v))
                 a_c, lse_c = ring_attention_forward(
-                    plan.group, _bnsd(q), _bnsd(k), _bnsd(v), plan.causal, plan.scale,
+                    plan.group, _bnsd(q), k, v, plan.causal, plan.scale,
                     plan.backend, plan.blocks, plan.layout,
                 )
                 del q, k, v
@@ -387,16 +393,24 @@ class _MetpMHAFunction(torch.autograd.Function):
                         dq = _post_grad(q, q_lin, norm_params[:n_q], dq, dnorm[:n_q])
                     proj.add(blk, dq)
 
+                # K and V into the ring's buffer; V's own tensor, and K's when no q/k norm or
+                # RoPE needs it for its gradient, go before the ring runs.
+                k_ring, v_ring = (stack_kv(_bnsd(k.detach()), _bnsd(v)) if plan.p > 1
+                                  else (_bnsd(k.detach()), _bnsd(v)))
+                del v
+                if not plan.has_post:
+                    del k, k_lin
                 _, dk, dv = ring_attention_backward(
-                    plan.group, da_c, _bnsd(q.detach()), _bnsd(k.detach()), _bnsd(v), a_c,
+                    plan.group, da_c, _bnsd(q.detach()), k_ring, v_ring, a_c,
                     lse_c, plan.causal, plan.scale, plan.backend, with_dq=q_side,
                     blocks=plan.blocks, layout=plan.layout,
                 )
-                del da_c, q_side
+                del da_c, q_side, k_ring, v_ring
                 dk = _sbnd(dk)
                 if plan.has_post:
                     dk = _post_grad(k, k_lin, norm_params[n_q:], dk, dnorm[n_q:])
-                del q, k, q_lin, k_lin, v
+                    del k, k_lin
+                del q, q_lin
                 proj.add(blocks[1], dk)
                 proj.add(blocks[2], _sbnd(dv))
                 del dk, dv, blocks
@@ -500,7 +514,9 @@ def _split_qkv(qkv: torch.Tensor, plan: _Plan, s: int, b: int):
     ``[s, b, n, d]`` (a copy) and k, v ``[s, b, ng, d]`` (views)."""
     rep = plan.heads_p // plan.groups_p
     ng = qkv.shape[2]
-    q = qkv[:, :, :, :rep].reshape(s, b, ng * rep, plan.d)
+    # contiguous(): with one query head per group the reshape is a view, which would keep the
+    # whole projection output alive through the ring.
+    q = qkv[:, :, :, :rep].reshape(s, b, ng * rep, plan.d).contiguous()
     return q, qkv[:, :, :, rep], qkv[:, :, :, rep + 1]
 
 
@@ -598,21 +614,28 @@ class _MetpWholeFunction(torch.autograd.Function):
         rep = plan.heads_p // plan.groups_p
         qkv = F.linear(x2d, w_full, b_full).view(s, b, -1, rep + 2, plan.d)
         ng = qkv.shape[2]
-        q_lin, k_lin, v = _split_qkv(qkv, plan, s, b)
+        qkv_shape, qkv_dtype = qkv.shape, qkv.dtype
+        q_lin, k_lin, v = _split_qkv(qkv, plan, s, b)   # q a copy; k, v views of qkv
         with torch.enable_grad():
             if plan.has_post:
                 q_lin.requires_grad_(True)
-                k_lin = k_lin.detach().requires_grad_(True)
+                # K's own copy for its norm / RoPE gradient: a view would keep qkv alive.
+                k_lin = k_lin.clone().requires_grad_(True)
             q, k = plan.post(q_lin, k_lin) if plan.has_post else (q_lin, k_lin)
-        dqkv = torch.empty_like(qkv)   # dQ, dK, dV in Megatron's row layout, for one GEMM
         k_ring, v_ring = stack_kv(_bnsd(k.detach()), _bnsd(v))
-        del qkv, v
+        del qkv, v   # with k (a view of it) when nothing needs k's gradient graph
+        if not plan.has_post:
+            del k, k_lin
+        # dQ, dK, dV in Megatron's row layout, for one GEMM; allocated when the ring hands
+        # over dQ (after its kernels), as the per-head-group loop allocates its buffers.
+        grads = {}
 
         def q_side(dq):
             dq = _sbnd(dq)
             if plan.has_post:
                 dq = _post_grad(q, q_lin, norm_params[:n_q], dq, dnorm[:n_q])
-            dqkv[:, :, :, :rep] = dq.view(s, b, ng, rep, plan.d)
+            grads["qkv"] = torch.empty(qkv_shape, dtype=qkv_dtype, device=dq.device)
+            grads["qkv"][:, :, :, :rep] = dq.view(s, b, ng, rep, plan.d)
 
         _, dk, dv = ring_attention_backward(
             plan.group, da, _bnsd(q.detach()), k_ring, v_ring, a, lse,
@@ -622,9 +645,11 @@ class _MetpWholeFunction(torch.autograd.Function):
         dk = _sbnd(dk)
         if plan.has_post:
             dk = _post_grad(k, k_lin, norm_params[n_q:], dk, dnorm[n_q:])
+            del k, k_lin
+        dqkv = grads.pop("qkv")
         dqkv[:, :, :, rep] = dk
         dqkv[:, :, :, rep + 1] = _sbnd(dv)
-        del q, k, q_lin, k_lin, dk, dv
+        del q, q_lin, dk, dv
         dqkv2d = dqkv.view(s * b, -1)
         # The weight gradient first, so that its reduce-scatter runs behind dX's GEMM.
         dw, dw_handle = _scatter_rows(dqkv2d.t().mm(x2d).to(gacc), plan)
@@ -650,7 +675,7 @@ def _finish_reduce(item, plan: _Plan, own_grads: list) -> None:
 def set_ring_pass(module: torch.nn.Module, ring_pass: str) -> None:
     """Set how many head groups one ring pass takes (``RING_PASSES``) on every
     ``MetpSelfAttention`` in ``module``."""
-    whole_pass(ring_pass, 0, 2)  # validates the name
+    check_ring_pass(ring_pass)
     for m in module.modules():
         if isinstance(m, MetpSelfAttention):
             m.ring_pass = ring_pass
@@ -661,7 +686,7 @@ def set_balanced_layout(module: torch.nn.Module, on: bool = True) -> bool:
     balanced (``megatron_metp.token_layout``); returns whether it is on (only when every METP
     attention in ``module`` is causal: a non-causal ring reads contiguous blocks)."""
     attns = [m for m in module.modules() if isinstance(m, MetpSelfAttention)]
-    on = bool(on and all(m.attn_mask_type == AttnMaskType.causal for m in attns))
+    on = bool(on and attns and all(m.attn_mask_type == AttnMaskType.causal for m in attns))
     for m in attns:
         m.balanced_layout = on
     return on
@@ -727,8 +752,7 @@ class MetpSelfAttention(SelfAttention):
         self.balanced_layout = False
         # "auto" (whole_pass), "whole" or "head-group": how many head groups one ring pass
         # takes (--metp-ring-pass, carried on the config; read once here).
-        self.ring_pass = getattr(config, "metp_ring_pass", "auto")
-        whole_pass(self.ring_pass, 0, 2)  # an unknown name fails here, at construction
+        self.ring_pass = check_ring_pass(getattr(config, "metp_ring_pass", "auto"))
         self._softmax_scale = (config.softmax_scale if config.softmax_scale is not None
                                else 1.0 / math.sqrt(self.hidden_size_per_attention_head))
 

@@ -120,17 +120,11 @@ class MetpGPTModel(GPTModel):
                 (permute_sequence(t, p) if docs is None else
                  t.index_select(1, order) if t is not None else None)
                 for t in (input_ids, position_ids, labels, loss_mask, padding_mask))
-        # Read by _preprocess in this call only: the rotary table follows the tokens.
-        self._rotary_balanced = balanced and docs is None
-        try:
-            out = super().forward(
-                input_ids, position_ids, attention_mask, decoder_input=decoder_input,
-                labels=labels, inference_context=inference_context,
-                packed_seq_params=packed_seq_params, extra_block_kwargs=extra_block_kwargs,
-                runtime_gather_output=runtime_gather_output, inference_params=inference_params,
-                loss_mask=loss_mask, padding_mask=padding_mask)
-        finally:
-            self._rotary_balanced = False
+        out = super().forward(
+            input_ids, position_ids, attention_mask, decoder_input=decoder_input, labels=labels,
+            inference_context=inference_context, packed_seq_params=packed_seq_params,
+            extra_block_kwargs=extra_block_kwargs, runtime_gather_output=runtime_gather_output,
+            inference_params=inference_params, loss_mask=loss_mask, padding_mask=padding_mask)
         if balanced and self.post_process and isinstance(out, torch.Tensor):
             # [b, s] losses or [b, s, V] logits, back in sequence order.
             out = (permute_sequence(out, self.tp_size, dim=1, inverse=True) if docs is None
@@ -141,10 +135,15 @@ class MetpGPTModel(GPTModel):
         """``GPTModel``'s, with the rotary table ``[s, 1, 1, d]`` (the CP rank's positions) put
         in the balanced order once per step, as the tokens are: every layer's attention then
         takes its contiguous slice of it, a view (a per-layer copy of its two chunks would be
-        kept by each layer until backward). Packed batches keep their per-document positions."""
+        kept by each layer until backward). Decided from the table itself with the attention's
+        rule (``uses_balanced_layout``), so a pipeline stage that gets no tokens (Megatron-LM's
+        middle stages) permutes it as its attention expects. Packed batches keep their
+        per-document positions."""
         out = super()._preprocess(*args, **kwargs)
-        if getattr(self, "_rotary_balanced", False) and out[1] is not None:
-            rot = out[1]
+        rot = out[1]
+        first = rot[0] if isinstance(rot, tuple) else rot
+        if (first is not None and kwargs.get("packed_seq_params") is None
+                and self.uses_balanced_layout(first.shape[0])):
             rot = (tuple(permute_sequence(r, self.tp_size, dim=0) for r in rot)
                    if isinstance(rot, tuple) else permute_sequence(rot, self.tp_size, dim=0))
             out = (out[0], rot, *out[2:])

@@ -162,6 +162,9 @@ class WallFacerSelfAttention(SelfAttention):
                 self, hidden_states, *args, **kwargs)
             params = bound.arguments.get("packed_seq_params")
         if params is not None and isinstance(self.core_attention, WallFacerCoreAttention):
-            self.core_attention.check_packed(params, hidden_states.shape[0])
+            # The core attention sees this rank's tokens after linear_qkv's sequence-parallel
+            # all-gather (TP > 1 inside each CP rank): count those.
+            sp = self.config.tensor_model_parallel_size if self.config.sequence_parallel else 1
+            self.core_attention.check_packed(params, hidden_states.shape[0] * sp)
         return super().forward(hidden_states, *args, **kwargs)
 
