@@ -478,14 +478,7 @@ def test_layouts_cover_exactly_the_visible_pairs():
         for qb in range(tp):
             assert lay.block_positions(qb, n).tolist() == pos[qb * n:(qb + 1) * n]
         # Megatron-LM's THD split under CP: rank r holds chunks r and 2cp-1-r of each document.
-        local = []
-        for r in range(cp):
-            idx = []
-            for a, e in zip(pad[:-1], pad[1:]):
-                m = (e - a) // (2 * cp)
-                for chunk in (r, 2 * cp - 1 - r):
-                    idx += range(a + chunk * m, a + (chunk + 1) * m)
-            local.append(idx)
+        local = [_thd_partition(r, cp, pad).tolist() for r in range(cp)]
         cpd = CPDocumentLayout(cu, pad, cp)
         chunks = {}
         for r in range(cp):
@@ -517,15 +510,9 @@ def test_layouts_cover_exactly_the_visible_pairs():
         order = bal.order().tolist()
         assert sorted(order) == list(range(total))
         assert torch.equal(bal.order()[bal.inverse()], torch.arange(total))
-        owned = {}
+        owned = {r: _thd_partition(r, tp, pad).tolist() for r in range(tp)}
         for r in range(tp):
-            idx = []
-            for a, e in zip(pad[:-1], pad[1:]):
-                m = (e - a) // (2 * tp)
-                for chunk in (r, 2 * tp - 1 - r):
-                    idx += range(a + chunk * m, a + (chunk + 1) * m)
-            owned[r] = idx
-            assert order[r * n:(r + 1) * n] == idx
+            assert order[r * n:(r + 1) * n] == owned[r]
         for causal in (True, False):
             for qb in range(tp):
                 for kb in range(tp):
