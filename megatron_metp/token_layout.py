@@ -63,9 +63,9 @@ def _order_chunks(p: int) -> List[int]:
 
 def balanced_order(s: int, p: int, device=None) -> torch.Tensor:
     """``order [s]`` (int64): sequence position of each token in the balanced layout, so
-    ``x_bal = x_full.index_select(dim, order)``; requires :func:`can_balance`. (The model and
-    the attention use :func:`permute_sequence` / :func:`take_balanced`: views and one ``cat``,
-    no index tensor on the device.)"""
+    ``x_bal = x_full.index_select(dim, order)``; requires :func:`can_balance`. (The model
+    permutes with :func:`permute_sequence`, views and one ``cat``, no index tensor on the
+    device; the attention then slices its contiguous shard, rotary table included.)"""
     _check(s, p)
     return torch.arange(s, device=device).view(2 * p, -1)[_order_chunks(p)].reshape(-1)
 
