@@ -630,7 +630,7 @@ class _MetpWholeFunction(torch.autograd.Function):
         # over dQ (after its kernels), as the per-head-group loop allocates its buffers.
         grads = {}
 
-        def q_side(dq):
+        def q_side(dq, q=q, q_lin=q_lin):
             dq = _sbnd(dq)
             if plan.has_post:
                 dq = _post_grad(q, q_lin, norm_params[:n_q], dq, dnorm[:n_q])
@@ -670,6 +670,26 @@ def _finish_reduce(item, plan: _Plan, own_grads: list) -> None:
         hnd.wait()
     if j == plan.rank:
         own_grads[:] = red
+
+
+def packed_ring_layout(params, tp: int, cp: int, s_shard: int, balanced: bool = False):
+    """The ring's document layout of a packed batch whose ``s_shard`` tokens per rank are laid
+    out over ``tp`` x ``cp`` ranks (cached on ``params``): one rule for ``MetpGPTModel``, which
+    checks it at entry, and ``MetpSelfAttention``, which runs it. Under CP: Megatron-LM's THD
+    split (each document's chunks c and 2CP-1-c on CP rank c), then METP's contiguous TP
+    blocks of that rank's tokens; without: the balanced per-document split when the model
+    chose it (``balanced``), else contiguous shards of the packed sequence."""
+    if cp > 1:
+        if getattr(params, "qkv_format", "thd") != "thd":
+            raise ValueError("MetpSelfAttention: packed sequences under context "
+                             "parallelism come as Megatron-LM's THD batches "
+                             "(qkv_format 'thd', get_thd_batch_on_this_cp_rank)")
+        layout = CPBlockLayout.from_packed_seq_params(params, tp, cp)
+        check_tokens(layout, s_shard, "a METP rank's block")
+        return layout
+    if balanced:
+        return balanced_packed_layout(params, tp, s_shard * tp)
+    return PackedLayout.from_packed_seq_params(params, total=s_shard * tp)
 
 
 def set_ring_pass(module: torch.nn.Module, ring_pass: str) -> None:
@@ -874,18 +894,5 @@ class MetpSelfAttention(SelfAttention):
                              f"micro batch (b = 1), got b = {hidden_states.shape[1]}")
         if not causal:
             raise ValueError("MetpSelfAttention: packed sequences need the causal mask type")
-        if self.kv_blocks is not None:
-            # Under CP: Megatron-LM's THD split (each document's chunks c and 2CP-1-c on CP
-            # rank c), then METP's contiguous TP blocks of that rank's tokens.
-            if params.qkv_format != "thd":
-                raise ValueError("MetpSelfAttention: packed sequences under context "
-                                 "parallelism come as Megatron-LM's THD batches "
-                                 "(qkv_format 'thd', get_thd_batch_on_this_cp_rank)")
-            layout = CPBlockLayout.from_packed_seq_params(
-                params, self.world_size, len(self.kv_blocks) // self.world_size)
-            check_tokens(layout, hidden_states.shape[0], "a METP rank's block")
-            return layout
-        total = hidden_states.shape[0] * self.world_size
-        if balanced:
-            return balanced_packed_layout(params, self.world_size, total)
-        return PackedLayout.from_packed_seq_params(params, total=total)
+        cp = len(self.kv_blocks) // self.world_size if self.kv_blocks is not None else 1
+        return packed_ring_layout(params, self.world_size, cp, hidden_states.shape[0], balanced)

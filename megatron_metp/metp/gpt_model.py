@@ -81,16 +81,10 @@ class MetpGPTModel(GPTModel):
         """Refuse bad packed inputs here, before the embedding's first collective: the layout
         the attention will read (cached on ``params``, so it is built once) must cover exactly
         this batch's ``s`` tokens (``packing``'s checks: offsets, padded twins, lengths)."""
-        from megatron_metp.packing import CPBlockLayout, PackedLayout, check_tokens
+        from megatron_metp.metp.attention import packed_ring_layout
 
-        cp = self.config.context_parallel_size
-        if cp == 1:
-            if self._packed_order(s, params) is None:
-                PackedLayout.from_packed_seq_params(params, total=s)
-            return
-        if getattr(params, "qkv_format", "thd") == "thd":
-            layout = CPBlockLayout.from_packed_seq_params(params, self.tp_size, cp)
-            check_tokens(layout, s // self.tp_size, "a METP rank's block")
+        packed_ring_layout(params, self.tp_size, self.config.context_parallel_size,
+                           s // self.tp_size, self._packed_order(s, params) is not None)
 
     def _packed_order(self, s: int, packed_seq_params):
         """The balanced layout of a packed (THD) batch, or None (``packing``)."""
