@@ -91,6 +91,11 @@ def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
              "operations, all heads' Q/K/V at once), one per head group (head-group: the "
              "paper's Alg. 5-6, least memory), or auto (whole up to 32k tokens per rank)")
     group.add_argument(
+        "--metp-qkv-backward", choices=("auto", "recompute", "save"), default="auto",
+        help="METP's one ring pass: keep Q/K/V for backward (save: one GEMM less per layer, "
+             "2(n+2ng)d bytes more per token and layer) or recompute them (the paper's Alg. 6); "
+             "auto: save when the planner finds the run still fits this GPU's memory")
+    group.add_argument(
         "--wallfacer-placement", choices=PLACEMENTS, default=PLACEMENTS[0],
         help="team-consecutive: each team of C on consecutive ranks (team collectives in a "
              "node); ring-consecutive: each sub-ring on consecutive ranks (ring P2P in a node)")
@@ -174,7 +179,8 @@ _YAML_SECTIONS = ("model_parallel", "language_model")
 _REMAPPED = ("tensor_model_parallel_size", "context_parallel_size", "sequence_parallel",
              "cp_comm_type")
 _PLUGIN_DEFAULTS = (("tensor_parallel_mode", "tp"), ("wallfacer_team_size", None),
-                    ("wallfacer_placement", PLACEMENTS[0]), ("metp_ring_pass", "auto"))
+                    ("wallfacer_placement", PLACEMENTS[0]), ("metp_ring_pass", "auto"),
+                    ("metp_qkv_backward", "auto"))
 
 
 def _yaml_view(ns) -> SimpleNamespace:
@@ -226,7 +232,37 @@ def remap_and_validate(ns, argv: Optional[Sequence[str]] = None):
         resolve_auto(ns)
     apply_mode_remap(ns, explicit=explicit_flags(argv))
     validate_args(ns)
+    resolve_qkv_backward(ns)
     return ns
+
+
+def resolve_qkv_backward(ns) -> None:
+    """``--metp-qkv-backward auto`` under ``--tensor-parallel-mode metp``: plan this run
+    (``measure.planner.resolve_qkv_backward``, this GPU's memory, else 80 GiB) and keep the one
+    ring pass's Q/K/V for backward when it still fits; context- or pipeline-parallel runs, which
+    the planner does not plan, recompute."""
+    if getattr(ns, "tensor_parallel_mode", "tp") != "metp" or \
+            getattr(ns, "metp_qkv_backward", "auto") != "auto":
+        return
+    from megatron_metp.measure.planner import resolve_qkv_backward as plan_qkv
+    from megatron_metp.models.config import ConfigError, config_from_megatron_args
+
+    if (getattr(ns, "context_parallel_size", 1) or 1) > 1 or \
+            (getattr(ns, "pipeline_model_parallel_size", 1) or 1) > 1:
+        ns.metp_qkv_backward = "recompute"
+        return
+    try:
+        cfg = config_from_megatron_args(ns)
+        choice, why = plan_qkv(
+            cfg, ns.tensor_model_parallel_size, ns.seq_length,
+            micro_batch=getattr(ns, "micro_batch_size", None) or 1,
+            distributed_optimizer=bool(getattr(ns, "use_distributed_optimizer", False)),
+            megatron_fsdp=bool(getattr(ns, "use_megatron_fsdp", False)),
+            ring_pass=getattr(ns, "metp_ring_pass", "auto"))
+    except (ConfigError, ValueError) as e:
+        raise MetpConfigError(f"--metp-qkv-backward auto: {e}; name recompute or save")
+    _log(f"--metp-qkv-backward auto: {why}")
+    ns.metp_qkv_backward = choice
 
 
 def resolve_auto(ns) -> None:
@@ -353,6 +389,7 @@ def gpt_builder(args, pre_process=True, post_process=True, vp_stage=None, config
         config = _config_from_args(args)
     # Read once by METP attention at construction (not a TransformerConfig field).
     config.metp_ring_pass = getattr(args, "metp_ring_pass", "auto")
+    config.metp_qkv_backward = getattr(args, "metp_qkv_backward", "auto")
     initialize_plugin_groups(args)  # first: the wallfacer spec carries the groups
     spec = layer_spec_for(args, config, vp_stage)  # a mode missing from this install fails here
     model_cls, extra = GPTModel, {}

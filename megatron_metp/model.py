@@ -109,6 +109,7 @@ def make_config(style: str = "gpt", **overrides: Any) -> TransformerConfig:
     # The plugin's own setting, carried on the config for METP attention to read once at
     # construction (metp.attention.RING_PASSES): not a TransformerConfig field.
     ring_pass = overrides.pop("metp_ring_pass", "auto")
+    qkv_backward = overrides.pop("metp_qkv_backward", "auto")
     kw: dict = dict(num_layers=2, hidden_size=64, num_attention_heads=4)
     kw.update(_CPU_SAFE)
     kw.update(_PRESETS[style])
@@ -130,6 +131,7 @@ def make_config(style: str = "gpt", **overrides: Any) -> TransformerConfig:
         kw.setdefault("params_dtype", torch.bfloat16)
     config = TransformerConfig(**kw)
     config.metp_ring_pass = ring_pass
+    config.metp_qkv_backward = qkv_backward
     return config
 
 

@@ -141,6 +141,12 @@ def test_remap_and_validate_on_what_megatron_parsed(monkeypatch):
     ns = mlm.remap_and_validate(_megatron_like_parse(argv, mlm.chain_providers(provider)), argv)
     assert (ns.tensor_model_parallel_size, ns.context_parallel_size, ns.sequence_parallel) == (
         4, 1, True)
+    # --metp-qkv-backward auto is planned here, before Megatron builds anything: the small
+    # model fits 80 GiB with the one pass's Q/K/V saved. A named value is kept as given.
+    assert ns.metp_qkv_backward == "save"
+    ns = mlm.remap_and_validate(_megatron_like_parse(argv + ["--metp-qkv-backward", "recompute"],
+                                                     provider), argv)
+    assert ns.metp_qkv_backward == "recompute"
 
 
 def test_remap_and_validate_refuses_before_anything_starts(monkeypatch):

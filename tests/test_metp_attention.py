@@ -45,7 +45,10 @@ def _build(config, mode, causal=True, ring_pass=None, **kwargs):
         attn_spec = dataclasses.replace(attn_spec, params={"attn_mask_type": AttnMaskType.no_mask})
     module = build_module(attn_spec, config=config, layer_number=1, **kwargs)
     if ring_pass is not None and mode == "metp":
-        module.ring_pass = ring_pass   # "whole": all head groups per ring pass; "head-group"
+        # "whole": all head groups per ring pass; "head-group"; "whole-save": the one pass
+        # with its Q/K/V kept for backward (--metp-qkv-backward save) instead of recomputed.
+        module.ring_pass = ring_pass.split("-save")[0]
+        module.qkv_backward = "save" if ring_pass.endswith("-save") else "recompute"
     return module
 
 
@@ -171,8 +174,10 @@ def _mha_cases_run(kinds, ring_pass):
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
-@pytest.mark.parametrize("ring_pass", ["head-group", "whole"])
+@pytest.mark.parametrize("ring_pass", ["head-group", "whole", "whole-save"])
 def test_metp_mha_matches_fp64_and_tp(world, ring_pass, report):
+    if ring_pass == "whole-save" and world == 1:
+        pytest.skip("p = 1 has no ring; the saved Q/K/V is covered at p = 2 and 4")
     per_rank = run_ranks(world, _mha_cases, ["mha", "gqa", "qkln"], ring_pass)
     worst = {}
     for errs in per_rank:
@@ -613,3 +618,72 @@ def test_ring_pass_reaches_the_module_from_the_config():
     assert {k: got[k] for k in ("auto", "whole", "head-group")} == {
         "auto": "auto", "whole": "whole", "head-group": "head-group"}
     assert "sometimes" in got["bad"] and "head-group" in got["bad"]
+
+
+def _save_against_recompute():
+    """The one ring pass with its Q/K/V saved and recomputed, same weights and inputs."""
+    from megatron_metp.measure.op_trace import OpRecorder
+    from megatron_metp.model import make_config
+    from tests._models import setup
+
+    p = dist.get_world_size()
+    setup(tp=p, mode="metp")
+    r = dist.get_rank()
+    out = {}
+    for kind in ("mha", "gqa", "qkln"):
+        config, rope = _cfg(p, kind)
+        runs = {}
+        for qkv in ("recompute", "save"):
+            torch.manual_seed(5)
+            attn = _build(config, "metp", ring_pass="whole-save" if qkv == "save" else "whole")
+            gen = torch.Generator().manual_seed(11)
+            x = torch.randn(S, B, config.hidden_size, generator=gen)
+            g = torch.randn(S, B, config.hidden_size, generator=gen)
+            sl = slice(r * S // p, (r + 1) * S // p)
+            with OpRecorder() as rec:
+                res = _run(attn, x[sl], g[sl], _freqs(config, rope))
+            # Forward and backward together (the forward's GEMMs are the same in both runs).
+            gemms = [o for o in rec.ops if o.kind == "compute"
+                     and o.name in ("mm", "addmm", "linear")]
+            runs[qkv] = (res, len(gemms), sum(o.flops for o in gemms))
+        (a, n_a, f_a), (b, n_b, f_b) = runs["recompute"], runs["save"]
+        out[kind] = dict(
+            # The saved projection is the forward's own GEMM output, which the recompute
+            # repeats on the same inputs with the same kernel: bit for bit the same values.
+            same=all(torch.equal(u, v) for u, v in zip(a[:2], b[:2]))
+            and all(torch.equal(a[2][n], b[2][n]) for n in a[2]),
+            gemms=(n_a, n_b), flops=(f_a, f_b),
+            qkv_flops=2.0 * S // p * B * config.hidden_size
+            * (config.num_attention_heads + 2 * (config.num_query_groups
+                                                 or config.num_attention_heads))
+            * config.kv_channels)
+    # Reached from the config, as --metp-qkv-backward sets it; a bad value fails there.
+    cfg_kw = dict(hidden_size=64, num_attention_heads=8, num_query_groups=4)
+    out["from_config"] = _build(make_config("llama", metp_qkv_backward="save", **cfg_kw),
+                                "metp").qkv_backward
+    try:
+        _build(make_config("llama", metp_qkv_backward="keep", **cfg_kw), "metp")
+    except ValueError as e:
+        out["bad"] = str(e)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_saved_qkv_skips_the_recompute_gemm_bit_for_bit(world, report):
+    # --metp-qkv-backward save: the backward reads the forward's Q/K/V projection instead of
+    # running it again (issue 25 item 3). Exact equality (no tolerance): the same GEMM on the
+    # same operands; the fp64 parity of the saved path is test_metp_mha_matches_fp64_and_tp's
+    # "whole-save" case.
+    got = run_ranks(world, _save_against_recompute)
+    for rank in got:
+        for kind in ("mha", "gqa", "qkln"):
+            res = rank[kind]
+            assert res["same"], (kind, world)
+            (n_a, n_b), (f_a, f_b) = res["gemms"], res["flops"]
+            assert n_b == n_a - 1, (kind, res["gemms"])
+            assert f_a - f_b == pytest.approx(res["qkv_flops"]), (kind, res["flops"])
+        assert rank["from_config"] == "save"
+        assert "keep" in rank["bad"] and "--metp-qkv-backward" in rank["bad"]
+    res = got[0]["mha"]
+    report(f"p={world} one ring pass, fwd+bwd GEMMs recompute/save: {res['gemms']}, "
+           f"FLOPs {res['flops'][0]:.3g}/{res['flops'][1]:.3g}")

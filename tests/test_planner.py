@@ -125,7 +125,8 @@ def _run_fake(script: str) -> dict:
 
 def _suite_scripts() -> dict:
     return {"fake": _FAKE_SCRIPT, "ratio": _RATIO_SCRIPT.format(model=RATIO_MODEL, s=RATIO_SEQ),
-            "stock": _STOCK_SCRIPT, "offload": _OFFLOAD_SCRIPT, "fsdp": _FSDP_SCRIPT}
+            "stock": _STOCK_SCRIPT, "offload": _OFFLOAD_SCRIPT, "fsdp": _FSDP_SCRIPT,
+            "qkv": _QKV_SCRIPT}
 
 
 def test_fake_planner_agrees_with_real_gloo_run(report):
@@ -383,13 +384,16 @@ _OFFLOAD_SCRIPT = textwrap.dedent(
     cfg = load_config("llama-70b")  # 5 layers per device
     out = {}
     pl = Planner()   # one layer measurement; the offloading settings only change plan()
+    # Q/K/V recomputed throughout: "auto" would save them where that fits, which changes R
+    # between the points compared here.
     for n in (0, 2, 4, 9):
-        pl.settings = PlanSettings(offload_layers=n)
+        pl.settings = PlanSettings(offload_layers=n, metp_qkv_backward="recompute")
         pt = pl.plan(cfg, "metp", 8, 262144)
         out[n] = [pt.activation_bytes, pt.layer_retained, pt.host_bytes, pt.offloaded_layers,
                   pt.layers]
     # A host budget below what 4 offloaded layers need: the point no longer fits.
-    pl.settings = PlanSettings(offload_layers=4, host_memory_gib=out[4][2] / 2**30 - 0.5)
+    pl.settings = PlanSettings(offload_layers=4, host_memory_gib=out[4][2] / 2**30 - 0.5,
+                               metp_qkv_backward="recompute")
     out["host_limited_fits"] = pl.plan(cfg, "metp", 8, 262144).fits
     pl.world.teardown()
     print("RESULT", json.dumps(out))
@@ -491,3 +495,57 @@ def test_wallfacer_sharded_weights_plan(report):
     report(f"plan llama-7b wallfacer p=8 s=64k: state {st_d / gib:.1f} GiB (distributed "
            f"optimizer) -> {st_f / gib:.1f} GiB (Megatron-FSDP, + {14 * layer / gib:.2f} GiB "
            f"unsharded layers); C = 2 adds {(act_c - act_f) / gib:.2f} GiB")
+
+
+# ------------------------------------------------------------------------------------------
+# --metp-qkv-backward (issue 25 item 3): the one ring pass keeps its Q/K/V projection for
+# backward where the run still fits, and the planner decides it.
+
+_QKV_SCRIPT = textwrap.dedent(
+    """
+    import json, warnings
+    warnings.filterwarnings("ignore")
+    from megatron_metp.models.config import load_config
+    from megatron_metp.measure.planner import Planner, PlanSettings, resolve_qkv_backward
+    cfg = load_config("llama-7b")
+    out = {}
+    for s in (32768, 262144):
+        for qkv in ("recompute", "save", "auto"):
+            planner = Planner(PlanSettings(metp_qkv_backward=qkv))
+            pt = planner.plan(cfg, "metp", 8, s)
+            out[f"{s}/{qkv}"] = dict(chosen=pt.qkv_backward, retained=pt.layer_retained,
+                                     needed=pt.needed_bytes, fits=pt.fits,
+                                     h100=pt.est_time_s["H100"])
+            planner.world.teardown()
+    out["resolve"] = resolve_qkv_backward(cfg, 8, 32768)[0]
+    out["resolve_long"] = resolve_qkv_backward(cfg, 8, 262144)[0]
+    out["resolve_head_group"] = resolve_qkv_backward(cfg, 8, 32768, ring_pass="head-group")[0]
+    print("RESULT", json.dumps(out))
+    """
+)
+
+
+def test_planner_saves_qkv_when_memory_allows(report):
+    res = _run_fake(_QKV_SCRIPT)
+    cfg = parse_config(dict(num_layers=32, hidden_size=4096, num_attention_heads=32,
+                            kv_channels=128))
+    p = 8
+    for s in (32768, 262144):
+        rec, save = res[f"{s}/recompute"], res[f"{s}/save"]
+        # What the saved projection adds per layer, by hand: (n + 2 ng) d bf16 values for each
+        # of the rank's s/p tokens (LLaMA-7B: MHA, 96 x 128), nothing else.
+        extra = s // p * (cfg.num_attention_heads + 2 * cfg.num_attention_heads) * 128 * 2
+        assert save["retained"] - rec["retained"] == extra, (s, save, rec)
+        assert save["h100"] < rec["h100"]   # one QKV GEMM per layer less (an ESTIMATE)
+    # 32k (4k tokens per rank): saving fits 80 GiB, so auto saves; at 256k (32k per rank, still
+    # the one pass) it does not, so auto recomputes and keeps METP's memory.
+    assert res["32768/auto"]["chosen"] == "save" and res["32768/save"]["fits"]
+    assert not res["262144/save"]["fits"] and res["262144/recompute"]["fits"]
+    assert res["262144/auto"]["chosen"] == "recompute"
+    assert (res["resolve"], res["resolve_long"], res["resolve_head_group"]) == (
+        "save", "recompute", "recompute")
+    a, b = res["32768/recompute"], res["32768/save"]
+    report(f"plan llama-7b p=8 s=32k --metp-qkv-backward: recompute {a['needed'] / 2**30:.1f} GiB"
+           f" {1e3 * a['h100']:.1f} ms, save {b['needed'] / 2**30:.1f} GiB {1e3 * b['h100']:.1f}"
+           f" ms (ESTIMATE); s=256k save needs {res['262144/save']['needed'] / 2**30:.1f} GiB"
+           f" of 80: recompute")

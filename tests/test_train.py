@@ -48,6 +48,26 @@ def test_default_main_job_loss_falls(tmp_path, report):
     assert last10 <= 0.8 * first
     assert "Summary" in proc.stdout and "| metp |" in proc.stdout.replace("  ", " ").replace(
         "|  ", "| ")
+    # --metp-qkv-backward auto, resolved by the planner before the ranks build the model: the
+    # tiny model fits 80 GiB with the one pass's Q/K/V saved.
+    assert "--metp-qkv-backward auto: save (planned" in proc.stdout, proc.stdout[-3000:]
+
+
+def test_metp_flags_reach_the_model_config():
+    """--metp-ring-pass and --metp-qkv-backward travel from the command line to the
+    TransformerConfig METP attention reads at construction (the default: auto, auto)."""
+    from megatron_metp.models.config import load_config
+    from megatron_metp.training import train
+
+    cfg = load_config("tiny-gpt")
+    got = {}
+    for argv in ([], ["--metp-ring-pass", "head-group", "--metp-qkv-backward", "save"]):
+        args, _ = _args("--tensor-parallel-mode", "metp", *argv)
+        ns = train.resolve_namespace(args, cfg, "metp", 4)
+        tconf = train._transformer_config(ns, cfg)
+        got[" ".join(argv)] = (tconf.metp_ring_pass, tconf.metp_qkv_backward)
+    assert got == {"": ("auto", "auto"),
+                   "--metp-ring-pass head-group --metp-qkv-backward save": ("head-group", "save")}
 
 
 def _compare_task(argv):

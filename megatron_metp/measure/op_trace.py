@@ -200,7 +200,7 @@ def group_roles() -> Dict[str, str]:
 
 def trace_layer(cfg, mode: str, p: int, s: int, world=None, micro_batch: int = 1,
                 recompute_modules: Optional[List[str]] = None, tcfg=None,
-                ring_pass: str = "auto") -> List[TraceOp]:
+                ring_pass: str = "auto", qkv_backward: str = "recompute") -> List[TraceOp]:
     """One layer of ``cfg`` (a ``config.ModelConfig``) in ``mode`` at (p, s), fwd + bwd on rank 0,
     traced under FakeTensorMode on the fake process group (``world``: a ``planner.FakeWorld``,
     kept set up for the caller). Group names are replaced by their roles (:func:`group_roles`).
@@ -213,7 +213,7 @@ def trace_layer(cfg, mode: str, p: int, s: int, world=None, micro_batch: int = 1
     world = world or FakeWorld()
     world.setup(mode, p)
     if tcfg is None:
-        tcfg = transformer_config(cfg, p, mode, recompute_modules, ring_pass)
+        tcfg = transformer_config(cfg, p, mode, recompute_modules, ring_pass, qkv_backward)
     causal = getattr(cfg, "causal", True) if cfg is not None else True
     rope = (cfg is not None and cfg.position_embedding_type == "rope" and mode != "wallfacer")
     with FakeTensorMode():

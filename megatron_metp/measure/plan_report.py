@@ -79,6 +79,10 @@ def add_arguments(parser) -> None:
       help="METP attention: every head group in one K/V ring pass (whole: fewer, larger "
            "operations, all heads' Q/K/V at once), one pass per head group (head-group: the "
            "paper's Alg. 5-6, least memory), or auto (whole up to 32k tokens per rank)")
+    a("--metp-qkv-backward", choices=("auto", "recompute", "save"), default="auto",
+      help="METP's one ring pass: keep Q/K/V for backward (save: one GEMM less per layer, "
+           "2(n+2ng)d bytes more per token and layer) or recompute them (the paper's Alg. 6); "
+           "auto: save where the point still fits --memory-gb")
     a("--cpu-offloading-num-layers", type=int, default=0, metavar="N",
       help="plan Megatron-LM's --cpu-offloading --cpu-offloading-num-layers N "
            "(TransformerEngine, GPU only): N layers' saved activations in host memory, "
@@ -167,7 +171,8 @@ def run(args) -> int:
                             host_memory_gib=args.host_memory_gb,
                             megatron_fsdp=args.use_megatron_fsdp,
                             wallfacer_team=args.wallfacer_team_size,
-                            metp_ring_pass=args.metp_ring_pass)
+                            metp_ring_pass=args.metp_ring_pass,
+                            metp_qkv_backward=args.metp_qkv_backward)
     planner = Planner(settings)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     cfgs = [load_config(n.strip()) for n in args.models.split(",") if n.strip()]

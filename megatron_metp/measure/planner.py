@@ -114,6 +114,9 @@ class PlanSettings:
     wallfacer_team: int = 1
     # METP attention's head groups per ring pass (--metp-ring-pass; metp.attention.RING_PASSES).
     metp_ring_pass: str = "auto"
+    # The one ring pass's Q/K/V in backward (--metp-qkv-backward; metp.attention.QKV_BACKWARD):
+    # "auto" plans METP with the Q/K/V saved and keeps that when it fits, else recomputes.
+    metp_qkv_backward: str = "auto"
 
 
 @dataclass
@@ -138,6 +141,9 @@ class PlanPoint:
     offloaded_layers: int = 0
     host_bytes: int = 0       # pinned host memory per GPU for the offloaded activations
     est_time_s: Dict[str, float] = field(default_factory=dict)
+    # METP: what the one-pass backward does for Q/K/V at this point ("save" or "recompute";
+    # "" for tp and wallfacer).
+    qkv_backward: str = ""
 
 
 def optimizer_bytes_per_param(mode: str, p: int, distributed_optimizer: bool,
@@ -230,11 +236,12 @@ class FakeWorld:
 
 
 def transformer_config(cfg, p: int, mode: str, recompute_modules: Optional[List[str]] = None,
-                       ring_pass: str = "auto"):
+                       ring_pass: str = "auto", qkv_backward: str = "recompute"):
     """Megatron ``TransformerConfig`` of one layer of ``cfg`` (a ``config.ModelConfig``), bf16.
     ``recompute_modules``: Megatron's selective recompute (``--recompute-granularity selective
     --recompute-modules ...``), the same in every mode. ``ring_pass``: METP attention's
-    ``--metp-ring-pass``."""
+    ``--metp-ring-pass``; ``qkv_backward``: its ``--metp-qkv-backward`` (resolved: "recompute"
+    or "save")."""
     import torch.nn.functional as F
 
     from megatron_metp.model import make_config
@@ -252,7 +259,7 @@ def transformer_config(cfg, p: int, mode: str, recompute_modules: Optional[List[
         context_parallel_size=cp, sequence_parallel=tp > 1, bf16=True,
         params_dtype=torch.bfloat16,
         # Initialisation of fake weights costs time and means nothing.
-        perform_initialization=False, metp_ring_pass=ring_pass,
+        perform_initialization=False, metp_ring_pass=ring_pass, metp_qkv_backward=qkv_backward,
         stock=True)  # Megatron-LM's default fusions: tp is the stock baseline
 
 
@@ -275,14 +282,14 @@ class Planner:
         self._layer: Dict[tuple, layer_probe.LayerMeasure] = {}
         self._head: Dict[tuple, layer_probe.LayerMeasure] = {}
 
-    def _measure(self, cfg, mode: str, p: int, s: int):
+    def _measure(self, cfg, mode: str, p: int, s: int, qkv: str = "recompute"):
         from torch._subclasses.fake_tensor import FakeTensorMode
 
-        key = (cfg.name, mode, p, s)
+        key = (cfg.name, mode, p, s, qkv)
         if key not in self._layer:
             self.world.setup(mode, p)
             tcfg = transformer_config(cfg, p, mode, self.settings.recompute_modules,
-                                  self.settings.metp_ring_pass)
+                                      self.settings.metp_ring_pass, qkv)
             b = self.settings.micro_batch
             with FakeTensorMode():
                 # RoPE under context parallelism slices the table with a pinned CUDA tensor
@@ -302,16 +309,41 @@ class Planner:
 
         self.world.setup(mode, p)
         tcfg = transformer_config(cfg, p, mode, self.settings.recompute_modules,
-                                  self.settings.metp_ring_pass)
+                                  self.settings.metp_ring_pass,
+                                  self.qkv_choices(cfg, mode, p, s)[-1])
         with FakeTensorMode():
             return layer_probe.itemise_layer(
                 tcfg, mode, s, self.settings.micro_batch, causal=cfg.causal,
                 rope=cfg.position_embedding_type == "rope" and mode != "wallfacer",
                 rotary_base=cfg.rotary_base)
 
+    def qkv_choices(self, cfg, mode: str, p: int, s: int) -> List[str]:
+        """The METP Q/K/V backward choices to plan at this point, best first (the last always
+        fits if any does): ["save", "recompute"] under "auto" where the one ring pass runs
+        (``metp.attention.whole_pass``); one choice otherwise (the per-head-group loop always
+        recomputes, so "save" there plans as "recompute")."""
+        from megatron_metp.metp.attention import check_qkv_backward, whole_pass
+
+        if mode != "metp":
+            return [""]
+        want = check_qkv_backward(self.settings.metp_qkv_backward)
+        if not whole_pass(self.settings.metp_ring_pass, s // p * self.settings.micro_batch, p):
+            return ["recompute"]
+        return ["save", "recompute"] if want == "auto" else [want]
+
     def plan(self, cfg, mode: str, p: int, s: int) -> PlanPoint:
+        """The point with the settings' METP Q/K/V choice; under "auto" the first of
+        :meth:`qkv_choices` that fits (the last when none does)."""
+        choices = self.qkv_choices(cfg, mode, p, s)
+        for qkv in choices:
+            point = self._plan(cfg, mode, p, s, qkv)
+            if point.fits:
+                break
+        return point
+
+    def _plan(self, cfg, mode: str, p: int, s: int, qkv: str) -> PlanPoint:
         st = self.settings
-        lm, head = self._measure(cfg, mode, p, s)
+        lm, head = self._measure(cfg, mode, p, s, qkv or "recompute")
         L, b, h = cfg.layers_per_device, st.micro_batch, cfg.hidden_size
         x0 = s // p * b * h * 2
         head_peak = head.peak if head else 0
@@ -366,8 +398,9 @@ class Planner:
             needed_bytes=needed, fits=needed <= st.memory_gib * GIB and host_ok,
             layer_retained=lm.retained, layer_peak=lm.peak, head_peak=head_peak,
             params_per_rank=params, sent_bytes=sent, comm_calls=calls,
-            offloaded_layers=n_off, host_bytes=n_off * lm.retained)
-        point.est_time_s = estimate_step_time(cfg, mode, p, s, sent, calls, st)
+            offloaded_layers=n_off, host_bytes=n_off * lm.retained, qkv_backward=qkv)
+        point.est_time_s = estimate_step_time(cfg, mode, p, s, sent, calls, st,
+                                              recomputes_qkv=qkv == "recompute")
         return point
 
     def longest_sequence(self, cfg, mode: str, p: int, lo: int = 4096,
@@ -388,6 +421,40 @@ class Planner:
             else:
                 z = mid
         return self.plan(cfg, mode, p, a * g)
+
+
+def resolve_qkv_backward(cfg, p: int, s: int, *, micro_batch: int = 1,
+                         memory_gib: Optional[float] = None, distributed_optimizer: bool = False,
+                         megatron_fsdp: bool = False, ring_pass: str = "auto") -> tuple:
+    """``--metp-qkv-backward auto`` for a METP run, decided before any rank starts: "save" when
+    the planner finds the run fits ``memory_gib`` (default: this GPU's, else 80) with the one
+    pass's Q/K/V kept for backward, else "recompute". Returns (choice, one-line reason)."""
+    if memory_gib is None:
+        memory_gib = (torch.cuda.get_device_properties(0).total_memory / GIB
+                      if torch.cuda.is_available() else 80.0)
+    import logging
+    import warnings
+
+    planner = Planner(PlanSettings(memory_gib=memory_gib, micro_batch=micro_batch,
+                                   distributed_optimizer=distributed_optimizer,
+                                   megatron_fsdp=megatron_fsdp, metp_ring_pass=ring_pass))
+    # Building the probed layer makes Megatron log notes about the specs (as in measure.auto).
+    megatron_log = logging.getLogger("megatron.core")
+    level = megatron_log.level
+    megatron_log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            point = planner.plan(cfg, "metp", p, s)
+    finally:
+        planner.world.teardown()
+        megatron_log.setLevel(level)
+    if planner.qkv_choices(cfg, "metp", p, s) == ["recompute"]:
+        return "recompute", (f"recompute (the per-head-group ring pass runs at {s // p * micro_batch}"
+                             f" tokens per rank and recomputes)")
+    return point.qkv_backward, (
+        f"{point.qkv_backward} (planned {point.needed_bytes / GIB:.1f} GiB of {memory_gib:g} "
+        f"GiB with {'the Q/K/V saved' if point.qkv_backward == 'save' else 'recompute: saving did not fit'})")
 
 
 def position_table_params(cfg, mode: str, p: int, s: int) -> int:
@@ -421,8 +488,9 @@ def step_time(mode: str, compute_s: float, comm_s: float, p: int) -> float:
 
 
 def estimate_step_time(cfg, mode: str, p: int, s: int, sent_bytes: float, calls: int,
-                       st: PlanSettings) -> Dict[str, float]:
-    """ESTIMATED step seconds on H100 and A100 (module docstring: compute, comm, overlap rule)."""
+                       st: PlanSettings, recomputes_qkv: bool = True) -> Dict[str, float]:
+    """ESTIMATED step seconds on H100 and A100 (module docstring: compute, comm, overlap rule).
+    ``recomputes_qkv``: METP's backward recomputes Q/K/V (False: --metp-qkv-backward save)."""
     from megatron_metp.models.flops import FlopModel, training_flops
 
     L = cfg.layers_per_device
@@ -434,7 +502,7 @@ def estimate_step_time(cfg, mode: str, p: int, s: int, sent_bytes: float, calls:
                    else 0,
                    swiglu=cfg.swiglu, causal=cfg.causal)
     flops = training_flops(fm, st.micro_batch, s) / p
-    if mode == "metp":
+    if mode == "metp" and recomputes_qkv:
         # Alg. 6 recomputes Q/K/V in backward: one more forward of the QKV projection.
         q = cfg.kv_channels * cfg.num_attention_heads
         kv = cfg.kv_channels * cfg.num_query_groups
@@ -478,6 +546,10 @@ def memory_table(points: List[PlanPoint]) -> str:
                 continue
             tp = rows.get((model, p, "tp"), {}).get(s)
             ratio = f" ({pt.total_bytes / tp.total_bytes:.2f})" if tp and mode != "tp" else ""
-            cells.append(fmt_gib(pt.total_bytes) + ("" if pt.fits else "*") + ratio)
+            saved = " †" if pt.qkv_backward == "save" else ""
+            cells.append(fmt_gib(pt.total_bytes) + ("" if pt.fits else "*") + saved + ratio)
         lines.append(f"| {model} | {p} | {mode} | " + " | ".join(cells) + " |")
+    if any(pt.qkv_backward == "save" for pt in points):
+        lines.append("\n† METP keeps the one ring pass's Q/K/V for backward there "
+                     "(--metp-qkv-backward: it fits); elsewhere it recomputes them.")
     return "\n".join(lines)

@@ -96,14 +96,16 @@ PER_RANK_MODES = ("metp",)
 
 
 def timeline_rows(cfgs, ps, modes, seqs, gpus, efficiency, gpus_per_node, keep=None,
-                  host_op_s: float = 0.0, ring_pass: str = "auto"):
+                  host_op_s: float = 0.0, ring_pass: str = "auto", qkv_backward: str = "auto"):
     """Every (model, p, s, scenario, GPU) row; ``keep`` collects schedules for the trace:
-    ``{(model, s): {label: Schedule}}``. ``host_op_s``: host seconds per issued op."""
+    ``{(model, s): {label: Schedule}}``. ``host_op_s``: host seconds per issued op.
+    ``qkv_backward``: METP's --metp-qkv-backward; "auto" is resolved per row by the planner at
+    80 GiB (``planner.resolve_qkv_backward``), as a launcher resolves it on an 80 GiB GPU."""
     from dataclasses import replace
 
     from megatron_metp.models.flops import training_flops
     from megatron_metp.measure.op_trace import summary, trace_layer
-    from megatron_metp.measure.planner import FakeWorld, seq_label
+    from megatron_metp.measure.planner import FakeWorld, resolve_qkv_backward, seq_label
     from megatron_metp.measure.timeline import tp_comm_overlap
 
     rows = []
@@ -113,11 +115,15 @@ def timeline_rows(cfgs, ps, modes, seqs, gpus, efficiency, gpus_per_node, keep=N
                 ranks = range(p) if mode in PER_RANK_MODES else [p - 1]
                 for s in seqs:
                     t0 = time.time()
+                    qkv = qkv_backward if mode == "metp" else "recompute"
+                    if qkv == "auto":
+                        qkv = resolve_qkv_backward(cfg, p, s, memory_gib=80.0,
+                                                   ring_pass=ring_pass)[0]
                     traces = []
                     for r in ranks:
                         world = FakeWorld(rank=r)
                         traces.append(trace_layer(cfg, mode, p, s, world=world,
-                                                  ring_pass=ring_pass))
+                                                  ring_pass=ring_pass, qkv_backward=qkv))
                         world.teardown()
                     traced_s = time.time() - t0
                     model_flops = training_flops(_flop_model(cfg), 1, s) / p
@@ -243,7 +249,8 @@ def run(args, ints, default_models, default_seqs) -> int:
     rows = timeline_rows([load_config(m) for m in models], ps, modes, seqs, gpus,
                          args.efficiency, args.gpus_per_node, keep,
                          host_op_s=args.host_op_us * 1e-6,
-                         ring_pass=getattr(args, "metp_ring_pass", "auto"))
+                         ring_pass=getattr(args, "metp_ring_pass", "auto"),
+                         qkv_backward=getattr(args, "metp_qkv_backward", "auto"))
     md = markdown(rows)
     print(md)
     print(f"\n(traced and simulated in {time.time() - t0:.0f} s)")

@@ -130,11 +130,27 @@ ATTN_MIN_TOKENS = 8192
 WHOLE_MAX_TOKENS = 32768
 RING_PASSES = ("auto", "whole", "head-group")
 
+# What the one-pass backward does for Q/K/V (--metp-qkv-backward; the per-head-group loop always
+# recomputes). "recompute" (Alg. 6 line 6): one more Q/K/V GEMM per layer in backward, nothing
+# kept. "save": the forward's Q/K/V projection (before q/k norm and RoPE, (n + 2 ng) d values
+# per token) is kept for backward, which then skips that GEMM and the bias gather: 2 (n + 2 ng)
+# d bytes more per token and layer (bf16; 3 bsh/p x 2 bytes for MHA). "auto": the launchers
+# (`metp train`, Megatron-LM's argument hook) and `metp plan` ask the planner
+# (measure.planner.resolve_qkv_backward) and save when the run still fits the GPU's memory with
+# the saved Q/K/V; a model built without a launcher keeps "auto", which recomputes.
+QKV_BACKWARD = ("auto", "recompute", "save")
+
 
 def check_ring_pass(ring_pass: str) -> str:
     if ring_pass not in RING_PASSES:
         raise ValueError(f"--metp-ring-pass {ring_pass!r}: choose one of {', '.join(RING_PASSES)}")
     return ring_pass
+
+
+def check_qkv_backward(value: str) -> str:
+    if value not in QKV_BACKWARD:
+        raise ValueError(f"--metp-qkv-backward {value!r}: choose one of {', '.join(QKV_BACKWARD)}")
+    return value
 
 
 def whole_pass(ring_pass: str, tokens: int, p: int) -> bool:
@@ -199,6 +215,9 @@ class _Plan:
         self.chunks = head_chunks(self.groups_p, self.heads_p, self.d, module.config.hidden_size,
                                   self.p, tokens)
         self.whole = whole_pass(module.ring_pass, tokens, self.p)
+        # The one pass keeps its Q/K/V projection for backward (QKV_BACKWARD; only "save":
+        # "auto" is resolved to "recompute" or "save" by the launcher, before the model exists).
+        self.save_qkv = self.whole and module.qkv_backward == "save"
 
     def row_blocks(self, w_qkv, b_qkv, gs: slice):
         """The q / k / v row blocks of query groups ``gs`` of head group j's ``w_qkv`` (and its
@@ -571,6 +590,9 @@ class _MetpWholeFunction(torch.autograd.Function):
             q, k = plan.post(q, k)
         # K and V into the buffer the ring sends; the projection's output is freed before it.
         k, v = stack_kv(_bnsd(k), _bnsd(v))
+        # QKV_BACKWARD "save": the projection stays for backward; else it is freed here, before
+        # the ring's buffers exist, and backward recomputes it.
+        kept = qkv if plan.save_qkv else None
         del qkv
         a, lse = ring_attention_forward(plan.group, _bnsd(q), k, v, plan.causal,
                                         plan.scale, plan.backend, plan.blocks, plan.layout)
@@ -580,13 +602,13 @@ class _MetpWholeFunction(torch.autograd.Function):
         out = _flat(a).mm(wpt)
         ctx.plan = plan
         ctx.has_bias = b_qkv is not None
-        ctx.save_for_backward(x, w_qkv, b_qkv, w_proj, a, lse)
+        ctx.save_for_backward(x, w_qkv, b_qkv, w_proj, a, lse, kept)
         return out.view(s, b, h)
 
     @staticmethod
     def backward(ctx, dout):
         plan: _Plan = ctx.plan
-        x, w_qkv, b_qkv, w_proj, a, lse = ctx.saved_tensors
+        x, w_qkv, b_qkv, w_proj, a, lse, kept = ctx.saved_tensors
         norm_params = [prm for m in (plan.q_norm, plan.k_norm) if m is not None
                        for prm in m.parameters()]
         n_q = len(list(plan.q_norm.parameters())) if plan.q_norm is not None else 0
@@ -595,7 +617,8 @@ class _MetpWholeFunction(torch.autograd.Function):
         x2d, dout2d = x.reshape(s * b, h), dout.reshape(s * b, h)
         wpt, wpt_handle = _gather_rows(w_proj.t(), plan, async_op=True)
         w_full, w_handle = _gather_rows(w_qkv, plan, async_op=True)
-        b_full, b_handle = _gather_rows(b_qkv, plan, async_op=True)
+        # The bias only enters the recompute: a saved projection needs no gather of it.
+        b_full, b_handle = _gather_rows(b_qkv if kept is None else None, plan, async_op=True)
         # Weight gradients are summed over p ranks: in fp32 for bf16/fp16 weights, so the sum
         # adds no rounding TP's single matmul does not have.
         gacc = torch.promote_types(w_proj.dtype, torch.float32)
@@ -607,12 +630,18 @@ class _MetpWholeFunction(torch.autograd.Function):
             wpt_handle.wait()
         da = dout2d.mm(wpt.t()).view(s, b, -1, plan.d).permute(1, 2, 0, 3)
         del wpt
-        for hnd in (w_handle, b_handle):
-            if hnd is not None:
-                hnd.wait()
-        # Recompute Q/K/V (Alg. 6 line 6); only the q/k norm and RoPE go through autograd.
         rep = plan.heads_p // plan.groups_p
-        qkv = F.linear(x2d, w_full, b_full).view(s, b, -1, rep + 2, plan.d)
+        if kept is None:
+            for hnd in (w_handle, b_handle):
+                if hnd is not None:
+                    hnd.wait()
+            w_handle = None
+            # Recompute Q/K/V (Alg. 6 line 6); only the q/k norm and RoPE go through autograd.
+            qkv = F.linear(x2d, w_full, b_full).view(s, b, -1, rep + 2, plan.d)
+        else:
+            # Saved in forward (QKV_BACKWARD "save"); the W_qkv gather is awaited at dX.
+            qkv = kept
+        del kept
         ng = qkv.shape[2]
         qkv_shape, qkv_dtype = qkv.shape, qkv.dtype
         q_lin, k_lin, v = _split_qkv(qkv, plan, s, b)   # q a copy; k, v views of qkv
@@ -654,6 +683,8 @@ class _MetpWholeFunction(torch.autograd.Function):
         # The weight gradient first, so that its reduce-scatter runs behind dX's GEMM.
         dw, dw_handle = _scatter_rows(dqkv2d.t().mm(x2d).to(gacc), plan)
         db, db_handle = _scatter_rows(dqkv2d.sum(0).to(gacc) if ctx.has_bias else None, plan)
+        if w_handle is not None:
+            w_handle.wait()
         dx = dqkv2d.mm(w_full)
         del w_full, b_full
         for hnd in (dwpt_handle, dw_handle, db_handle):
@@ -699,6 +730,15 @@ def set_ring_pass(module: torch.nn.Module, ring_pass: str) -> None:
     for m in module.modules():
         if isinstance(m, MetpSelfAttention):
             m.ring_pass = ring_pass
+
+
+def set_qkv_backward(module: torch.nn.Module, value: str) -> None:
+    """Set what the one-pass backward does for Q/K/V (``QKV_BACKWARD``) on every
+    ``MetpSelfAttention`` in ``module``."""
+    check_qkv_backward(value)
+    for m in module.modules():
+        if isinstance(m, MetpSelfAttention):
+            m.qkv_backward = value
 
 
 def set_balanced_layout(module: torch.nn.Module, on: bool = True) -> bool:
@@ -773,6 +813,9 @@ class MetpSelfAttention(SelfAttention):
         # "auto" (whole_pass), "whole" or "head-group": how many head groups one ring pass
         # takes (--metp-ring-pass, carried on the config; read once here).
         self.ring_pass = check_ring_pass(getattr(config, "metp_ring_pass", "auto"))
+        # "auto", "recompute" or "save": the one pass's Q/K/V in backward (QKV_BACKWARD,
+        # --metp-qkv-backward on the config; read once here).
+        self.qkv_backward = check_qkv_backward(getattr(config, "metp_qkv_backward", "auto"))
         self._softmax_scale = (config.softmax_scale if config.softmax_scale is not None
                                else 1.0 / math.sqrt(self.hidden_size_per_attention_head))
 

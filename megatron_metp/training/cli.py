@@ -105,6 +105,10 @@ def _train_parser(p: argparse.ArgumentParser) -> Callable:
     a("--metp-ring-pass", choices=("auto", "whole", "head-group"), default=None,
       help="METP attention: every head group in one K/V ring pass (whole), one per head group "
            "(head-group: least memory), or auto (default: whole up to 32k tokens per rank)")
+    a("--metp-qkv-backward", choices=("auto", "recompute", "save"), default=None,
+      help="METP's one ring pass: keep Q/K/V for backward (save: one GEMM less per layer, "
+           "more memory) or recompute them (recompute: the paper's Alg. 6); auto (default): "
+           "save when the planner finds the run still fits --auto-memory-gib")
     a("--recompute-granularity", choices=("selective",), default=None,
       help="Megatron's selective activation recompute (with --recompute-modules)")
     a("--recompute-modules", nargs="+", choices=("layernorm", "mlp", "core_attn"), default=None,

@@ -79,6 +79,8 @@ def resolve_namespace(args: Namespace, cfg: ModelConfig, mode: str,
     ns.data_path = args.data_path
     ns.recompute_granularity = args.recompute_granularity
     ns.recompute_modules = args.recompute_modules
+    ns.metp_ring_pass = getattr(args, "metp_ring_pass", None) or "auto"
+    ns.metp_qkv_backward = getattr(args, "metp_qkv_backward", None) or "auto"
     return ns
 
 
@@ -128,6 +130,32 @@ def resolve_auto(args: Namespace, cfg: ModelConfig, world_size: int, *,
     if announce:
         print("[metp] " + text.replace("\nauto chose", "\n[metp] auto chose"), flush=True)
     auto.apply(args, chosen, team_size_type=str)  # metp train's flag holds a string
+
+
+def resolve_qkv_backward(args: Namespace, cfg: ModelConfig, world_size: int, *,
+                         announce: bool) -> None:
+    """``--metp-qkv-backward auto`` for a metp run: the planner's choice
+    (``measure.planner.resolve_qkv_backward``: save the one ring pass's Q/K/V when the run still
+    fits --auto-memory-gib, or the GPU's memory) replaces it in ``args``. The planner plans
+    context- and pipeline-parallel size 1: other layouts recompute."""
+    if getattr(args, "metp_qkv_backward", None) not in (None, "auto") or \
+            "metp" not in modes_of(args, cfg):
+        return
+    from megatron_metp.measure.planner import resolve_qkv_backward as plan_qkv
+
+    ns = resolve_namespace(args, cfg, "metp", world_size)
+    p = ns.tensor_model_parallel_size
+    if ns.context_parallel_size > 1 or ns.pipeline_model_parallel_size > 1:
+        choice, why = "recompute", "recompute (planned for context and pipeline size 1 only)"
+    else:
+        choice, why = plan_qkv(cfg, p, ns.seq_length, micro_batch=ns.micro_batch_size,
+                               memory_gib=args.auto_memory_gib,
+                               distributed_optimizer=bool(args.use_distributed_optimizer),
+                               megatron_fsdp=bool(args.use_megatron_fsdp),
+                               ring_pass=ns.metp_ring_pass)
+    if announce:
+        print(f"[metp] --metp-qkv-backward auto: {why}", flush=True)
+    args.metp_qkv_backward = choice
 
 
 def check_model_config(args: Namespace) -> ModelConfig:
@@ -235,6 +263,7 @@ def _transformer_config(ns: Namespace, cfg: ModelConfig):
     if getattr(ns, "cp_comm_type", None):
         kw["cp_comm_type"] = ns.cp_comm_type
     kw["metp_ring_pass"] = getattr(ns, "metp_ring_pass", None) or "auto"
+    kw["metp_qkv_backward"] = getattr(ns, "metp_qkv_backward", None) or "auto"
     return make_config(style="llama" if cfg.swiglu else "gpt", **kw)
 
 
@@ -628,6 +657,11 @@ def run(args: Namespace, explicit: set) -> Dict[str, Dict]:
                          "resolve it before torch.distributed is initialised")
     resolve_auto(args, cfg, int(os.environ.get("WORLD_SIZE", 1)),
                  announce=int(os.environ.get("RANK", "0")) == 0)
+    if not dist.is_initialized():
+        # Planned with the fake process group, so only before torch.distributed starts; a
+        # caller that brings its own group keeps "auto", which recomputes.
+        resolve_qkv_backward(args, cfg, int(os.environ.get("WORLD_SIZE", 1)),
+                             announce=int(os.environ.get("RANK", "0")) == 0)
     use_cuda = torch.cuda.is_available()
     own_group = not dist.is_initialized()
     if use_cuda:
