@@ -8,4 +8,4 @@ Sub-packages
     training/    the ``metp`` command and its trainer (not imported by the plugin)
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

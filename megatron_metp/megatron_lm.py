@@ -232,8 +232,24 @@ def remap_and_validate(ns, argv: Optional[Sequence[str]] = None):
         resolve_auto(ns)
     apply_mode_remap(ns, explicit=explicit_flags(argv))
     validate_args(ns)
+    check_load_keys(ns)
     resolve_qkv_backward(ns)
     return ns
+
+
+def check_load_keys(ns) -> None:
+    """A ``--load`` checkpoint written by megatron-metp 0.1 names the layer norms plainly, which
+    Megatron-LM's loader cannot match with its (and the plugin's) fused names: refuse it before
+    anything starts, naming the conversion (``megatron_metp.checkpoint_keys``)."""
+    from megatron_metp.checkpoint_keys import latest_checkpoint_dir, uses_legacy_norm_keys
+
+    root = getattr(ns, "load", None)
+    path = latest_checkpoint_dir(root) if root and os.path.isdir(root) else None
+    if path and uses_legacy_norm_keys(path):
+        raise MetpConfigError(
+            f"--load {root}: written by megatron-metp 0.1 with plain layer-norm keys "
+            f"(decoder.layers.input_layernorm.weight); convert it once with `python -m "
+            f"megatron_metp.checkpoint_keys {root} {root.rstrip('/')}-megatron` and load that")
 
 
 def resolve_qkv_backward(ns) -> None:

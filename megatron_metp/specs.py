@@ -39,8 +39,10 @@ Engine spec (``get_gpt_layer_with_transformer_engine_spec``, the default of ``pr
 ``--transformer-impl local`` selects Megatron's local spec instead). A user who wants TE kernels
 for the ``tp`` mode keeps Megatron's own spec (``--tensor-parallel-mode tp`` falls through to
 Megatron's builder in the Megatron-LM integration); ``tp_layer_spec`` is the CPU-capable
-reference with identical parameter names (TE's fused ``linear_qkv.layer_norm_weight`` differs,
-so TE checkpoints load with Megatron's usual TE<->local key mapping, not directly).
+reference with identical parameter names. Checkpoint keys are Megatron-LM's (its local spec's
+``sharded_state_dict_keys_map``, the names TE's fused ``linear_qkv.layer_norm_weight`` has), so
+a checkpoint of ``pretrain_gpt.py``'s stock spec, local or TE, loads under every mode here
+(``megatron_metp.checkpoint_keys``).
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ from megatron.core.transformer.transformer_layer import (
     TransformerLayerSubmodules,
 )
 
+from megatron_metp.checkpoint_keys import NORM_KEYS_MAP
 from megatron_metp.layers import SDPACoreAttention
 from megatron_metp.te_backend import LOCAL, Backend, backend_for
 
@@ -115,6 +118,10 @@ def _layer(mlp: ModuleSpec, self_attention: ModuleSpec, backend: Backend) -> Mod
             pre_mlp_layernorm=backend.norm,
             mlp=mlp,
             mlp_bda=get_bias_dropout_add,
+            # Checkpoint keys as Megatron-LM's local and TE GPT specs write them
+            # (megatron_metp.checkpoint_keys): checkpoints move between pretrain_gpt.py's
+            # stock spec and every mode here.
+            sharded_state_dict_keys_map=dict(NORM_KEYS_MAP),
         ),
     )
 

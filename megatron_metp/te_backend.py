@@ -20,7 +20,8 @@ linears (qkv, proj, fc1, fc2)  local                 ``TEColumn/Row-``    METP r
 =============================  ====================  ===================  =====================
 
 TE's fused norm+linear (``TELayerNormColumnParallelLinear``) is not used: it renames the norm's
-parameters (``linear_qkv.layer_norm_weight``), and keeping ``input_layernorm.weight`` keeps the
+parameters (``linear_qkv.layer_norm_weight``); the specs keep ``input_layernorm`` as a module, with the
+fused names only as checkpoint keys (``megatron_metp.checkpoint_keys``), which keeps the
 modes' checkpoints interchangeable. The core attention stays the mode's own (METP's ring,
 WallFacer's teams); TE's ``TEDotProductAttention`` would replace exactly what the mode is.
 """

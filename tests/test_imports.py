@@ -21,7 +21,7 @@ LAYERS = [
               "models"]),
     ("algorithms", ["metp", "wallfacer"]),
     ("integration", ["layers", "te_backend", "cpu_compat", "specs", "model", "validation",
-                     "launch"]),
+                     "launch", "checkpoint_keys"]),
     # Megatron-LM's entry points sit beside measure: --tensor-parallel-mode auto plans there.
     ("measure", ["measure", "megatron_lm", "megatron_lm_hooks"]),
     ("trainer", ["training"]),
@@ -143,7 +143,7 @@ def test_top_level_shows_the_plugin():
                    "models",
                    "metp", "wallfacer", "layers",
                    "te_backend", "cpu_compat", "specs", "model", "validation", "megatron_lm",
-                   "megatron_lm_hooks", "launch", "measure", "training"}
+                   "megatron_lm_hooks", "launch", "measure", "training", "checkpoint_keys"}
 
 
 def test_measure_never_imports_the_trainer():

@@ -150,7 +150,8 @@ def timeline_rows(cfgs, ps, modes, seqs, gpus, efficiency, gpus_per_node, keep=N
                                 compute_ops=sm["compute_ops"], host_op_s=host_op_s,
                                 host_s=sch.host, host_bound=sch.host_bound,
                                 ranks_traced=len(runs), rank_compute_s=busy,
-                                rank_compute_max_over_mean=max(busy) / (sum(busy) / len(busy))))
+                                rank_compute_max_over_mean=max(busy) / (sum(busy) / len(busy)),
+                                qkv_backward=qkv if mode == "metp" else ""))
                             if keep is not None:
                                 keep.setdefault((cfg.name, g, s), {})[
                                     f"{cfg.name} p={p} s={seq_label(s)} {scen} {g}"] = sch
@@ -173,7 +174,11 @@ def markdown(rows) -> str:
                    f"{r['executed_flops'] / 1e12:,.1f} | {r['compute_bytes'] / 1e9:,.1f} | "
                    f"{r['compute_ops']:,} | {r['comm_ops']:,} | {r['host_s'] * 1e3:,.1f} | "
                    f"{'yes' if r['host_bound'] else 'no'} | "
-                   f"{r['rank_compute_max_over_mean']:.3f} ({r['ranks_traced']} ranks) |")
+                   f"{r['rank_compute_max_over_mean']:.3f} ({r['ranks_traced']} ranks)"
+                   f"{' †' if r.get('qkv_backward') == 'save' else ''} |")
+    if any(r.get("qkv_backward") == "save" for r in rows):
+        out.append("\n† METP keeps the one ring pass's Q/K/V for backward "
+                   "(--metp-qkv-backward auto: the planner found it fits 80 GiB).")
     return "\n".join(out)
 
 
@@ -188,8 +193,8 @@ def svg(rows, path: str) -> None:
     W, H, m = 360, 240, 45
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W * len(panels)}" '
              f'height="{H + 60}" font-family="sans-serif" font-size="11">',
-             f'<text x="10" y="16" font-size="14">ESTIMATE (simulated, not measured): MFU per '
-             f'layer vs sequence length</text>']
+             '<text x="10" y="16" font-size="14">ESTIMATE (simulated, not measured): MFU per '
+             'layer vs sequence length</text>']
     for k, (model, gpu) in enumerate(panels):
         x0, y0 = k * W + m, 30
         pr = [r for r in rows if r["model"] == model and r["gpu"] == gpu]

@@ -10,6 +10,7 @@ mode keeps TP's parameter names and shards, the keys are the same under tp, metp
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import List, Optional
 
@@ -200,10 +201,19 @@ def load(root: str, model_chunks: List, optimizer, scheduler) -> int:
     """Load the newest complete checkpoint under ``root``; return its iteration."""
     from megatron.core import dist_checkpointing
 
+    from megatron_metp.checkpoint_keys import legacy_norm_keys, uses_legacy_norm_keys
+
     iteration = latest_iteration(root)
-    meta = dist_checkpointing.load_content_metadata(_ckpt_dir(root, iteration)) or {}
-    sd = _sharded_state_dict(model_chunks, optimizer, iteration, is_loading=True, metadata=meta)
-    loaded = dist_checkpointing.load(sd, _ckpt_dir(root, iteration))
+    path = _ckpt_dir(root, iteration)
+    meta = dist_checkpointing.load_content_metadata(path) or {}
+    # A checkpoint of megatron-metp 0.1 names the norms plainly: read under those names (the
+    # next save writes Megatron-LM's, megatron_metp.checkpoint_keys).
+    legacy = (legacy_norm_keys(_unwrap(model_chunks[0])) if uses_legacy_norm_keys(path)
+              else contextlib.nullcontext())
+    with legacy:
+        sd = _sharded_state_dict(model_chunks, optimizer, iteration, is_loading=True,
+                                 metadata=meta)
+    loaded = dist_checkpointing.load(sd, path)
     _unwrap(model_chunks[0]).load_state_dict(loaded["model"])
     if "optimizer" in loaded:
         optimizer.load_state_dict(loaded["optimizer"])
