@@ -186,10 +186,10 @@ def run_ranks(world_size: int, fn: Callable, *args, timeout: float = 300.0, **kw
 
 def run_in_own_workers(world_size: int, fn: Callable, *args, timeout: float = 300.0,
                        **kwargs) -> List[Any]:
-    """:func:`run_ranks` in workers that end with the task. For tasks that leave threads behind
-    whatever they destroy: Megatron-Core 0.16.1's DistributedOptimizer (and Megatron-FSDP, which
-    uses it) keeps the gloo groups of a finished run alive, about 48 OS threads per run here,
-    held from outside Python's reachable objects (not found); later tasks must not inherit them."""
+    """:func:`run_ranks` in workers that end with the task, for tasks that may leave threads
+    behind: Megatron-FSDP's runs (tests/test_megatron_fsdp.py). Megatron's DDP and
+    DistributedOptimizer no longer need it: ``destroy_parallel`` breaks the autograd-hook cycle
+    that kept their gloo groups alive (``megatron_metp.model.release_ddp_hooks``)."""
     pool = RankPool(world_size, keeps_workers=False)
     try:
         return pool.run(fn, *args, timeout=timeout, **kwargs)
