@@ -131,6 +131,12 @@ def _gpt_config_hook(original: Callable) -> Callable:
 def _initialize_hook(original: Callable, get_args: Callable) -> Callable:
     @functools.wraps(original)
     def initialize_megatron(*a, **kw):
+        import torch
+
+        if not torch.cuda.is_available():
+            # Megatron-LM asserts CUDA unless told otherwise; megatron_lm_cpu stands in for
+            # what it would use it for (installed with the hooks).
+            kw["allow_no_cuda"] = True
         out = original(*a, **kw)
         from megatron.core import parallel_state as mpu
 
@@ -178,6 +184,15 @@ def install(plan: HookPlan, namespace: Optional[Dict] = None) -> Installed:
                 f"--tensor-parallel-mode; the hooks support {SUPPORTED}")
         return fn
 
+    import torch
+
+    if not torch.cuda.is_available():
+        # Megatron-LM's loop on a machine without CUDA: Megatron-Core's stand-ins, then
+        # megatron.training's (both no-ops on a GPU machine and when repeated).
+        from megatron_metp import cpu_compat, megatron_lm_cpu
+
+        cpu_compat.apply()
+        megatron_lm_cpu.apply()
     installed: Installed = []
     wrap = {ARGS: _parse_args_hook, CONFIG: _gpt_config_hook, BUILDER: _builder_hook,
             INIT: lambda fn: _initialize_hook(fn, module("megatron.training").get_args)}

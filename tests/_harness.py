@@ -54,6 +54,11 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
     # The CPU tier stays on the CPU on a GPU machine too: cpu_compat (and so Megatron's device
     # choices) follow torch.cuda.is_available(), and gloo ranks must not all open GPU 0.
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    import faulthandler
+
+    # A rank that dies in native code (a signal) prints every thread's Python stack to its
+    # stderr, which pytest shows with the failure.
+    faulthandler.enable(all_threads=True)
     import torch
     import torch.distributed as dist
 
@@ -143,9 +148,13 @@ class RankPool:
                 # give them a short grace period to report their own error, then kill.
                 deadline = min(deadline, datetime.datetime.now() + datetime.timedelta(seconds=15))
         if errors:
+            # Ranks that died without reporting (a native crash, a signal): name them.
+            dead = [f"rank {r} exit code {p.exitcode}" for r, p in enumerate(self._procs)
+                    if not p.is_alive() and r not in errors]
             self.close(kill=True)
             raise AssertionError(
                 f"{fn.__name__} failed on ranks {sorted(errors)}"
+                + (f" ({'; '.join(dead)})" if dead else "")
                 + "".join(f"\n--- rank {r} ---\n{e}" for r, e in sorted(errors.items()))
             )
         return [outs[r] for r in range(self.world_size)]

@@ -23,7 +23,7 @@ LAYERS = [
     ("integration", ["layers", "te_backend", "cpu_compat", "specs", "model", "validation",
                      "launch", "checkpoint_keys"]),
     # Megatron-LM's entry points sit beside measure: --tensor-parallel-mode auto plans there.
-    ("measure", ["measure", "megatron_lm", "megatron_lm_hooks"]),
+    ("measure", ["measure", "megatron_lm", "megatron_lm_hooks", "megatron_lm_cpu"]),
     ("trainer", ["training"]),
 ]
 
@@ -143,7 +143,8 @@ def test_top_level_shows_the_plugin():
                    "models",
                    "metp", "wallfacer", "layers",
                    "te_backend", "cpu_compat", "specs", "model", "validation", "megatron_lm",
-                   "megatron_lm_hooks", "launch", "measure", "training", "checkpoint_keys"}
+                   "megatron_lm_hooks", "launch", "measure", "training", "checkpoint_keys",
+                   "megatron_lm_cpu"}
 
 
 def test_measure_never_imports_the_trainer():

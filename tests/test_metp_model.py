@@ -21,7 +21,11 @@ ATOL_SCALE = 1e-5
 
 
 def _cases(p):
-    # LLaMA-style needs query groups divisible by p under metp: 2 groups at p = 2, 4 at p = 4.
+    # LLaMA-style needs query groups divisible by p under metp: 2 groups at p = 2, 4 at p = 4,
+    # 8 at p = 8 (16 heads: still GQA, two query heads per group).
+    if p == 8:
+        return {"gpt": ("gpt", {"num_attention_heads": 8}),
+                "llama": ("llama", {"num_attention_heads": 16, "num_query_groups": 8})}
     llama = {"num_query_groups": 2} if p == 2 else {"num_attention_heads": 8, "num_query_groups": 4}
     return {"gpt": ("gpt", {}), "llama": ("llama", llama)}
 
@@ -75,7 +79,8 @@ def _compare(p):
     return out
 
 
-@pytest.mark.parametrize("world", [2, 4])
+# p = 8: the balanced layout's 16 chunks of the 16-token sequence, one token each (issue 25).
+@pytest.mark.parametrize("world", [2, 4, 8])
 def test_metp_model_equals_tp_model(world, report):
     results = run_ranks(world, _compare, world)
     for case, (dloss, (lmax, lmean), gmax, n) in results[0].items():
