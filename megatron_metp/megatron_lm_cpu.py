@@ -56,11 +56,13 @@ import contextlib
 import functools
 import importlib
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
 _APPLIED = False
+_INIT_POINTS = ("_initialize_distributed", "_set_random_seed", "_compile_dependencies",
+                "set_jit_fusion_options")
 
 
 def _megatron_initialize():
@@ -147,27 +149,45 @@ def _nothing(*_args, **_kwargs) -> None:
     return None
 
 
+_NAMESPACES: list = []   # extra globals to rebind in (the patched pretrain_gpt.py's)
+
+
 def _rebind(module: Any, name: str, new: Callable) -> None:
-    """Replace ``module.name`` and every ``megatron.training`` module's by-name import of it."""
+    """Replace ``module.name`` and every by-name import of it in ``megatron.training`` modules
+    and in the namespaces given to :func:`apply`."""
     import sys
 
     old = getattr(module, name)
-    for mod_name, mod in list(sys.modules.items()):
-        if mod is None or not mod_name.startswith("megatron.training"):
-            continue
-        for attr, val in list(vars(mod).items()):
+    spaces = [vars(mod) for mod_name, mod in list(sys.modules.items())
+              if mod is not None and mod_name.startswith("megatron.training")]
+    for space in spaces + _NAMESPACES:
+        for attr, val in list(space.items()):
             if val is old:
-                setattr(mod, attr, new)
+                space[attr] = new
     setattr(module, name, new)
 
 
-def apply() -> None:
-    """Install the stand-ins if CUDA is absent; a no-op on GPU machines and when repeated."""
+def apply(namespace: Optional[dict] = None) -> None:
+    """Install the stand-ins if CUDA is absent; a no-op on GPU machines and when repeated.
+    ``namespace``: globals that imported Megatron-LM functions by name before this ran (the
+    patched ``pretrain_gpt.py``'s ``pretrain``), rebound too."""
     global _APPLIED
     if torch.cuda.is_available() or _APPLIED:
         return
-    init = _megatron_initialize()
-    importlib.import_module("megatron.training.training")   # so its by-name imports rebind
+    if namespace is not None:
+        _NAMESPACES.append(namespace)
+    try:
+        init = _megatron_initialize()
+        training = importlib.import_module("megatron.training.training")  # by-name imports
+        utils = importlib.import_module("megatron.training.utils")
+    except ImportError:
+        return   # no megatron.training as core_v0.16.1 lays it out (see below)
+    needed = [(init, n) for n in _INIT_POINTS] + [(training, "pretrain"),
+                                                  (utils, "get_device_arch_version")]
+    if any(not callable(getattr(m, n, None)) for m, n in needed):
+        # Not the megatron.training these stand-ins were written against (core_v0.16.1): leave
+        # it alone; a CPU run then stops at its first CUDA call, a GPU run is unaffected.
+        return
     _rebind(init, "_initialize_distributed", _initialize_distributed)
     _rebind(init, "_set_random_seed", _seeded_tracker(init._set_random_seed))
     _rebind(init, "_compile_dependencies", _compile_dependencies)
@@ -175,14 +195,12 @@ def apply() -> None:
     # validate_args asks the GPU's architecture (utils.get_device_arch_version) for TP / CP > 1;
     # a CPU has none (0: "before Hopper", so Megatron-LM keeps its CUDA_DEVICE_MAX_CONNECTIONS=1
     # requirement, which costs nothing on CPU).
-    utils = importlib.import_module("megatron.training.utils")
     _rebind(utils, "get_device_arch_version", _zero)
     # device="cuda" literals and .cuda() moves throughout pretrain() (its start-up timestamps,
     # the loss and grad-norm reductions, the data iterators' broadcasts): kept on CPU by
     # cpu_compat's TorchFunctionMode for the whole run.
     from megatron_metp.cpu_compat import _cuda_literals_on_cpu
 
-    training = importlib.import_module("megatron.training.training")
     _rebind(training, "pretrain", _cuda_literals_on_cpu(training.pretrain))
     for name in ("max_memory_allocated", "memory_allocated", "memory_reserved",
                  "max_memory_reserved"):

@@ -103,6 +103,27 @@ def plan_hooks(names: frozenset, release: str) -> HookPlan:
         f"spec there; the hooks support {SUPPORTED}: use one of those releases")
 
 
+class Refused(SystemExit):
+    """A configuration the plugin refuses before anything starts: exit status 2 (as argparse
+    gives a bad flag), the one-line reason already printed on stderr (``str()`` of it too)."""
+
+    def __init__(self, message: str):
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def refuse(error: Exception) -> Refused:
+    """Print ``megatron-metp: <error>`` once (rank 0, or a process outside a launcher) and return
+    the exit-2 exception to raise."""
+    message = f"megatron-metp: {error}"
+    if os.environ.get("RANK", "0") == "0":
+        print(message, file=sys.stderr, flush=True)
+    return Refused(message)
+
+
 # ----------------------------------------------------------------------------- wrappers
 def _parse_args_hook(original: Callable) -> Callable:
     @functools.wraps(original)
@@ -112,7 +133,7 @@ def _parse_args_hook(original: Callable) -> Callable:
         try:
             return metp_lm.remap_and_validate(ns)
         except MetpConfigError as e:
-            raise SystemExit(f"megatron-metp: {e}") from None
+            raise refuse(e) from None
 
     return parse_args
 
@@ -192,7 +213,7 @@ def install(plan: HookPlan, namespace: Optional[Dict] = None) -> Installed:
         from megatron_metp import cpu_compat, megatron_lm_cpu
 
         cpu_compat.apply()
-        megatron_lm_cpu.apply()
+        megatron_lm_cpu.apply(namespace)
     installed: Installed = []
     wrap = {ARGS: _parse_args_hook, CONFIG: _gpt_config_hook, BUILDER: _builder_hook,
             INIT: lambda fn: _initialize_hook(fn, module("megatron.training").get_args)}
@@ -228,7 +249,7 @@ def install_into(namespace: Dict) -> Installed:
     try:
         return install(plan_hooks(names, release_name()), namespace)
     except MetpConfigError as e:
-        raise SystemExit(f"megatron-metp: {e}") from None
+        raise refuse(e) from None
 
 
 def pretrain_gpt_path(root: Optional[str] = None) -> str:

@@ -35,7 +35,7 @@ def main() -> None:
             plan = hooks.plan_hooks(hooks.main_names(f.read()), hooks.release_name())
         hooks.install(plan)
     except hooks.MetpConfigError as e:
-        raise SystemExit(f"megatron-metp: {e}") from None
+        raise hooks.refuse(e) from None
     runpy.run_path(path, run_name="__main__")
 
 
