@@ -175,9 +175,6 @@ def runs(tmp_path_factory) -> dict:
                              "--recompute-num-layers", "1", "--train-iters", str(ITERS),
                              "--load", _at(ck / "tp", SAVE_AT)],
         script=_patched_script(tmp))
-    res["gpt/tp@5->tp"] = _run(
-        tmp, "resume_tp", [*MODES["tp"], "--train-iters", str(ITERS), "--load",
-                           _at(ck / "tp", SAVE_AT)], nproc=2)
     res["gpt/tp@5->wallfacer"] = _run(
         tmp, "resume_wallfacer", [*MODES["wallfacer"], "--train-iters", str(ITERS), "--load",
                                   _at(ck / "tp", SAVE_AT)], nproc=2)
@@ -213,6 +210,9 @@ def test_modes_train_alike_in_megatron_lm_s_loop(runs, report):
         ref = runs[f"{model}/tp"]["losses"]
         assert sorted(ref) == list(range(1, ITERS + 1)), ref
         assert ref[ITERS] < ref[1] - 0.3   # it trains
+        # The WallFacer remap happened in Megatron-LM's own argument parsing (logged there).
+        assert "WallFacer group P = 2 as --context-parallel-size 2" in runs[f"{model}/wallfacer"][
+            "out"]
         names = [k for k in runs if k.startswith(f"{model}/") and "->" not in k]
         for name in names:
             got = runs[name]["losses"]
@@ -228,27 +228,23 @@ def test_modes_train_alike_in_megatron_lm_s_loop(runs, report):
 
 
 def test_resume_from_a_tp_checkpoint_under_metp_and_wallfacer(runs, report):
-    # The reference is stock tp resumed from the same checkpoint. On CPU, Megatron-LM
-    # core_v0.16.1's own tp -> tp resume does not repeat the uninterrupted run from the second
-    # resumed step on (iteration 6 equal, 7 off by ~2e-2; with --no-load-optim it comes closer),
-    # so the optimizer state's round trip through Megatron-LM's checkpoint differs from the
-    # in-memory one on torch's Adam (the CPU fallback; GPUs use TE's or Apex's Adam). That is
-    # Megatron-LM's behaviour in every mode alike, reported here and asserted apart from the
-    # modes' agreement.
-    ref = runs["gpt/tp@5->tp"]["losses"]
+    # Against the uninterrupted tp run.
+    # Megatron-LM core_v0.16.1's training_log reports the first logged iteration after a resume
+    # past the loaded one (here 7) as the mean of that iteration's and the one before's loss
+    # (its per-interval loss sum is not reset after the first resumed step): stock tp -> tp
+    # showed it too when measured, 5.01519 = (5.03798 + 4.99240) / 2, while iterations 6, 8, 9
+    # and 10 equal the uninterrupted run's. Iteration 7 is checked against that mean.
     full = runs["gpt/tp"]["losses"]
     its = range(SAVE_AT + 1, ITERS + 1)
-    assert sorted(ref) == list(its), ref
-    assert abs(ref[SAVE_AT + 1] - full[SAVE_AT + 1]) <= LOSS_TOL  # the weights load exactly
+    want = dict(full)
+    want[SAVE_AT + 2] = (full[SAVE_AT + 1] + full[SAVE_AT + 2]) / 2
     for name in ("gpt/tp@5->metp pp2+recompute (patch)", "gpt/tp@5->wallfacer"):
         got = runs[name]["losses"]
         assert sorted(got) == list(its), (name, got)
-        worst = _worst(got, ref, its)
-        assert worst <= LOSS_TOL, (name, got, ref)
-        report(f"{name}: iterations {SAVE_AT + 1}-{ITERS}, max |loss - stock tp resumed| "
-               f"{worst:.1e}")
-    report(f"stock tp resumed at {SAVE_AT} vs uninterrupted (Megatron-LM on CPU): "
-           + ", ".join(f"{i}: {ref[i]:.5f}/{full[i]:.5f}" for i in its))
+        worst = _worst(got, want, its)
+        assert worst <= LOSS_TOL, (name, got, full)
+        report(f"{name}: iterations {SAVE_AT + 1}-{ITERS}, max |loss - uninterrupted tp| "
+               f"{worst:.1e} (iteration {SAVE_AT + 2} as Megatron-LM logs it after a resume)")
 
 
 def test_checkpoints_move_between_modes_bit_for_bit(runs, report):
