@@ -189,15 +189,7 @@ def _cycles(n: int):
     import gc
 
     from megatron_metp.training import cli, train
-
-    def counts():
-        socks = 0
-        for f in os.listdir("/proc/self/fd"):
-            try:
-                socks += os.readlink(f"/proc/self/fd/{f}").startswith("socket:")
-            except OSError:
-                pass
-        return len(os.listdir("/proc/self/task")), socks
+    from tests.test_reliability_teardown import _threads_and_sockets as counts
 
     rows = []
     argv = ["train", *BASE, "--tensor-parallel-mode", "wallfacer",

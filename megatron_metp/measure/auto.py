@@ -23,14 +23,12 @@ simpler layout). When nothing fits, :func:`choose` says which mode reaches the l
 
 from __future__ import annotations
 
-import logging
-import warnings
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 from megatron_metp.measure.planner import (
-    ALPHA_S, BUS_EFFICIENCY, GIB, GPUS, PlanSettings, Planner, seq_label, step_time,
-    team_shard_bytes)
+    ALPHA_S, BUS_EFFICIENCY, GIB, GPUS, PlanSettings, Planner, quiet_megatron, seq_label,
+    step_time, team_shard_bytes)
 
 # Per-GPU InfiniBand bandwidth per direction (GB/s): DGX H100 has one 400 Gb/s NDR ConnectX-7
 # per GPU, DGX A100 one 200 Gb/s HDR ConnectX-6 per GPU (NVIDIA's DGX data sheets).
@@ -164,18 +162,11 @@ def choose(cfg, p: int, s: int, *, micro_batch: int = 1, memory_gib: float = 80.
            planner: Optional[Planner] = None) -> Tuple[Optional[Candidate], str, str]:
     """(the chosen candidate or None, the table it was chosen from, a one-line reason)."""
     planner = planner or Planner(PlanSettings(memory_gib=memory_gib, micro_batch=micro_batch))
-    # Building the probed layers makes Megatron log notes about specs (e.g. the METP MLP's
-    # "Unknown MLP type") and warn at import; they would bury the table and the refusal.
-    megatron_log = logging.getLogger("megatron.core")
-    level = megatron_log.level
-    megatron_log.setLevel(logging.ERROR)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with quiet_megatron():   # Megatron's spec notes would bury the table and the refusal
             return _choose(cfg, p, s, planner, memory_gib, gpu, gpus_per_node)
     finally:
         planner.world.teardown()
-        megatron_log.setLevel(level)
 
 
 def _choose(cfg, p, s, planner, memory_gib, gpu, gpus_per_node):

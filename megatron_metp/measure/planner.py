@@ -74,6 +74,9 @@ max(compute, comm) + comm / p.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional
 
@@ -423,6 +426,22 @@ class Planner:
         return self.plan(cfg, mode, p, a * g)
 
 
+@contextlib.contextmanager
+def quiet_megatron():
+    """Building the probed layers makes Megatron log notes about specs (e.g. the METP MLP's
+    "Unknown MLP type") and warn at import; around a decision printed to the user they would
+    bury it. Megatron-Core's logger at ERROR and warnings off while it is open."""
+    megatron_log = logging.getLogger("megatron.core")
+    level = megatron_log.level
+    megatron_log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        megatron_log.setLevel(level)
+
+
 def resolve_qkv_backward(cfg, p: int, s: int, *, micro_batch: int = 1,
                          memory_gib: Optional[float] = None, distributed_optimizer: bool = False,
                          megatron_fsdp: bool = False, ring_pass: str = "auto") -> tuple:
@@ -432,23 +451,14 @@ def resolve_qkv_backward(cfg, p: int, s: int, *, micro_batch: int = 1,
     if memory_gib is None:
         memory_gib = (torch.cuda.get_device_properties(0).total_memory / GIB
                       if torch.cuda.is_available() else 80.0)
-    import logging
-    import warnings
-
     planner = Planner(PlanSettings(memory_gib=memory_gib, micro_batch=micro_batch,
                                    distributed_optimizer=distributed_optimizer,
                                    megatron_fsdp=megatron_fsdp, metp_ring_pass=ring_pass))
-    # Building the probed layer makes Megatron log notes about the specs (as in measure.auto).
-    megatron_log = logging.getLogger("megatron.core")
-    level = megatron_log.level
-    megatron_log.setLevel(logging.ERROR)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with quiet_megatron():
             point = planner.plan(cfg, "metp", p, s)
     finally:
         planner.world.teardown()
-        megatron_log.setLevel(level)
     if planner.qkv_choices(cfg, "metp", p, s) == ["recompute"]:
         return "recompute", (f"recompute (the per-head-group ring pass runs at {s // p * micro_batch}"
                              f" tokens per rank and recomputes)")
