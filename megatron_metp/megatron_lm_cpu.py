@@ -35,6 +35,15 @@ stand-in (all checked by ``tests/test_megatron_lm_training.py``):
 10. ``device="cuda"`` literals and ``.cuda()`` moves across ``training.pretrain`` (start-up
     timestamps, loss and grad-norm reductions, data broadcasts): ``cpu_compat``'s
     TorchFunctionMode keeps them on CPU for the whole run.
+11. ``training.build_train_valid_test_data_iterators`` runs with torch's CPU generator forked
+    (``torch.random.fork_rng(devices=[])``): its state after the call is its state before.
+    Every ``iter(DataLoader)`` it makes draws a base seed from the default CPU generator. On a
+    GPU that is not the generator dropout draws from; on CPU it is, and ``pretrain()`` builds
+    the iterators *after* ``load_checkpoint`` restored the RNG state. So with dropout > 0 a run
+    resumed at iteration k drew other dropout masks than the uninterrupted run after k
+    (measured on one CPU rank, dropout 0.1: 5.2114 against 5.1945 at k + 1), and with TP > 1,
+    where only TP rank 0 builds loaders, the CPU generators of one TP group drifted apart. With
+    the fork the resumed losses repeat the uninterrupted run's; with dropout 0 nothing changes.
 
 Flags a CPU run needs beyond Megatron-LM's defaults (its fused kernels are CUDA or Apex
 extensions, compiled JIT functions would only slow a tiny CPU model): ``--distributed-backend
@@ -141,6 +150,17 @@ def _no_jit_warmup() -> None:
     """Stand-in 5: nothing to warm up on CPU (and no random numbers drawn)."""
 
 
+def _cpu_rng_neutral(original: Callable) -> Callable:
+    """Stand-in 11: ``original`` with torch's CPU generator forked around it."""
+
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        with torch.random.fork_rng(devices=[]):
+            return original(*args, **kwargs)
+
+    return wrapper
+
+
 def _zero(*_args, **_kwargs) -> int:
     return 0
 
@@ -183,6 +203,7 @@ def apply(namespace: Optional[dict] = None) -> None:
     except ImportError:
         return   # no megatron.training as core_v0.16.1 lays it out (see below)
     needed = [(init, n) for n in _INIT_POINTS] + [(training, "pretrain"),
+                                                  (training, "build_train_valid_test_data_iterators"),
                                                   (utils, "get_device_arch_version")]
     if any(not callable(getattr(m, n, None)) for m, n in needed):
         # Not the megatron.training these stand-ins were written against (core_v0.16.1): leave
@@ -202,6 +223,8 @@ def apply(namespace: Optional[dict] = None) -> None:
     from megatron_metp.cpu_compat import _cuda_literals_on_cpu
 
     _rebind(training, "pretrain", _cuda_literals_on_cpu(training.pretrain))
+    _rebind(training, "build_train_valid_test_data_iterators",
+            _cpu_rng_neutral(training.build_train_valid_test_data_iterators))
     for name in ("max_memory_allocated", "memory_allocated", "memory_reserved",
                  "max_memory_reserved"):
         setattr(torch.cuda, name, _zero)

@@ -294,3 +294,29 @@ def test_builder_wallfacer_team_size_auto():
     for r in out:
         assert r["registered"] == (False, True) and r["team_size"] == 1
         assert r["names"] == r["ref_names"] and all(r["same"].values())
+
+
+def test_data_iterators_leave_the_cpu_generator_as_they_found_it():
+    """megatron_lm_cpu item 11: Megatron-LM builds its data iterators after load_checkpoint has
+    restored the RNG state, and each ``iter(DataLoader)`` draws a seed from the default CPU
+    generator, the one dropout draws from on CPU. The stand-in forks the generator around the
+    build, so the dropout stream after it is the one the checkpoint (or the seed) left."""
+    import torch
+
+    from megatron_metp.megatron_lm_cpu import _cpu_rng_neutral
+
+    def build(n):
+        """Draws as a DataLoader's iterator does (its base seed), then returns."""
+        list(torch.utils.data.DataLoader(range(n), batch_size=2))
+        return torch.empty((), dtype=torch.int64).random_().item()
+
+    torch.manual_seed(7)
+    expected = torch.rand(4)
+    torch.manual_seed(7)
+    wrapped = _cpu_rng_neutral(build)
+    assert wrapped.__name__ == "build"
+    wrapped(4)
+    assert torch.equal(torch.rand(4), expected)   # the draws inside left no trace
+    torch.manual_seed(7)
+    build(4)
+    assert not torch.equal(torch.rand(4), expected)   # unwrapped, they do
