@@ -726,3 +726,51 @@ def test_bad_packed_inputs_are_refused_before_communication(mode, world, report)
     assert all(s == seen[0] for s in seen)   # every rank refuses with the same line
     for name, msg in seen[0].items():
         report(f"bad packed input, {mode} p={world}, {name}: {msg}")
+
+
+def _block_size_refusal_task():
+    """METP's ring given query blocks of another size than the packed layout's: the ValueError
+    must come before the first K/V message is posted (a posted batch left behind would pair
+    with the next call's and hang a caller that catches and retries). Twice in the same group,
+    then a valid call in the same group, against fp64. The balanced THD layout (two documents,
+    each padded to 2p tokens: rank r holds chunks r and 2p-1-r of each) checks the block size."""
+    from megatron_metp.metp.ring_attention import ring_attention
+    from megatron_metp.packing import BalancedDocLayout
+
+    p, r = dist.get_world_size(), dist.get_rank()
+    cu, pad = [0, 3, 2 * p + 1], [0, 2 * p, 4 * p]
+    total, sl = 4 * p, 4
+    layout = BalancedDocLayout(cu, pad, p)
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(total, 1, heads, 8, generator=g, dtype=torch.float64)
+               for heads in (4, 2, 2))
+    mine = layout.order()[r * sl:(r + 1) * sl]   # this rank's tokens, by sequence position
+    bnsd = lambda t, rows: t[rows].permute(1, 2, 0, 3).float()  # noqa: E731
+    msgs = []
+    for _ in range(2):
+        half = mine[: sl // 2]   # half a block: the layout's blocks hold sl tokens
+        try:
+            ring_attention(bnsd(q, half), bnsd(k, half), bnsd(v, half), None, causal=True,
+                           softmax_scale=8 ** -0.5, layout=layout)
+        except ValueError as e:
+            msgs.append(str(e))
+        else:
+            raise AssertionError("a ring with blocks of the wrong size was accepted")
+    out = ring_attention(bnsd(q, mine), bnsd(k, mine), bnsd(v, mine), None, causal=True,
+                         softmax_scale=8 ** -0.5, layout=layout)
+    ref = torch.zeros_like(q)
+    for i in range(len(cu) - 1):
+        a, e = pad[i], pad[i] + cu[i + 1] - cu[i]
+        ref[a:e] = R.attention_grads(q[a:e], k[a:e], v[a:e], torch.zeros_like(q[a:e]),
+                                     scale=8 ** -0.5, causal=True, layout="sbhd")[0]
+    return msgs, _close(out.permute(2, 0, 1, 3), ref[mine])
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_refuses_a_wrong_block_size_before_posting(world, report):
+    res = run_ranks(world, _block_size_refusal_task, timeout=60)
+    for msgs, err in res:
+        assert len(msgs) == 2 and "\n" not in msgs[0], msgs
+        assert err <= 1e-5, err   # see _close: fp32 ring against fp64
+    report(f"bad packed input, metp ring p={world}, blocks of the wrong size: {res[0][0][0]} "
+           f"(twice, then a valid call in the same group: err {max(e for _, e in res):.1e})")
