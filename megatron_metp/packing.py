@@ -415,6 +415,81 @@ class BalancedDocLayout(CPBlockLayout):
                           lambda: torch.argsort(self.order()).to(device))
 
 
+class CPBalancedDocLayout(CPBlockLayout):
+    """METP under context parallelism on Megatron-LM's THD batches, balanced: CP rank c holds
+    chunks c and 2CP-1-c of every document (:class:`CPDocumentLayout`, Megatron-LM's split), and
+    TP rank t of it takes, of every document, part t of chunk c and part TP-1-t of chunk 2CP-1-c
+    (each chunk cut into TP equal parts). With ``P = TP CP`` and ``i = c TP + t`` that is every
+    document's global chunks i and 2P-1-i of 2P (``token_layout``'s argument, per document), so
+    causal work is the same on every ring rank whatever the documents' lengths. The ring block
+    index is ``token_layout.balanced_block`` (``c TP + t``), as for unpacked batches under CP.
+
+    The CP rank's tokens arrive in Megatron-LM's order (per document: chunk c, then chunk
+    2CP-1-c); ``MetpGPTModel`` puts them in TP-rank-major order with :meth:`order` (the same
+    permutation on every CP rank) and back with :meth:`inverse`. Needs each padded document
+    length to be a multiple of ``2 TP CP`` (:func:`cp_balanced_packed_layout` says None
+    otherwise, and the contiguous :class:`CPBlockLayout` applies)."""
+
+    def __init__(self, cu_seqlens, cu_seqlens_padded, tp_size: int, cp_size: int):
+        docs = CPDocumentLayout(cu_seqlens, cu_seqlens_padded, cp_size)
+        if any(m % tp_size for m in docs.sizes):
+            raise ValueError(f"packed sequences: a document's CP chunk does not split into "
+                             f"{tp_size} equal parts (pad each document to a multiple of "
+                             f"2 x TP x CP = {2 * tp_size * cp_size})")
+        self.docs, self.tp, self.cp = docs, tp_size, cp_size
+        self.n = 2 * docs.chunk // tp_size
+        self.segments = {}
+        for c in range(cp_size):
+            for t in range(tp_size):
+                segs, at = [], 0   # (offset in the block, length, real tokens, doc, first)
+                for d, (m, length) in enumerate(zip(docs.sizes, docs.lengths)):
+                    part = m // tp_size
+                    for first in (c * m + t * part,
+                                  (2 * cp_size - 1 - c) * m + (tp_size - 1 - t) * part):
+                        segs.append((at, part, min(max(length - first, 0), part), d, first))
+                        at += part
+                self.segments[c * tp_size + t] = segs
+
+    @classmethod
+    def from_packed_seq_params(cls, params, tp_size: int, cp_size: int) -> "CPBalancedDocLayout":
+        return _cached(params, (cls, tp_size, cp_size), lambda: cls(
+            params.cu_seqlens_q, getattr(params, "cu_seqlens_q_padded", None), tp_size, cp_size))
+
+    def order(self, device=None) -> torch.Tensor:
+        """``order [s/CP]``: local index (Megatron-LM's CP-rank order) of each token in TP-rank-
+        major balanced order; TP rank t's block is ``x[order][t n:(t + 1) n]``."""
+        def build():
+            d, tp = self.docs, self.tp
+            parts = [torch.arange(2 * o + k * (m // tp), 2 * o + (k + 1) * (m // tp))
+                     for t in range(tp) for m, o in zip(d.sizes, d.offsets)
+                     for k in (t, 2 * tp - 1 - t)]
+            return torch.cat(parts).to(device)
+        return self._memo(("order", str(device)), build)
+
+    def inverse(self, device=None) -> torch.Tensor:
+        return self._memo(("inverse", str(device)),
+                          lambda: torch.argsort(self.order()).to(device))
+
+
+def cp_balanced_packed_layout(params, tp: int, cp: int,
+                              local_total: int) -> Optional[CPBalancedDocLayout]:
+    """The :class:`CPBalancedDocLayout` of a THD batch whose CP rank holds ``local_total``
+    tokens, or None when it does not split so (TP < 2, another format, a padded document length
+    that 2 TP CP does not divide, a token count the documents do not give). Cached on
+    ``params``."""
+    if tp < 2 or cp < 2 or getattr(params, "qkv_format", "thd") != "thd":
+        return None
+
+    def build():
+        cu = _ints(params.cu_seqlens_q)
+        pad = _ints(getattr(params, "cu_seqlens_q_padded", None)) or cu
+        if len(pad) < 2 or pad[-1] != local_total * cp or any(
+                (b - a) % (2 * tp * cp) for a, b in zip(pad[:-1], pad[1:])):
+            return None
+        return CPBalancedDocLayout(cu, pad, tp, cp)
+    return _cached(params, ("cp-balanced", tp, cp, local_total), build)
+
+
 def balanced_packed_layout(params, p: int, total: int) -> Optional[BalancedDocLayout]:
     """The :class:`BalancedDocLayout` of a THD batch of ``total`` tokens over ``p`` ranks, or
     None when it does not split so (another format, a padded document length that 2p does not

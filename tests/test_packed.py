@@ -34,6 +34,11 @@ CASES = {
     "padded": dict(cu=[0, 3, 9, 12], cu_pad=[0, 4, 12, 16]),
 }
 THD_CP = dict(cu=[0, 5, 16, 22], cu_pad=[0, 8, 24, 32])
+# The same documents padded to multiples of 2 CP = 4 only (8, 12, 12): under TP 2 x CP 2 each
+# CP chunk (2, 3, 3 tokens) does not split over the TP ranks, so METP keeps the contiguous TP
+# blocks of each CP rank's tokens (packing.CPBlockLayout); THD_CP (multiples of 2 TP CP = 8)
+# takes the balanced one (packing.CPBalancedDocLayout).
+THD_CP_CONTIGUOUS = dict(cu=[0, 5, 16, 22], cu_pad=[0, 8, 20, 32])
 # Every document padded to a multiple of 2p (p = 2), filling the sequence: METP takes it in
 # the balanced layout (each document's chunks r and 2p-1-r on rank r, packing.BalancedDocLayout).
 BALANCED_THD = dict(cu=[0, 5, 16, 19, 23], cu_pad=[0, 8, 24, 28, 32])
@@ -51,7 +56,8 @@ def _thd_partition(r, cp, pad=THD_CP["cu_pad"]):
 
 
 def _case(case):
-    return {"thd_cp": THD_CP, "balanced_thd": BALANCED_THD}.get(case) or CASES[case]
+    return {"thd_cp": THD_CP, "thd_cp_contiguous": THD_CP_CONTIGUOUS,
+            "balanced_thd": BALANCED_THD}.get(case) or CASES[case]
 
 
 def _docs(case):
@@ -368,7 +374,10 @@ def _wallfacer_model_task(case):
 
 def _metp_cp_model_task(case):
     """METP TP = 2 x CP = 2, LLaMA-style (RoPE, GQA) on Megatron-LM's THD split: each CP rank
-    runs its documents' chunks c and 2CP-1-c, METP cuts them into TP blocks."""
+    runs its documents' chunks c and 2CP-1-c, and METP gives TP rank t of CP rank c every
+    document's chunks i and 2P-1-i of 2P (i = 2c + t, ``thd_cp``: balanced) or, where the
+    padding does not allow it, contiguous TP blocks of the CP rank's tokens
+    (``thd_cp_contiguous``)."""
     from megatron.core import parallel_state as mpu
 
     from tests import _models as M
@@ -377,8 +386,9 @@ def _metp_cp_model_task(case):
     model = M.build("metp", "llama", max_sequence_length=S, num_query_groups=2)
     full = M.full_state(model)
     b = _packed_batch(case)
-    mine = _thd_partition(mpu.get_context_parallel_rank(), 2)
+    mine = _thd_partition(mpu.get_context_parallel_rank(), 2, _case(case)["cu_pad"])
     shard = lambda t: t.index_select(1, mine)  # noqa: E731
+    balanced = model.uses_balanced_layout(S // 2, b["params"])
     loss_bs = model(shard(b["tokens"]), shard(b["position_ids"]), None,
                     labels=shard(b["labels"]), packed_seq_params=b["params"])
     (loss_bs * shard(b["mask"])).sum().div(b["mask"].sum()).backward()
@@ -394,11 +404,11 @@ def _metp_cp_model_task(case):
         grads[n] = M.gather_full(g, q)
     ref_loss, ref_grads = _one_by_one(case, full, model.config, b, rope_on=True)
     worst = _model_close(loss, grads, ref_loss, ref_grads, f"metp x cp packed {case}")
-    return dict(loss=loss.item(), ref=ref_loss.item(), grad_err=worst)
+    return dict(loss=loss.item(), ref=ref_loss.item(), grad_err=worst, balanced=balanced)
 
 
 _TASKS = {"metp": (2, ["docs", "padded", "balanced_thd"]), "wallfacer": (4, ["docs", "padded", "thd_cp"]),
-          "metp x cp": (4, ["thd_cp"])}
+          "metp x cp": (4, ["thd_cp", "thd_cp_contiguous"])}
 
 
 @pytest.mark.parametrize("mode", list(_TASKS))
@@ -408,8 +418,11 @@ def test_packed_loss_equals_documents_one_by_one(mode, report):
     world, cases = _TASKS[mode]
     for case in cases:
         r = run_ranks(world, task, case)[0]
-        report(f"packed {mode} GPT ({case}): loss {r['loss']:.6f} vs one by one "
-               f"{r['ref']:.6f} (fp64); max|grad err| {r['grad_err']:.1e}")
+        if mode == "metp x cp":   # both METP x CP layouts are the ones meant to run
+            assert r["balanced"] == (case == "thd_cp"), (case, r)
+        report(f"packed {mode} GPT ({case}{', balanced' if r.get('balanced') else ''}): loss "
+               f"{r['loss']:.6f} vs one by one {r['ref']:.6f} (fp64); max|grad err| "
+               f"{r['grad_err']:.1e}")
 
 
 def _covered(pieces, nq, nk):
@@ -453,7 +466,8 @@ def test_layouts_cover_exactly_the_visible_pairs():
     """Random documents (empty ones and padding included), causal and not: for every block pair
     of every layout the pieces cover each visible (query, key) pair exactly once and nothing
     else, causal pieces are square, and the RoPE positions are each token's in its document."""
-    from megatron_metp.packing import BalancedDocLayout, CPBlockLayout, CPDocumentLayout
+    from megatron_metp.packing import (BalancedDocLayout, CPBalancedDocLayout, CPBlockLayout,
+                                       CPDocumentLayout)
     from megatron_metp.parallel_state import zigzag_block
 
     g = torch.Generator().manual_seed(0)
@@ -504,6 +518,28 @@ def test_layouts_cover_exactly_the_visible_pairs():
                     checked += 1
         for b, toks in blocks.items():
             assert cpb.block_positions(b, cpb.n).tolist() == [pos[t] for t in toks]
+        # METP x CP, balanced: that split, then TP rank t of CP rank c takes the tokens of
+        # CPBalancedDocLayout.order's t-th block, which must be every document's global chunks
+        # i and 2P-1-i of 2P (i = c TP + t, P = TP CP): the rule is checked against the THD
+        # split applied directly with 2P ranks.
+        if cp > 1:
+            cbl = CPBalancedDocLayout(cu, pad, tp, cp)
+            P, order = tp * cp, cbl.order().tolist()
+            assert sorted(order) == list(range(total // cp))
+            assert torch.equal(cbl.order()[cbl.inverse()], torch.arange(total // cp))
+            blocks = {r * tp + t: [local[r][i] for i in order[t * cbl.n:(t + 1) * cbl.n]]
+                      for r in range(cp) for t in range(tp)}
+            for i, toks in blocks.items():
+                assert toks == _thd_partition(i, P, pad).tolist(), (i, cu, pad)
+            for causal in (True, False):
+                for qb in blocks:
+                    for kb in blocks:
+                        assert torch.equal(
+                            _covered(cbl.block_pieces(qb, kb, cbl.n, causal), cbl.n, cbl.n),
+                            _visible(blocks[qb], blocks[kb], doc, pos, causal))
+                        checked += 1
+            for b, toks in blocks.items():
+                assert cbl.block_positions(b, cbl.n).tolist() == [pos[t] for t in toks]
         # METP at CP 1, balanced: rank r holds chunks r and 2tp-1-r of each document, as one
         # block, in the order BalancedDocLayout.order gives the model.
         bal = BalancedDocLayout(cu, pad, tp)

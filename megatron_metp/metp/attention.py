@@ -45,6 +45,9 @@ of its own) and decides the causal block rule from each block's place in the seq
 frequencies arrive for the CP rank's tokens (Megatron's ``RotaryEmbedding`` takes the CP rank's
 chunks); this rank's are its contiguous TP slice of them. Weight gradients are partial over the
 CP rank's tokens and summed over DP x CP by Megatron's DDP, as for every other parameter.
+``MetpGPTModel`` balances the TP x CP ring on top of that split (``token_layout``: TP rank t of
+CP rank c then holds global chunks i and 2P-1-i of 2P, i = c TP + t), and on Megatron-LM's THD
+batches per document (``packing.CPBalancedDocLayout``).
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_metp.metp.ring_attention import (ring_attention_backward, ring_attention_forward,
                                                stack_kv)
 from megatron_metp.packing import (CPBlockLayout, PackedLayout, balanced_packed_layout,
+                                   cp_balanced_packed_layout,
                                    check_tokens)
 from megatron_metp.token_layout import BALANCED, can_balance
 
@@ -126,7 +130,11 @@ ATTN_MIN_TOKENS = 8192
 # Q/K/V, fp32 backward state), which the memory plan shows fits beside the layers' saved
 # activations at those lengths on 80 GiB. Near the longest trainable sequence (for the paper's
 # models at p = 8: 72k-415k tokens per rank, `metp plan --longest-p 8`) the per-head-group loop
-# and its slices (head_chunks) keep the peak at METP's. `MetpSelfAttention.ring_pass` overrides.
+# and its slices (head_chunks) keep the peak at METP's. That token rule is the fallback of a
+# model built without a launcher: `metp train`, Megatron-LM's argument hook and `metp plan`
+# resolve "auto" from memory headroom instead (measure.planner.resolve_metp_attention: the
+# whole pass wherever the run fits with it, the per-head-group loop only where nothing coarser
+# does). `MetpSelfAttention.ring_pass` overrides.
 WHOLE_MAX_TOKENS = 32768
 RING_PASSES = ("auto", "whole", "head-group")
 
@@ -136,8 +144,8 @@ RING_PASSES = ("auto", "whole", "head-group")
 # per token) is kept for backward, which then skips that GEMM and the bias gather: 2 (n + 2 ng)
 # d bytes more per token and layer (bf16; 3 bsh/p x 2 bytes for MHA). "auto": the launchers
 # (`metp train`, Megatron-LM's argument hook) and `metp plan` ask the planner
-# (measure.planner.resolve_qkv_backward) and save when the run still fits the GPU's memory with
-# the saved Q/K/V; a model built without a launcher keeps "auto", which recomputes.
+# (measure.planner.resolve_metp_attention) and save when the run still fits the GPU's memory
+# with the saved Q/K/V; a model built without a launcher keeps "auto", which recomputes.
 QKV_BACKWARD = ("auto", "recompute", "save")
 
 
@@ -189,13 +197,15 @@ class _Plan:
     """
 
     def __init__(self, module: "MetpSelfAttention", freqs_shard_s, causal: bool, tokens: int,
-                 layout=None, balanced: bool = False):
+                 layout=None, balanced: bool = False, balanced_blocks: bool = False):
         # Packed documents (megatron_metp.packing), the balanced layout's block rule
         # (megatron_metp.token_layout), or None (contiguous blocks).
         self.layout = BALANCED if balanced else layout
         self.group = module.kv_group  # the K/V ring (P2P): the TP group, or TP x CP under CP
-        # Each K/V ring rank's block in the sequence (None: ring order).
-        self.blocks = module.kv_blocks_balanced if balanced else module.kv_blocks
+        # Each K/V ring rank's block in the sequence (None: ring order); balanced numbering for
+        # the balanced layout, packed or not.
+        self.blocks = (module.kv_blocks_balanced if balanced or balanced_blocks
+                       else module.kv_blocks)
         self.weight_group = module.weight_group  # weight broadcasts and gradient reduces
         self.p = module.world_size  # the outer level: TP ranks (head groups)
         self.rank = dist.get_rank(module.tp_group) if self.p > 1 else 0
@@ -708,14 +718,17 @@ def packed_ring_layout(params, tp: int, cp: int, s_shard: int, balanced: bool = 
     out over ``tp`` x ``cp`` ranks (cached on ``params``): one rule for ``MetpGPTModel``, which
     checks it at entry, and ``MetpSelfAttention``, which runs it. Under CP: Megatron-LM's THD
     split (each document's chunks c and 2CP-1-c on CP rank c), then METP's contiguous TP
-    blocks of that rank's tokens; without: the balanced per-document split when the model
-    chose it (``balanced``), else contiguous shards of the packed sequence."""
+    blocks of that rank's tokens, or with ``balanced`` (the model chose it) every document's
+    global chunks i and 2P-1-i of 2P (``packing.CPBalancedDocLayout``); without CP: the balanced
+    per-document split when the model chose it, else contiguous shards of the packed
+    sequence."""
     if cp > 1:
         if getattr(params, "qkv_format", "thd") != "thd":
             raise ValueError("MetpSelfAttention: packed sequences under context "
                              "parallelism come as Megatron-LM's THD batches "
                              "(qkv_format 'thd', get_thd_batch_on_this_cp_rank)")
-        layout = CPBlockLayout.from_packed_seq_params(params, tp, cp)
+        layout = (cp_balanced_packed_layout(params, tp, cp, s_shard * tp) if balanced else None) \
+            or CPBlockLayout.from_packed_seq_params(params, tp, cp)
         check_tokens(layout, s_shard, "a METP rank's block")
         return layout
     if balanced:
@@ -859,7 +872,6 @@ class MetpSelfAttention(SelfAttention):
         balanced = self.uses_balanced_layout(s_shard, causal, packed_seq_params)
         if packed_seq_params is not None:
             layout = self._packed_layout(packed_seq_params, hidden_states, causal, balanced)
-            balanced = False   # the documents' own balanced layout carries the block rule
         freqs = None
         pair = (rotary_pos_emb if isinstance(rotary_pos_emb, tuple) or rotary_pos_emb is None
                 else (rotary_pos_emb,) * 2)
@@ -867,7 +879,8 @@ class MetpSelfAttention(SelfAttention):
             # Megatron's THD RoPE: each token at its position inside its document (the table
             # covers max_seqlen positions for THD, the whole sequence otherwise).
             ring_rank = dist.get_rank(self.kv_group) if self.kv_group is not None else 0
-            block = self.kv_blocks[ring_rank] if self.kv_blocks is not None else rank
+            blocks = self.kv_blocks_balanced if balanced else self.kv_blocks
+            block = blocks[ring_rank] if blocks is not None else rank
             # The range check reads the host copy (no GPU sync); the device copy is made once
             # per micro batch (the layout keeps both).
             need = int(layout.block_positions(block, s_shard).max()) + 1 if s_shard else 0
@@ -887,7 +900,10 @@ class MetpSelfAttention(SelfAttention):
             lo = rank * s_shard
             self._check_rotary_length(pair, s_shard)
             freqs = tuple(f[lo : lo + s_shard] for f in pair)
-        plan = _Plan(self, freqs, causal, s_shard * hidden_states.shape[1], layout, balanced)
+        # A packed batch's balanced layout carries its own block rule; under CP its ring blocks
+        # are numbered as the balanced ones (token_layout.balanced_block).
+        plan = _Plan(self, freqs, causal, s_shard * hidden_states.shape[1], layout,
+                     balanced and layout is None, balanced_blocks=balanced)
         norm_params = [prm for m in (self.q_layernorm, self.k_layernorm) if m is not None
                        for prm in m.parameters()]
         fn = _MetpWholeFunction if plan.whole else _MetpMHAFunction
@@ -913,8 +929,10 @@ class MetpSelfAttention(SelfAttention):
         p = self.world_size
         if packed_seq_params is None:
             return can_balance(s_shard * p, p)
-        return self.kv_blocks is None and balanced_packed_layout(
-            packed_seq_params, p, s_shard * p) is not None
+        if self.kv_blocks is not None:   # under CP: Megatron-LM's THD split, then balanced
+            return cp_balanced_packed_layout(packed_seq_params, p, len(self.kv_blocks) // p,
+                                             s_shard * p) is not None
+        return balanced_packed_layout(packed_seq_params, p, s_shard * p) is not None
 
     def _check_rotary_length(self, pair, s_shard: int) -> None:
         for f in pair:

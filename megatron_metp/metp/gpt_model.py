@@ -24,8 +24,10 @@ takes its batch in sequence order, as ``GPTModel`` does, and permutes ``input_id
 ``position_ids``, ``labels`` and the masks so that the sequence-parallel scatter gives TP rank r
 chunks r and 2p-1-r (under CP: of the CP rank's tokens); its METP attention modules are told so
 at construction and read the balanced block rule and rotary positions. Losses and logits come
-back in sequence order. Packed sequences, and lengths that do not split into 2p equal chunks,
-keep the contiguous layout (the attention applies the same rule, ``uses_balanced_layout``).
+back in sequence order. Packed (THD) batches are balanced per document: every document's
+padded length in 2p chunks, rank r holding chunks r and 2p-1-r of each (under CP, of
+Megatron-LM's THD split: ``packing.CPBalancedDocLayout``). Lengths that do not split so keep the
+contiguous layout (the attention applies the same rule, ``uses_balanced_layout``).
 
 The per-token losses of this rank's tokens are all-gathered (s floats per sequence, no
 gradient reduction: each rank's loss depends only on its own tokens), so the model returns the
@@ -42,7 +44,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron_metp.metp.attention import set_balanced_layout
 from megatron_metp.metp.cross_entropy import metp_cross_entropy
 from megatron_metp.metp.embedding import MetpLanguageModelEmbedding
-from megatron_metp.packing import balanced_packed_layout
+from megatron_metp.packing import balanced_packed_layout, cp_balanced_packed_layout
 from megatron_metp.token_layout import can_balance, permute_sequence
 
 __all__ = ["MetpGPTModel"]
@@ -87,9 +89,13 @@ class MetpGPTModel(GPTModel):
                            s // self.tp_size, self._packed_order(s, params) is not None)
 
     def _packed_order(self, s: int, packed_seq_params):
-        """The balanced layout of a packed (THD) batch, or None (``packing``)."""
-        if not self.balanced_layout or self.config.context_parallel_size != 1:
+        """The balanced layout of a packed (THD) batch of ``s`` tokens (the CP rank's), or None
+        (``packing``: per document, chunks r and 2p-1-r; under CP, of the TP x CP ranks)."""
+        if not self.balanced_layout:
             return None
+        cp = self.config.context_parallel_size
+        if cp > 1:
+            return cp_balanced_packed_layout(packed_seq_params, self.tp_size, cp, s)
         return balanced_packed_layout(packed_seq_params, self.tp_size, s)
 
     def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None,
