@@ -89,7 +89,8 @@ def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         "--metp-ring-pass", choices=("auto", "whole", "head-group"), default="auto",
         help="METP attention: every head group in one K/V ring pass (whole: fewer, larger "
              "operations, all heads' Q/K/V at once), one per head group (head-group: the "
-             "paper's Alg. 5-6, least memory), or auto (whole up to 32k tokens per rank)")
+             "paper's Alg. 5-6, least memory), or auto (the planner's choice from memory "
+             "headroom: whole wherever the run fits this GPU with it)")
     group.add_argument(
         "--metp-qkv-backward", choices=("auto", "recompute", "save"), default="auto",
         help="METP's one ring pass: keep Q/K/V for backward (save: one GEMM less per layer, "
@@ -233,7 +234,7 @@ def remap_and_validate(ns, argv: Optional[Sequence[str]] = None):
     apply_mode_remap(ns, explicit=explicit_flags(argv))
     validate_args(ns)
     check_load_keys(ns)
-    resolve_qkv_backward(ns)
+    resolve_metp_attention(ns)
     return ns
 
 
@@ -252,33 +253,38 @@ def check_load_keys(ns) -> None:
             f"megatron_metp.checkpoint_keys {root} {root.rstrip('/')}-megatron` and load that")
 
 
-def resolve_qkv_backward(ns) -> None:
-    """``--metp-qkv-backward auto`` under ``--tensor-parallel-mode metp``: plan this run
-    (``measure.planner.resolve_qkv_backward``, this GPU's memory, else 80 GiB) and keep the one
-    ring pass's Q/K/V for backward when it still fits; context- or pipeline-parallel runs, which
-    the planner does not plan, recompute."""
-    if getattr(ns, "tensor_parallel_mode", "tp") != "metp" or \
-            getattr(ns, "metp_qkv_backward", "auto") != "auto":
+def resolve_metp_attention(ns) -> None:
+    """``--metp-ring-pass auto`` and ``--metp-qkv-backward auto`` under
+    ``--tensor-parallel-mode metp``: plan this run (``measure.planner.resolve_metp_attention``,
+    this GPU's memory, else 80 GiB) and take the fastest METP attention that still fits (one
+    ring pass over every head group with its Q/K/V saved, then recomputed, then one pass per
+    head group); context- or pipeline-parallel runs, which the planner does not plan, keep the
+    model's own ring-pass rule and recompute."""
+    ring = getattr(ns, "metp_ring_pass", "auto") or "auto"
+    qkv = getattr(ns, "metp_qkv_backward", "auto") or "auto"
+    if getattr(ns, "tensor_parallel_mode", "tp") != "metp" or "auto" not in (ring, qkv):
         return
-    from megatron_metp.measure.planner import resolve_qkv_backward as plan_qkv
+    from megatron_metp.measure.planner import resolve_metp_attention as plan_attention
     from megatron_metp.models.config import ConfigError, config_from_megatron_args
 
     if (getattr(ns, "context_parallel_size", 1) or 1) > 1 or \
             (getattr(ns, "pipeline_model_parallel_size", 1) or 1) > 1:
-        ns.metp_qkv_backward = "recompute"
+        ns.metp_qkv_backward = "recompute" if qkv == "auto" else qkv
         return
     try:
         cfg = config_from_megatron_args(ns)
-        choice, why = plan_qkv(
+        ring, qkv, why = plan_attention(
             cfg, ns.tensor_model_parallel_size, ns.seq_length,
             micro_batch=getattr(ns, "micro_batch_size", None) or 1,
             distributed_optimizer=bool(getattr(ns, "use_distributed_optimizer", False)),
             megatron_fsdp=bool(getattr(ns, "use_megatron_fsdp", False)),
-            ring_pass=getattr(ns, "metp_ring_pass", "auto"))
+            ring_pass=ring, qkv_backward=qkv)
     except (ConfigError, ValueError) as e:
-        raise MetpConfigError(f"--metp-qkv-backward auto: {e}; name recompute or save")
-    _log(f"--metp-qkv-backward auto: {why}")
-    ns.metp_qkv_backward = choice
+        raise MetpConfigError(f"--metp-ring-pass / --metp-qkv-backward auto: {e}; name them "
+                              f"(--metp-ring-pass whole|head-group, --metp-qkv-backward "
+                              f"recompute|save)")
+    _log(f"METP attention (--metp-ring-pass {ring} --metp-qkv-backward {qkv}): {why}")
+    ns.metp_ring_pass, ns.metp_qkv_backward = ring, qkv
 
 
 def resolve_auto(ns) -> None:

@@ -141,12 +141,16 @@ def test_remap_and_validate_on_what_megatron_parsed(monkeypatch):
     ns = mlm.remap_and_validate(_megatron_like_parse(argv, mlm.chain_providers(provider)), argv)
     assert (ns.tensor_model_parallel_size, ns.context_parallel_size, ns.sequence_parallel) == (
         4, 1, True)
-    # --metp-qkv-backward auto is planned here, before Megatron builds anything: the small
-    # model fits 80 GiB with the one pass's Q/K/V saved. A named value is kept as given.
-    assert ns.metp_qkv_backward == "save"
+    # --metp-ring-pass auto and --metp-qkv-backward auto are planned here, before Megatron
+    # builds anything: the small model fits 80 GiB with the one pass and its Q/K/V saved. A
+    # named value is kept as given (and the other still planned).
+    assert (ns.metp_ring_pass, ns.metp_qkv_backward) == ("whole", "save")
     ns = mlm.remap_and_validate(_megatron_like_parse(argv + ["--metp-qkv-backward", "recompute"],
                                                      provider), argv)
-    assert ns.metp_qkv_backward == "recompute"
+    assert (ns.metp_ring_pass, ns.metp_qkv_backward) == ("whole", "recompute")
+    ns = mlm.remap_and_validate(_megatron_like_parse(argv + ["--metp-ring-pass", "head-group"],
+                                                     provider), argv)
+    assert (ns.metp_ring_pass, ns.metp_qkv_backward) == ("head-group", "recompute")
 
 
 def test_remap_and_validate_refuses_before_anything_starts(monkeypatch):

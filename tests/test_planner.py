@@ -506,20 +506,32 @@ _QKV_SCRIPT = textwrap.dedent(
     import json, warnings
     warnings.filterwarnings("ignore")
     from megatron_metp.models.config import load_config
-    from megatron_metp.measure.planner import Planner, PlanSettings, resolve_qkv_backward
+    from megatron_metp.measure.planner import Planner, PlanSettings, resolve_metp_attention
     cfg = load_config("llama-7b")
     out = {}
     for s in (32768, 262144):
         for qkv in ("recompute", "save", "auto"):
-            planner = Planner(PlanSettings(metp_qkv_backward=qkv))
+            planner = Planner(PlanSettings(metp_ring_pass="whole", metp_qkv_backward=qkv))
             pt = planner.plan(cfg, "metp", 8, s)
             out[f"{s}/{qkv}"] = dict(chosen=pt.qkv_backward, retained=pt.layer_retained,
                                      needed=pt.needed_bytes, fits=pt.fits,
                                      h100=pt.est_time_s["H100"])
             planner.world.teardown()
-    out["resolve"] = resolve_qkv_backward(cfg, 8, 32768)[0]
-    out["resolve_long"] = resolve_qkv_backward(cfg, 8, 262144)[0]
-    out["resolve_head_group"] = resolve_qkv_backward(cfg, 8, 32768, ring_pass="head-group")[0]
+    # --metp-ring-pass auto: every choice's need at 32k, then budgets between them.
+    planner = Planner(PlanSettings())
+    choices = planner.metp_choices(cfg, "metp", 8, 32768)
+    need = {f"{r}/{q}": planner._plan(cfg, "metp", 8, 32768, q, r).needed_bytes
+            for r, q in choices}
+    out["choices"], out["need"], out["picked"] = [list(c) for c in choices], need, {}
+    for gib in sorted(need.values()):
+        for budget in (gib / 2**30, gib / 2**30 - 0.01):
+            planner.settings.memory_gib = budget
+            pt = planner.plan(cfg, "metp", 8, 32768)
+            out["picked"][repr(budget)] = [pt.ring_pass, pt.qkv_backward, pt.fits]
+    planner.world.teardown()
+    out["resolve"] = resolve_metp_attention(cfg, 8, 32768)[:2]
+    out["resolve_long"] = resolve_metp_attention(cfg, 8, 262144)[:2]
+    out["resolve_head_group"] = resolve_metp_attention(cfg, 8, 32768, ring_pass="head-group")[:2]
     print("RESULT", json.dumps(out))
     """
 )
@@ -543,7 +555,23 @@ def test_planner_saves_qkv_when_memory_allows(report):
     assert not res["262144/save"]["fits"] and res["262144/recompute"]["fits"]
     assert res["262144/auto"]["chosen"] == "recompute"
     assert (res["resolve"], res["resolve_long"], res["resolve_head_group"]) == (
-        "save", "recompute", "recompute")
+        ["whole", "save"], ["whole", "recompute"], ["head-group", "recompute"])
+    # --metp-ring-pass auto follows memory headroom: fastest first (the one pass, Q/K/V saved),
+    # each choice needs less than the one before, and a budget picks the first that fits it:
+    # at exactly a choice's need that choice, just below it the next (the last, the per-head-
+    # group pass, is kept even when nothing fits, as the most frugal).
+    order = [f"{r}/{q}" for r, q in res["choices"]]
+    assert order == ["whole/save", "whole/recompute", "head-group/recompute"]
+    need = [res["need"][k] for k in order]
+    assert need[0] > need[1] > need[2], need
+    for i, k in enumerate(order):
+        gib = need[i] / 2**30
+        assert res["picked"][repr(gib)][:2] == k.split("/"), (k, res["picked"])
+        below = res["picked"][repr(gib - 0.01)]
+        assert below[:2] == (order[i + 1].split("/") if i + 1 < len(order) else k.split("/"))
+        assert below[2] == (i + 1 < len(order))
+    report("plan llama-7b p=8 s=32k, METP attention from memory headroom: "
+           + ", ".join(f"{k} {res['need'][k] / 2**30:.2f} GiB" for k in order))
     a, b = res["32768/recompute"], res["32768/save"]
     report(f"plan llama-7b p=8 s=32k --metp-qkv-backward: recompute {a['needed'] / 2**30:.1f} GiB"
            f" {1e3 * a['h100']:.1f} ms, save {b['needed'] / 2**30:.1f} GiB {1e3 * b['h100']:.1f}"

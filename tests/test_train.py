@@ -48,9 +48,10 @@ def test_default_main_job_loss_falls(tmp_path, report):
     assert last10 <= 0.8 * first
     assert "Summary" in proc.stdout and "| metp |" in proc.stdout.replace("  ", " ").replace(
         "|  ", "| ")
-    # --metp-qkv-backward auto, resolved by the planner before the ranks build the model: the
-    # tiny model fits 80 GiB with the one pass's Q/K/V saved.
-    assert "--metp-qkv-backward auto: save (planned" in proc.stdout, proc.stdout[-3000:]
+    # --metp-ring-pass auto and --metp-qkv-backward auto, resolved by the planner before the
+    # ranks build the model: the tiny model fits 80 GiB with the one pass and its Q/K/V saved.
+    assert ("METP attention (--metp-ring-pass whole --metp-qkv-backward save): one ring pass "
+            "over every head group, Q/K/V saved: planned") in proc.stdout, proc.stdout[-3000:]
 
 
 def test_metp_flags_reach_the_model_config():

@@ -147,6 +147,9 @@ class PlanPoint:
     # METP: what the one-pass backward does for Q/K/V at this point ("save" or "recompute";
     # "" for tp and wallfacer).
     qkv_backward: str = ""
+    # METP: the attention's ring pass planned at this point ("whole" or "head-group"; "" for tp
+    # and wallfacer, and for a setting of "auto" planned without a choice).
+    ring_pass: str = ""
 
 
 def optimizer_bytes_per_param(mode: str, p: int, distributed_optimizer: bool,
@@ -285,14 +288,16 @@ class Planner:
         self._layer: Dict[tuple, layer_probe.LayerMeasure] = {}
         self._head: Dict[tuple, layer_probe.LayerMeasure] = {}
 
-    def _measure(self, cfg, mode: str, p: int, s: int, qkv: str = "recompute"):
+    def _measure(self, cfg, mode: str, p: int, s: int, qkv: str = "recompute",
+                 ring_pass: str = ""):
         from torch._subclasses.fake_tensor import FakeTensorMode
 
-        key = (cfg.name, mode, p, s, qkv)
+        ring_pass = ring_pass or self.settings.metp_ring_pass
+        key = (cfg.name, mode, p, s, qkv, ring_pass)
         if key not in self._layer:
             self.world.setup(mode, p)
             tcfg = transformer_config(cfg, p, mode, self.settings.recompute_modules,
-                                      self.settings.metp_ring_pass, qkv)
+                                      ring_pass, qkv)
             b = self.settings.micro_batch
             with FakeTensorMode():
                 # RoPE under context parallelism slices the table with a pinned CUDA tensor
@@ -311,42 +316,55 @@ class Planner:
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         self.world.setup(mode, p)
+        ring_pass, qkv = self.metp_choices(cfg, mode, p, s)[-1]
         tcfg = transformer_config(cfg, p, mode, self.settings.recompute_modules,
-                                  self.settings.metp_ring_pass,
-                                  self.qkv_choices(cfg, mode, p, s)[-1])
+                                  ring_pass or self.settings.metp_ring_pass, qkv or "recompute")
         with FakeTensorMode():
             return layer_probe.itemise_layer(
                 tcfg, mode, s, self.settings.micro_batch, causal=cfg.causal,
                 rope=cfg.position_embedding_type == "rope" and mode != "wallfacer",
                 rotary_base=cfg.rotary_base)
 
-    def qkv_choices(self, cfg, mode: str, p: int, s: int) -> List[str]:
-        """The METP Q/K/V backward choices to plan at this point, best first (the last always
-        fits if any does): ["save", "recompute"] under "auto" where the one ring pass runs
-        (``metp.attention.whole_pass``); one choice otherwise (the per-head-group loop always
-        recomputes, so "save" there plans as "recompute")."""
-        from megatron_metp.metp.attention import check_qkv_backward, whole_pass
+    def metp_choices(self, cfg, mode: str, p: int, s: int) -> List[tuple]:
+        """METP attention's (ring pass, Q/K/V backward) pairs to plan at this point, fastest
+        first, the last the most frugal (it fits if any does). ``--metp-ring-pass auto``: the
+        one ring pass over every head group ("whole": weights gathered once, one message per
+        hop) before one pass per head group ("head-group", sliced into query groups near the
+        longest sequence, ``metp.attention.head_chunks``); ``--metp-qkv-backward auto``: the
+        whole pass with its Q/K/V saved before recomputing them (the per-head-group loop always
+        recomputes). So the slicing follows memory headroom: coarse wherever it fits, fine only
+        where nothing coarser does. [("", "")] for tp and wallfacer."""
+        from megatron_metp.metp.attention import check_qkv_backward, check_ring_pass
 
         if mode != "metp":
-            return [""]
+            return [("", "")]
+        ring = check_ring_pass(self.settings.metp_ring_pass)
         want = check_qkv_backward(self.settings.metp_qkv_backward)
-        if not whole_pass(self.settings.metp_ring_pass, s // p * self.settings.micro_batch, p):
-            return ["recompute"]
-        return ["save", "recompute"] if want == "auto" else [want]
+        rings = (["whole", "head-group"] if p > 1 else ["head-group"]) if ring == "auto" \
+            else [ring]
+        out = []
+        for r in rings:
+            qkvs = ["recompute"] if r == "head-group" else (
+                ["save", "recompute"] if want == "auto" else [want])
+            out += [(r, q) for q in qkvs]
+        return out
+
+    def qkv_choices(self, cfg, mode: str, p: int, s: int) -> List[str]:
+        """The Q/K/V halves of :meth:`metp_choices` ([""] for tp and wallfacer)."""
+        return [q for _, q in self.metp_choices(cfg, mode, p, s)]
 
     def plan(self, cfg, mode: str, p: int, s: int) -> PlanPoint:
-        """The point with the settings' METP Q/K/V choice; under "auto" the first of
-        :meth:`qkv_choices` that fits (the last when none does)."""
-        choices = self.qkv_choices(cfg, mode, p, s)
-        for qkv in choices:
-            point = self._plan(cfg, mode, p, s, qkv)
+        """The point with the settings' METP choices; under "auto" the first of
+        :meth:`metp_choices` that fits (the last when none does)."""
+        for ring_pass, qkv in self.metp_choices(cfg, mode, p, s):
+            point = self._plan(cfg, mode, p, s, qkv, ring_pass)
             if point.fits:
                 break
         return point
 
-    def _plan(self, cfg, mode: str, p: int, s: int, qkv: str) -> PlanPoint:
+    def _plan(self, cfg, mode: str, p: int, s: int, qkv: str, ring_pass: str = "") -> PlanPoint:
         st = self.settings
-        lm, head = self._measure(cfg, mode, p, s, qkv or "recompute")
+        lm, head = self._measure(cfg, mode, p, s, qkv or "recompute", ring_pass)
         L, b, h = cfg.layers_per_device, st.micro_batch, cfg.hidden_size
         x0 = s // p * b * h * 2
         head_peak = head.peak if head else 0
@@ -401,7 +419,8 @@ class Planner:
             needed_bytes=needed, fits=needed <= st.memory_gib * GIB and host_ok,
             layer_retained=lm.retained, layer_peak=lm.peak, head_peak=head_peak,
             params_per_rank=params, sent_bytes=sent, comm_calls=calls,
-            offloaded_layers=n_off, host_bytes=n_off * lm.retained, qkv_backward=qkv)
+            offloaded_layers=n_off, host_bytes=n_off * lm.retained, qkv_backward=qkv,
+            ring_pass=ring_pass)
         point.est_time_s = estimate_step_time(cfg, mode, p, s, sent, calls, st,
                                               recomputes_qkv=qkv == "recompute")
         return point
@@ -442,29 +461,40 @@ def quiet_megatron():
         megatron_log.setLevel(level)
 
 
-def resolve_qkv_backward(cfg, p: int, s: int, *, micro_batch: int = 1,
-                         memory_gib: Optional[float] = None, distributed_optimizer: bool = False,
-                         megatron_fsdp: bool = False, ring_pass: str = "auto") -> tuple:
-    """``--metp-qkv-backward auto`` for a METP run, decided before any rank starts: "save" when
-    the planner finds the run fits ``memory_gib`` (default: this GPU's, else 80) with the one
-    pass's Q/K/V kept for backward, else "recompute". Returns (choice, one-line reason)."""
+def resolve_metp_attention(cfg, p: int, s: int, *, micro_batch: int = 1,
+                           memory_gib: Optional[float] = None,
+                           distributed_optimizer: bool = False, megatron_fsdp: bool = False,
+                           ring_pass: str = "auto", qkv_backward: str = "auto") -> tuple:
+    """``--metp-ring-pass auto`` and ``--metp-qkv-backward auto`` for a METP run, decided
+    before any rank starts from memory headroom: the first of :meth:`Planner.metp_choices`
+    (fastest first) that the planner finds fits ``memory_gib`` (default: this GPU's, else 80),
+    the most frugal when none does. A setting that is not "auto" is kept. Returns
+    (ring pass, Q/K/V backward, one-line reason)."""
     if memory_gib is None:
         memory_gib = (torch.cuda.get_device_properties(0).total_memory / GIB
                       if torch.cuda.is_available() else 80.0)
     planner = Planner(PlanSettings(memory_gib=memory_gib, micro_batch=micro_batch,
                                    distributed_optimizer=distributed_optimizer,
-                                   megatron_fsdp=megatron_fsdp, metp_ring_pass=ring_pass))
+                                   megatron_fsdp=megatron_fsdp, metp_ring_pass=ring_pass,
+                                   metp_qkv_backward=qkv_backward))
     try:
         with quiet_megatron():
             point = planner.plan(cfg, "metp", p, s)
     finally:
         planner.world.teardown()
-    if planner.qkv_choices(cfg, "metp", p, s) == ["recompute"]:
-        return "recompute", (f"recompute (the per-head-group ring pass runs at {s // p * micro_batch}"
-                             f" tokens per rank and recomputes)")
-    return point.qkv_backward, (
-        f"{point.qkv_backward} (planned {point.needed_bytes / GIB:.1f} GiB of {memory_gib:g} "
-        f"GiB with {'the Q/K/V saved' if point.qkv_backward == 'save' else 'recompute: saving did not fit'})")
+    choices = planner.metp_choices(cfg, "metp", p, s)
+    what = {("whole", "save"): "one ring pass over every head group, Q/K/V saved",
+            ("whole", "recompute"): "one ring pass over every head group, Q/K/V recomputed",
+            ("head-group", "recompute"): "one ring pass per head group, Q/K/V recomputed"}
+    got = (point.ring_pass, point.qkv_backward)
+    why = what.get(got, f"{got[0]}, {got[1]}")
+    if len(choices) > 1:
+        fits = "fits" if point.fits else "does not fit even so"
+        why += (f": planned {point.needed_bytes / GIB:.1f} GiB of {memory_gib:g} GiB at "
+                f"{s // p * micro_batch} tokens per rank ({fits}")
+        skipped = choices[:choices.index(got)]
+        why += (f"; {', '.join(f'{r}/{q}' for r, q in skipped)} did not)" if skipped else ")")
+    return point.ring_pass, point.qkv_backward, why
 
 
 def position_table_params(cfg, mode: str, p: int, s: int) -> int:

@@ -99,13 +99,14 @@ def timeline_rows(cfgs, ps, modes, seqs, gpus, efficiency, gpus_per_node, keep=N
                   host_op_s: float = 0.0, ring_pass: str = "auto", qkv_backward: str = "auto"):
     """Every (model, p, s, scenario, GPU) row; ``keep`` collects schedules for the trace:
     ``{(model, s): {label: Schedule}}``. ``host_op_s``: host seconds per issued op.
-    ``qkv_backward``: METP's --metp-qkv-backward; "auto" is resolved per row by the planner at
-    80 GiB (``planner.resolve_qkv_backward``), as a launcher resolves it on an 80 GiB GPU."""
+    ``ring_pass`` / ``qkv_backward``: METP's --metp-ring-pass / --metp-qkv-backward; "auto" is
+    resolved per row by the planner at 80 GiB (``planner.resolve_metp_attention``), as a
+    launcher resolves it on an 80 GiB GPU."""
     from dataclasses import replace
 
     from megatron_metp.models.flops import training_flops
     from megatron_metp.measure.op_trace import summary, trace_layer
-    from megatron_metp.measure.planner import FakeWorld, resolve_qkv_backward, seq_label
+    from megatron_metp.measure.planner import FakeWorld, resolve_metp_attention, seq_label
     from megatron_metp.measure.timeline import tp_comm_overlap
 
     rows = []
@@ -116,14 +117,15 @@ def timeline_rows(cfgs, ps, modes, seqs, gpus, efficiency, gpus_per_node, keep=N
                 for s in seqs:
                     t0 = time.time()
                     qkv = qkv_backward if mode == "metp" else "recompute"
-                    if qkv == "auto":
-                        qkv = resolve_qkv_backward(cfg, p, s, memory_gib=80.0,
-                                                   ring_pass=ring_pass)[0]
+                    ring = ring_pass
+                    if mode == "metp" and "auto" in (qkv, ring):
+                        ring, qkv, _ = resolve_metp_attention(
+                            cfg, p, s, memory_gib=80.0, ring_pass=ring, qkv_backward=qkv)
                     traces = []
                     for r in ranks:
                         world = FakeWorld(rank=r)
                         traces.append(trace_layer(cfg, mode, p, s, world=world,
-                                                  ring_pass=ring_pass, qkv_backward=qkv))
+                                                  ring_pass=ring, qkv_backward=qkv))
                         world.teardown()
                     traced_s = time.time() - t0
                     model_flops = training_flops(_flop_model(cfg), 1, s) / p

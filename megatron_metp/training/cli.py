@@ -104,7 +104,8 @@ def _train_parser(p: argparse.ArgumentParser) -> Callable:
     a("--attention-dropout", type=float, default=None)
     a("--metp-ring-pass", choices=("auto", "whole", "head-group"), default=None,
       help="METP attention: every head group in one K/V ring pass (whole), one per head group "
-           "(head-group: least memory), or auto (default: whole up to 32k tokens per rank)")
+           "(head-group: least memory), or auto (default: the planner's choice from memory "
+           "headroom, whole wherever the run fits --auto-memory-gib with it)")
     a("--metp-qkv-backward", choices=("auto", "recompute", "save"), default=None,
       help="METP's one ring pass: keep Q/K/V for backward (save: one GEMM less per layer, "
            "more memory) or recompute them (recompute: the paper's Alg. 6); auto (default): "

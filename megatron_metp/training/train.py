@@ -132,30 +132,35 @@ def resolve_auto(args: Namespace, cfg: ModelConfig, world_size: int, *,
     auto.apply(args, chosen, team_size_type=str)  # metp train's flag holds a string
 
 
-def resolve_qkv_backward(args: Namespace, cfg: ModelConfig, world_size: int, *,
-                         announce: bool) -> None:
-    """``--metp-qkv-backward auto`` for a metp run: the planner's choice
-    (``measure.planner.resolve_qkv_backward``: save the one ring pass's Q/K/V when the run still
-    fits --auto-memory-gib, or the GPU's memory) replaces it in ``args``. The planner plans
-    context- and pipeline-parallel size 1: other layouts recompute."""
-    if getattr(args, "metp_qkv_backward", None) not in (None, "auto") or \
-            "metp" not in modes_of(args, cfg):
+def resolve_metp_attention(args: Namespace, cfg: ModelConfig, world_size: int, *,
+                           announce: bool) -> None:
+    """``--metp-ring-pass auto`` and ``--metp-qkv-backward auto`` for a metp run: the
+    planner's choice from memory headroom (``measure.planner.resolve_metp_attention``: the one
+    ring pass over every head group, with its Q/K/V saved, when the run still fits
+    --auto-memory-gib or the GPU's memory; one pass per head group only where nothing coarser
+    fits) replaces them in ``args``. The planner plans context- and pipeline-parallel size 1:
+    other layouts keep the model's own rule (``metp.attention.whole_pass``) and recompute."""
+    ring = getattr(args, "metp_ring_pass", None) or "auto"
+    qkv = getattr(args, "metp_qkv_backward", None) or "auto"
+    if "auto" not in (ring, qkv) or "metp" not in modes_of(args, cfg):
         return
-    from megatron_metp.measure.planner import resolve_qkv_backward as plan_qkv
+    from megatron_metp.measure.planner import resolve_metp_attention as plan_attention
 
     ns = resolve_namespace(args, cfg, "metp", world_size)
     p = ns.tensor_model_parallel_size
     if ns.context_parallel_size > 1 or ns.pipeline_model_parallel_size > 1:
-        choice, why = "recompute", "recompute (planned for context and pipeline size 1 only)"
+        qkv = "recompute" if qkv == "auto" else qkv
+        why = f"{ring}, {qkv} (planned for context and pipeline size 1 only)"
     else:
-        choice, why = plan_qkv(cfg, p, ns.seq_length, micro_batch=ns.micro_batch_size,
-                               memory_gib=args.auto_memory_gib,
-                               distributed_optimizer=bool(args.use_distributed_optimizer),
-                               megatron_fsdp=bool(args.use_megatron_fsdp),
-                               ring_pass=ns.metp_ring_pass)
+        ring, qkv, why = plan_attention(
+            cfg, p, ns.seq_length, micro_batch=ns.micro_batch_size,
+            memory_gib=args.auto_memory_gib,
+            distributed_optimizer=bool(args.use_distributed_optimizer),
+            megatron_fsdp=bool(args.use_megatron_fsdp), ring_pass=ring, qkv_backward=qkv)
     if announce:
-        print(f"[metp] --metp-qkv-backward auto: {why}", flush=True)
-    args.metp_qkv_backward = choice
+        print(f"[metp] METP attention (--metp-ring-pass {ring} --metp-qkv-backward {qkv}): "
+              f"{why}", flush=True)
+    args.metp_ring_pass, args.metp_qkv_backward = ring, qkv
 
 
 def check_model_config(args: Namespace) -> ModelConfig:
@@ -660,8 +665,8 @@ def run(args: Namespace, explicit: set) -> Dict[str, Dict]:
     if not dist.is_initialized():
         # Planned with the fake process group, so only before torch.distributed starts; a
         # caller that brings its own group keeps "auto", which recomputes.
-        resolve_qkv_backward(args, cfg, int(os.environ.get("WORLD_SIZE", 1)),
-                             announce=int(os.environ.get("RANK", "0")) == 0)
+        resolve_metp_attention(args, cfg, int(os.environ.get("WORLD_SIZE", 1)),
+                               announce=int(os.environ.get("RANK", "0")) == 0)
     use_cuda = torch.cuda.is_available()
     own_group = not dist.is_initialized()
     if use_cuda:
