@@ -18,4 +18,4 @@ if [ "${CI:-}" = true ] || [ "${METP_TEST_SLURM:-0}" = 1 ]; then
   timeout 300 bash scripts/slurm/local_cluster.sh start \
     || echo "run_tests.sh: no local SLURM cluster; tests/test_slurm.py will skip its real job"
 fi
-exec "${METP_VENV:-.venv}/bin/python" -m pytest -q -rs "$@"
+exec "${METP_VENV:-.venv}/bin/python" -m pytest -q -rs --durations=25 "$@"
