@@ -402,17 +402,21 @@ class BalancedDocLayout(CPBlockLayout):
     def order(self, device=None) -> torch.Tensor:
         """``order [s]``: sequence position of each token in rank-major balanced order
         (``x_bal = x.index_select(dim, order)``; rank r's shard is ``x_bal[r s/p:(r+1) s/p]``)."""
-        def build():
-            d, p = self.docs, self.p
-            parts = [torch.arange(2 * p * o + k * m, 2 * p * o + (k + 1) * m)
-                     for r in range(p) for m, o in zip(d.sizes, d.offsets)
-                     for k in (r, 2 * p - 1 - r)]
-            return torch.cat(parts).to(device)
-        return self._memo(("order", str(device)), build)
+        return self._memo(("order", str(device)), lambda: _balanced_doc_order(
+            self.docs.sizes, self.docs.offsets, self.p).to(device))
 
     def inverse(self, device=None) -> torch.Tensor:
         return self._memo(("inverse", str(device)),
                           lambda: torch.argsort(self.order()).to(device))
+
+
+def _balanced_doc_order(sizes, offsets, p: int) -> torch.Tensor:
+    """Documents of ``2p`` chunks each (document d: chunks of ``sizes[d]`` tokens, starting at
+    ``2p offsets[d]``) in rank-major balanced order: for rank r, chunks r and 2p-1-r of every
+    document, document after document."""
+    return torch.cat([torch.arange(2 * p * o + k * m, 2 * p * o + (k + 1) * m)
+                      for r in range(p) for m, o in zip(sizes, offsets)
+                      for k in (r, 2 * p - 1 - r)])
 
 
 class CPBalancedDocLayout(CPBlockLayout):
@@ -457,18 +461,15 @@ class CPBalancedDocLayout(CPBlockLayout):
 
     def order(self, device=None) -> torch.Tensor:
         """``order [s/CP]``: local index (Megatron-LM's CP-rank order) of each token in TP-rank-
-        major balanced order; TP rank t's block is ``x[order][t n:(t + 1) n]``."""
-        def build():
-            d, tp = self.docs, self.tp
-            parts = [torch.arange(2 * o + k * (m // tp), 2 * o + (k + 1) * (m // tp))
-                     for t in range(tp) for m, o in zip(d.sizes, d.offsets)
-                     for k in (t, 2 * tp - 1 - t)]
-            return torch.cat(parts).to(device)
-        return self._memo(("order", str(device)), build)
+        major balanced order; TP rank t's block is ``x[order][t n:(t + 1) n]``. On a CP rank
+        each document is a run of ``2 m`` tokens (its two CP chunks), i.e. ``2 TP`` parts of
+        ``m / TP``, of which TP rank t takes parts t and 2TP-1-t: the balanced order of those
+        runs over the TP ranks."""
+        d, tp = self.docs, self.tp
+        return self._memo(("order", str(device)), lambda: _balanced_doc_order(
+            [m // tp for m in d.sizes], [o // tp for o in d.offsets], tp).to(device))
 
-    def inverse(self, device=None) -> torch.Tensor:
-        return self._memo(("inverse", str(device)),
-                          lambda: torch.argsort(self.order()).to(device))
+    inverse = BalancedDocLayout.inverse
 
 
 def cp_balanced_packed_layout(params, tp: int, cp: int,

@@ -462,6 +462,22 @@ def _random_docs(g, n_docs, mult):
     return cu, pad, doc, pos
 
 
+def _check_blocks(layout, blocks, doc, pos) -> int:
+    """``layout``'s pieces and RoPE positions for every pair of its ring blocks (``blocks``:
+    block index -> the global tokens it holds, in order) against the rule token by token;
+    returns the number of block pairs checked."""
+    n, checked = layout.n, 0
+    for causal in (True, False):
+        for qb in blocks:
+            for kb in blocks:
+                assert torch.equal(_covered(layout.block_pieces(qb, kb, n, causal), n, n),
+                                   _visible(blocks[qb], blocks[kb], doc, pos, causal))
+                checked += 1
+    for b, toks in blocks.items():
+        assert layout.block_positions(b, n).tolist() == [pos[t] for t in toks]
+    return checked
+
+
 def test_layouts_cover_exactly_the_visible_pairs():
     """Random documents (empty ones and padding included), causal and not: for every block pair
     of every layout the pieces cover each visible (query, key) pair exactly once and nothing
@@ -509,15 +525,7 @@ def test_layouts_cover_exactly_the_visible_pairs():
         cpb = CPBlockLayout(cu, pad, tp, cp)
         blocks = {zigzag_block(t, tp, r, cp): local[r][t * cpb.n:(t + 1) * cpb.n]
                   for r in range(cp) for t in range(tp)}
-        for causal in (True, False):
-            for qb in blocks:
-                for kb in blocks:
-                    assert torch.equal(
-                        _covered(cpb.block_pieces(qb, kb, cpb.n, causal), cpb.n, cpb.n),
-                        _visible(blocks[qb], blocks[kb], doc, pos, causal))
-                    checked += 1
-        for b, toks in blocks.items():
-            assert cpb.block_positions(b, cpb.n).tolist() == [pos[t] for t in toks]
+        checked += _check_blocks(cpb, blocks, doc, pos)
         # METP x CP, balanced: that split, then TP rank t of CP rank c takes the tokens of
         # CPBalancedDocLayout.order's t-th block, which must be every document's global chunks
         # i and 2P-1-i of 2P (i = c TP + t, P = TP CP): the rule is checked against the THD
@@ -531,15 +539,7 @@ def test_layouts_cover_exactly_the_visible_pairs():
                       for r in range(cp) for t in range(tp)}
             for i, toks in blocks.items():
                 assert toks == _thd_partition(i, P, pad).tolist(), (i, cu, pad)
-            for causal in (True, False):
-                for qb in blocks:
-                    for kb in blocks:
-                        assert torch.equal(
-                            _covered(cbl.block_pieces(qb, kb, cbl.n, causal), cbl.n, cbl.n),
-                            _visible(blocks[qb], blocks[kb], doc, pos, causal))
-                        checked += 1
-            for b, toks in blocks.items():
-                assert cbl.block_positions(b, cbl.n).tolist() == [pos[t] for t in toks]
+            checked += _check_blocks(cbl, blocks, doc, pos)
         # METP at CP 1, balanced: rank r holds chunks r and 2tp-1-r of each document, as one
         # block, in the order BalancedDocLayout.order gives the model.
         bal = BalancedDocLayout(cu, pad, tp)
@@ -641,7 +641,7 @@ def _reused_ring_task(how):
     from megatron_metp.metp.ring_attention import ring_attention
     from megatron_metp.packing import PackedLayout
 
-    p, r = dist.get_world_size(), dist.get_rank()
+    r = dist.get_rank()
     sl, total = 8, 16
     params = _params(_REUSE["first"])
     if how == "static-buffer":
@@ -714,7 +714,6 @@ def _bad_params(cu, q_pad, kv_pad):
 
 
 def _bad_inputs_task(mode):
-    from megatron_metp.model import make_config
     from tests import _models as M
 
     p = dist.get_world_size()
