@@ -85,6 +85,19 @@ Stand-ins (each names the Megatron-Core code it covers; tests/test_cpu_compat.py
    ``torch.cuda``'s generator besides the CPU one; the CPU twins leave that entry out.
    One setting is not a stand-in: ``gradient_reduce_div_fusion`` (an NCCL-only pre-multiplied
    sum) is off under gloo, where Megatron scales by 1/d before the sum instead (``metp train``).
+   The parameter all-gathers (coalesced, asynchronous, prefetched ahead of the layer that needs
+   them) complete before ``all_gather_params`` returns, as Megatron-FSDP does with
+   ``async_param_gather=False``. Asynchronous, a rank process died in about 1 run of 30 of
+   ``tests/test_megatron_fsdp.py`` with glibc's ``malloc(): unaligned tcache chunk detected``
+   (heap corruption, SIGABRT), caught in Megatron-FSDP's coalesced parameter all-gather on gloo
+   (``_coalescing_manager.__exit__``, ``all_gather_single_coalesced``); its peers then saw
+   gloo's "Connection reset by peer". The likely mechanism (not proven: the corruption is
+   found where it is next detected, not where it is made): a gloo worker thread still writing
+   a prefetched bucket while the main thread frees or re-allocates bucket storage
+   (``_free_storage`` resizes the storage to 0 under every view of it). Synchronous gathers
+   leave no gloo thread running beside the main one. The cost on CPU is the overlap of a
+   prefetch with compute, which two cores barely give. Not applied on GPU, where the streams
+   and the caching allocator order the same sequence.
 """
 
 from __future__ import annotations
@@ -404,6 +417,22 @@ def _index_as_current_device(init: Callable) -> Callable:
     return wrapper
 
 
+def _synchronous_param_gather(all_gather_params: Callable) -> Callable:
+    """``AllGatherPipeline.all_gather_params`` with its coalesced all-gathers completed before
+    it returns (``async_param_gather=False``: Megatron-FSDP's own synchronous form). On gloo an
+    async all-gather runs on a worker thread of the process group while the main thread goes
+    on, and Megatron-FSDP frees and re-allocates its parameter buckets by resizing their
+    storage (``StorageResizeBasedBucketAllocator``), which on CUDA the streams and the caching
+    allocator order. See item 9 for what it cost."""
+    @functools.wraps(all_gather_params)
+    def wrapper(self, *args, **kwargs):
+        kwargs["async_param_gather"] = False
+        return all_gather_params(self, *args, **kwargs)
+
+    wrapper._metp_synchronous = True
+    return wrapper
+
+
 _FSDP_APPLIED = False
 
 
@@ -425,6 +454,10 @@ def apply_megatron_fsdp() -> None:
     mcore_fsdp_adapter._load_rng_state_dict = _fsdp_load_rng_state_dict
     if not isinstance(mcore_fsdp_adapter.TELinear, type):  # no TE: no module is a TELinear
         mcore_fsdp_adapter.TELinear = type("NoTELinear", (), {})
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer as pgb
+
+    pgb.AllGatherPipeline.all_gather_params = _synchronous_param_gather(
+        pgb.AllGatherPipeline.all_gather_params)
     _FSDP_APPLIED = True
     _wrap_function(uneven_dtensor, "validate_uneven_dtensor")
 
