@@ -178,20 +178,7 @@ def runs(tmp_path_factory) -> dict:
     res["gpt/tp@5->wallfacer"] = _run(
         tmp, "resume_wallfacer", [*MODES["wallfacer"], "--train-iters", str(ITERS), "--load",
                                   _at(ck / "tp", SAVE_AT)], nproc=2)
-    # The checkpoint matrix: load X's iteration 5 under Y, save it again at once (no step),
-    # compare every tensor of the two checkpoints.
-    for src, dst in (("tp", "metp"), ("metp", "tp"), ("tp", "wallfacer"), ("wallfacer", "metp")):
-        out = ck / f"{src}_to_{dst}"
-        _run(tmp, f"matrix_{src}_{dst}", [*MODES[dst], "--train-iters", str(SAVE_AT), "--load",
-                                          _at(ck / src, SAVE_AT),
-                                          "--save", str(out), "--save-interval", "3",
-                                          "--use-checkpoint-opt-param-scheduler"],
-             nproc=1 if dst == "tp" else 2)
-        a = _checkpoint_tensors(ck / src / f"iter_{SAVE_AT:07d}")
-        b = _checkpoint_tensors(out / f"iter_{SAVE_AT:07d}")
-        res[f"matrix/{src}->{dst}"] = dict(
-            keys=len(a), same_keys=sorted(a) == sorted(b),
-            differ=[k for k in a if k in b and not torch.equal(a[k], b[k])])
+    res["tmp"], res["ckpt"] = tmp, ck
     # LLaMA-style, every mode on 2 ranks; metp with the distributed optimizer.
     for mode in ("tp", "metp", "wallfacer"):
         extra = ["--use-distributed-optimizer"] if mode == "metp" else []
@@ -247,9 +234,26 @@ def test_resume_from_a_tp_checkpoint_under_metp_and_wallfacer(runs, report):
                f"{worst:.1e} (iteration {SAVE_AT + 2} as Megatron-LM logs it after a resume)")
 
 
+# The checkpoint matrix is in the slow tier (`pytest -m slow`; four more launches, ~40 s on 2
+# cores): the default tier already resumes tp's checkpoint under metp and wallfacer to the
+# uninterrupted losses. docs/results.md has its last run.
+@pytest.mark.slow
 def test_checkpoints_move_between_modes_bit_for_bit(runs, report):
-    for pair in ("tp->metp", "metp->tp", "tp->wallfacer", "wallfacer->metp"):
-        r = runs[f"matrix/{pair}"]
+    # Load X's iteration 5 under Y, save it again at once (no step), compare every tensor of
+    # the two checkpoints.
+    tmp, ck = runs["tmp"], runs["ckpt"]
+    for src, dst in (("tp", "metp"), ("metp", "tp"), ("tp", "wallfacer"), ("wallfacer", "metp")):
+        out = ck / f"{src}_to_{dst}"
+        _run(tmp, f"matrix_{src}_{dst}", [*MODES[dst], "--train-iters", str(SAVE_AT), "--load",
+                                          _at(ck / src, SAVE_AT),
+                                          "--save", str(out), "--save-interval", "3",
+                                          "--use-checkpoint-opt-param-scheduler"],
+             nproc=1 if dst == "tp" else 2)
+        a = _checkpoint_tensors(ck / src / f"iter_{SAVE_AT:07d}")
+        b = _checkpoint_tensors(out / f"iter_{SAVE_AT:07d}")
+        r = dict(keys=len(a), same_keys=sorted(a) == sorted(b),
+                 differ=[k for k in a if k in b and not torch.equal(a[k], b[k])])
+        pair = f"{src}->{dst}"
         # Model parameters and Adam moments alike (the optimizer state is saved per parameter).
         assert r["same_keys"] and r["keys"] > 20 and r["differ"] == [], (pair, r)
         report(f"checkpoint {pair} through pretrain_gpt.py: {r['keys']} tensors, all "
@@ -260,7 +264,7 @@ def test_training_log_reports_tflops_in_every_mode(runs):
     # --log-throughput: Megatron-LM's own FLOPs formula per iteration over the step time (0.0
     # at these sizes on a CPU; the line must be there in every mode).
     for name, r in runs.items():
-        if "losses" in r:
+        if isinstance(r, dict) and "losses" in r:
             assert r["out"].count("throughput per GPU (TFLOP/s/GPU):") >= len(r["losses"]), name
 
 
