@@ -349,10 +349,6 @@ class Planner:
             out += [(r, q) for q in qkvs]
         return out
 
-    def qkv_choices(self, cfg, mode: str, p: int, s: int) -> List[str]:
-        """The Q/K/V halves of :meth:`metp_choices` ([""] for tp and wallfacer)."""
-        return [q for _, q in self.metp_choices(cfg, mode, p, s)]
-
     def plan(self, cfg, mode: str, p: int, s: int) -> PlanPoint:
         """The point with the settings' METP choices; under "auto" the first of
         :meth:`metp_choices` that fits (the last when none does)."""
