@@ -274,6 +274,18 @@ def _layer_step(config, mode: str, seq_length: int, micro_batch: int, causal: bo
         out, _ = layer(inp, attention_mask=None, rotary_pos_emb=rot)
         return out
 
+    if getattr(config, "recompute_granularity", None) == "full":
+        # --recompute-granularity full, one layer per chunk: Megatron's own CheckpointFunction
+        # around the layer, as TransformerBlock._checkpointed_forward calls it. It keeps the
+        # layer's input (external here) and its output, and runs the forward again, ring
+        # traffic included, inside the backward.
+        from megatron.core import tensor_parallel
+
+        plain = fwd
+
+        def fwd(inp):  # noqa: F811 - the checkpointed forward replaces the plain one
+            return tensor_parallel.checkpoint(plain, config.distribute_saved_activations, inp)
+
     return layer, x, (rot,) if rot is not None else (), fwd
 
 
@@ -347,8 +359,10 @@ def measure_head(config, vocab_size: int, seq_length: int, micro_batch: int = 1,
     x = torch.empty(seq_length // p, micro_batch, config.hidden_size, dtype=config.params_dtype,
                     device=device).normal_().requires_grad_()
     # Labels of the tokens whose logits this rank computes: all s under TP's SP head (the output
-    # layer all-gathers the sequence), s/p under METP and context parallelism.
-    rows = seq_length if config.sequence_parallel and mode != "metp" else seq_length // p
+    # layer all-gathers the sequence), s/p under METP and WallFacer.
+    # Under CP each rank's head sees its CP shard (s / cp, all-gathered over TP with SP).
+    rows = seq_length // config.context_parallel_size \
+        if config.sequence_parallel and mode != "metp" else seq_length // p
     labels = torch.zeros(rows, micro_batch, dtype=torch.long, device=device)
     return _measure(head, x, lambda inp: head(inp, labels), extra=(labels,))
 

@@ -200,22 +200,28 @@ def group_roles() -> Dict[str, str]:
 
 def trace_layer(cfg, mode: str, p: int, s: int, world=None, micro_batch: int = 1,
                 recompute_modules: Optional[List[str]] = None, tcfg=None,
-                ring_pass: str = "auto", qkv_backward: str = "recompute") -> List[TraceOp]:
+                ring_pass: str = "auto", qkv_backward: str = "recompute", cp: int = 1,
+                full_recompute: bool = False) -> List[TraceOp]:
     """One layer of ``cfg`` (a ``config.ModelConfig``) in ``mode`` at (p, s), fwd + bwd on rank 0,
     traced under FakeTensorMode on the fake process group (``world``: a ``planner.FakeWorld``,
     kept set up for the caller). Group names are replaced by their roles (:func:`group_roles`).
-    ``tcfg``: a ready ``TransformerConfig`` instead of ``cfg``'s (e.g. ``metp bench``'s)."""
+    ``tcfg``: a ready ``TransformerConfig`` instead of ``cfg``'s (e.g. ``metp bench``'s).
+    ``cp``: stock tp's context-parallel size (``planner.probe_mode``); ``full_recompute``: the
+    layer inside Megatron's CheckpointFunction, its recomputed forward traced in backward."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from megatron_metp.measure import layer_probe
-    from megatron_metp.measure.planner import FakeWorld, transformer_config
+    from megatron_metp.measure.planner import FakeWorld, probe_mode, transformer_config
 
+    mode = probe_mode(mode, cp)
     world = world or FakeWorld()
-    world.setup(mode, p)
+    world.setup(mode, p, cp)
     if tcfg is None:
-        tcfg = transformer_config(cfg, p, mode, recompute_modules, ring_pass, qkv_backward)
+        tcfg = transformer_config(cfg, p, mode, recompute_modules, ring_pass, qkv_backward,
+                                  cp=cp, full_recompute=full_recompute)
     causal = getattr(cfg, "causal", True) if cfg is not None else True
-    rope = (cfg is not None and cfg.position_embedding_type == "rope" and mode != "wallfacer")
+    rope = (cfg is not None and cfg.position_embedding_type == "rope"
+            and tcfg.context_parallel_size == 1)
     with FakeTensorMode():
         gbuf = layer_probe._global_buffer()
         if gbuf is not None:  # may hold tensors of an earlier FakeTensorMode

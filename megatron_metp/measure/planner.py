@@ -76,8 +76,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Dict, List, Optional
 
 import torch
@@ -105,6 +106,17 @@ class PlanSettings:
     count_send_buffers: bool = False
     # Megatron's selective recompute for every mode, e.g. ["layernorm"]; None: none.
     recompute_modules: Optional[List[str]] = None
+    # Megatron's --recompute-granularity: None or "selective" (``recompute_modules``), or "full"
+    # (every mode): --recompute-method uniform|block with --recompute-num-layers N. Full
+    # recompute probes the layer twice, plain and inside Megatron's CheckpointFunction, and
+    # stacks the device's layers from the two (:func:`stack_activation`).
+    recompute_granularity: Optional[str] = None
+    recompute_method: str = "uniform"
+    recompute_num_layers: int = 1
+    # Context-parallel size of a stock tp plan (TP = p / cp, --cp-comm-type p2p); 1: TP+SP.
+    # Transformer Engine's CP attention cannot run on CPU: the plugin's ring attention stands
+    # in for it (:data:`CP_STAND_IN`). wallfacer always runs CP = p, TP = 1.
+    context_parallel: int = 1
     # Megatron-LM's --cpu-offloading --cpu-offloading-num-layers N (TransformerEngine's CPU
     # offload context): the saved activations of N layers go to host memory; see plan().
     offload_layers: int = 0
@@ -150,15 +162,36 @@ class PlanPoint:
     # METP: the attention's ring pass planned at this point ("whole" or "head-group"; "" for tp
     # and wallfacer, and for a setting of "auto" planned without a choice).
     ring_pass: str = ""
+    # Context-parallel size (tp: its TP x CP split; wallfacer: p) and the recompute planned, as
+    # Megatron-LM flags ("" = none beyond the settings' selective modules).
+    context_parallel: int = 1
+    recompute: str = ""
+
+
+# Transformer Engine's CP attention (AttnFuncWithCPAndKVP2P, TE 2.9) needs CUDA. A stock TP x CP
+# plan runs the plugin's ring attention (wallfacer.attention with team size 1: zigzag chunks,
+# K/V on a ring, fp32 log-sum-exp merge) in its place, with Megatron's own linears, norms and
+# sequence parallelism around it. What TE saves for backward (context_parallel.py 1784-1795 at
+# v2.9): q (a view of the input), the K/V received last (the size of the local K and V), the
+# output and a merged fp32 log-sum-exp [b, n/tp, s/cp]; the stand-in saves the local q, k, v,
+# output and log-sum-exp: the same bytes. TE's forward also keeps all cp received K/V buffers and
+# every step's partial output until its loop ends, and its backward sends K/V with dK/dV (2x the
+# forward's ring traffic): both cost TE more than the stand-in, so the plan is stock's best case.
+CP_STAND_IN = ("the plugin's ring attention (WallFacer C = 1) in place of Transformer Engine's "
+               "AttnFuncWithCPAndKVP2P: the same saved bytes; TE's forward buffers and 2x "
+               "backward ring traffic are not modelled (in stock's favour)")
 
 
 def optimizer_bytes_per_param(mode: str, p: int, distributed_optimizer: bool,
-                              megatron_fsdp: bool = False) -> float:
-    """Model-state bytes per parameter (see the module docstring, item 4)."""
-    d = p if mode == "wallfacer" else 1
+                              megatron_fsdp: bool = False, cp: Optional[int] = None) -> float:
+    """Model-state bytes per parameter (see the module docstring, item 4). ``cp``: the
+    context-parallel size (default p for wallfacer, else 1); weights are replicated over CP and
+    their optimizer state is sharded over it (the distributed optimizer, as wallfacer and a
+    Megatron-LM user with CP > 1 run it)."""
+    d = cp if cp is not None else (p if mode == "wallfacer" else 1)
     if megatron_fsdp:
         return 18.0 / d
-    return 6.0 + (12.0 / d if distributed_optimizer or mode == "wallfacer" else 12.0)
+    return 6.0 + (12.0 / d if distributed_optimizer or d > 1 else 12.0)
 
 
 def team_shard_bytes(cfg, p: int, s: int, b: int, team_size: int) -> int:
@@ -200,7 +233,9 @@ class FakeWorld:
         self.key = None
         self.rank = rank
 
-    def setup(self, mode: str, p: int) -> None:
+    def setup(self, mode: str, p: int, cp: int = 1) -> None:
+        """Groups for ``mode`` at ``p`` ranks; ``cp`` > 1 with ``wallfacer``: TP = p / cp
+        (a stock TP x CP plan, :data:`CP_STAND_IN`); wallfacer's default is CP = p."""
         import torch.distributed as dist
         from megatron.core import parallel_state as mpu
         from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -210,7 +245,9 @@ class FakeWorld:
         from megatron_metp.model import initialize_parallel
 
         rank = self.rank % p
-        if self.key == (mode, p, rank):
+        if mode == "wallfacer" and cp == 1:
+            cp = p
+        if self.key == (mode, p, rank, cp):
             return
         cpu_compat.apply()
         self.teardown()
@@ -222,13 +259,16 @@ class FakeWorld:
             # every rank's answer is known.
             from megatron_metp.wallfacer.groups import build_wallfacer_groups
 
-            initialize_parallel(context_parallel_size=p, mode=mode)
+            tp = p // cp
+            initialize_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp,
+                                mode=mode)
             metp_state.set_wallfacer_groups(build_wallfacer_groups(
-                [list(range(p))], list(mpu.get_context_parallel_global_ranks()),
+                [[t + tp * j for j in range(cp)] for t in range(tp)],
+                list(mpu.get_context_parallel_global_ranks()),
                 mpu.get_context_parallel_group(), 1, "collective_intra"))
         else:
             initialize_parallel(tensor_model_parallel_size=p, mode=mode)
-        self.key = (mode, p, rank)
+        self.key = (mode, p, rank, cp)
 
     def teardown(self) -> None:
         import torch.distributed as dist
@@ -242,19 +282,31 @@ class FakeWorld:
 
 
 def transformer_config(cfg, p: int, mode: str, recompute_modules: Optional[List[str]] = None,
-                       ring_pass: str = "auto", qkv_backward: str = "recompute"):
+                       ring_pass: str = "auto", qkv_backward: str = "recompute", cp: int = 1,
+                       full_recompute: bool = False):
     """Megatron ``TransformerConfig`` of one layer of ``cfg`` (a ``config.ModelConfig``), bf16.
     ``recompute_modules``: Megatron's selective recompute (``--recompute-granularity selective
-    --recompute-modules ...``), the same in every mode. ``ring_pass``: METP attention's
+    --recompute-modules ...``), the same in every mode. ``full_recompute``: the layer runs as
+    one chunk of ``--recompute-granularity full --recompute-method uniform
+    --recompute-num-layers 1`` (the probe wraps it in Megatron's CheckpointFunction, as
+    ``TransformerBlock._checkpointed_forward`` does). ``ring_pass``: METP attention's
     ``--metp-ring-pass``; ``qkv_backward``: its ``--metp-qkv-backward`` (resolved: "recompute"
-    or "save")."""
+    or "save"). ``cp``: the context-parallel size (wallfacer: p, TP = 1, unless given)."""
     import torch.nn.functional as F
 
     from megatron_metp.model import make_config
 
-    tp, cp = (1, p) if mode == "wallfacer" else (p, 1)
-    recompute = (dict(recompute_granularity="selective", recompute_modules=list(recompute_modules))
-                 if recompute_modules else {})
+    if mode == "wallfacer" and cp == 1:
+        cp = p
+    tp = p // cp
+    if full_recompute:
+        recompute = dict(recompute_granularity="full", recompute_method="uniform",
+                         recompute_num_layers=1)
+    elif recompute_modules:
+        recompute = dict(recompute_granularity="selective",
+                         recompute_modules=list(recompute_modules))
+    else:
+        recompute = {}
     return make_config(**recompute,
         style="llama" if cfg.swiglu else "gpt", num_layers=1, hidden_size=cfg.hidden_size,
         num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_query_groups,
@@ -267,6 +319,66 @@ def transformer_config(cfg, p: int, mode: str, recompute_modules: Optional[List[
         # Initialisation of fake weights costs time and means nothing.
         perform_initialization=False, metp_ring_pass=ring_pass, metp_qkv_backward=qkv_backward,
         stock=True)  # Megatron-LM's default fusions: tp is the stock baseline
+
+
+def probe_mode(mode: str, cp: int) -> str:
+    """The spec a plan of ``mode`` at context-parallel size ``cp`` runs: stock tp with CP > 1
+    runs the wallfacer spec at team size 1 (:data:`CP_STAND_IN`)."""
+    return "wallfacer" if mode == "tp" and cp > 1 else mode
+
+
+def recompute_flags(settings: "PlanSettings") -> List[str]:
+    """Megatron-LM's flags for the settings' recompute ([] for none)."""
+    if settings.recompute_granularity == "full":
+        return ["--recompute-granularity", "full", "--recompute-method",
+                settings.recompute_method, "--recompute-num-layers",
+                str(settings.recompute_num_layers)]
+    if settings.recompute_modules:
+        return ["--recompute-granularity", "selective", "--recompute-modules",
+                *settings.recompute_modules]
+    return []
+
+
+def stack_activation(L: int, plain, ckpt, method: str, n: int, shared: int,
+                     head_extra: int, resident: Optional[int] = None) -> int:
+    """The device's activation peak over its input x0, from one layer measured plain
+    (``plain``: R_n kept for backward, P_n its fwd + bwd high-water mark) and, for full
+    recompute, inside Megatron's CheckpointFunction (``ckpt``: R_f = the layer's output, P_f the
+    recompute's forward + backward high-water mark; None: no full recompute).
+
+    * none: L R_n held after the forward (or ``resident`` layers with offloading), then the last
+      layer's backward peak or the head's: max(L R_n + H, (L - 1) R_n + P_n).
+    * ``block`` k = ``n``: the first k layers are checkpointed one each (Megatron's block
+      method), the other L - k kept whole. Their backward runs last-layer first: the peak is
+      the last plain layer's (k R_f + (L - k - 1) R_n + P_n), or the last checkpointed one's
+      once every plain layer is done ((k - 1) R_f + P_f), or the head's after the forward.
+    * ``uniform`` n: ceil(L / n) chunks of n layers, each keeping its input; a chunk's backward
+      recomputes its n layers: (C - 1) R_f + (n - 1) R_n + P_f (exact for n = 1, Megatron-LM's
+      usual setting; for n > 1 the chunk's last layer is taken as the one at its peak).
+
+    Megatron's all-gather scratch ``shared`` (one per process) counts once; ``head_extra`` is
+    the LM head's peak without it.
+    """
+    sb_n = plain.shared_buffer
+    if ckpt is None:
+        r = L if resident is None else resident
+        return max(r * plain.retained + shared + head_extra,
+                   (r - 1) * plain.retained + plain.peak - sb_n + shared)
+    sb_f = ckpt.shared_buffer
+    if method == "block":
+        k = min(max(n, 0), L)
+        terms = [k * ckpt.retained + (L - k) * plain.retained + shared + head_extra]
+        if k < L:
+            terms.append(k * ckpt.retained + (L - k - 1) * plain.retained + plain.peak - sb_n
+                         + shared)
+        if k > 0:
+            terms.append((k - 1) * ckpt.retained + ckpt.peak - sb_f + shared)
+        return max(terms)
+    n = min(max(n, 1), L)
+    chunks = -(-L // n)
+    return max(chunks * ckpt.retained + shared + head_extra,
+               (chunks - 1) * ckpt.retained + (n - 1) * plain.retained + ckpt.peak - sb_f
+               + shared)
 
 
 def padded_vocab(cfg, p: int) -> int:
@@ -288,26 +400,42 @@ class Planner:
         self._layer: Dict[tuple, layer_probe.LayerMeasure] = {}
         self._head: Dict[tuple, layer_probe.LayerMeasure] = {}
 
+    def _cp(self, mode: str, p: int) -> int:
+        """The context-parallel size of a ``mode`` plan at ``p``: p for wallfacer, the settings'
+        split for stock tp, 1 for metp."""
+        if mode == "wallfacer":
+            return p
+        return self.settings.context_parallel if mode == "tp" else 1
+
     def _measure(self, cfg, mode: str, p: int, s: int, qkv: str = "recompute",
-                 ring_pass: str = ""):
+                 ring_pass: str = "", full: bool = False):
+        """(layer, head) measures at this point; ``full``: the layer inside Megatron's
+        CheckpointFunction (full recompute), else plain with the settings' selective modules."""
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         ring_pass = ring_pass or self.settings.metp_ring_pass
-        key = (cfg.name, mode, p, s, qkv, ring_pass)
+        cp = self._cp(mode, p)
+        # Megatron takes one granularity: under "full" the plain layers (block method) run
+        # without selective recompute.
+        modules = None if full or self.settings.recompute_granularity == "full" \
+            else self.settings.recompute_modules
+        key = (cfg.name, mode, p, s, qkv, ring_pass, cp, full, tuple(modules or ()))
         if key not in self._layer:
-            self.world.setup(mode, p)
-            tcfg = transformer_config(cfg, p, mode, self.settings.recompute_modules,
-                                      ring_pass, qkv)
+            probe = probe_mode(mode, cp)
+            self.world.setup(probe, p, cp)
+            tcfg = transformer_config(cfg, p, probe, modules, ring_pass, qkv, cp=cp,
+                                      full_recompute=full)
             b = self.settings.micro_batch
             with FakeTensorMode():
                 # RoPE under context parallelism slices the table with a pinned CUDA tensor
-                # (Megatron's get_pos_emb_on_this_cp_rank): wallfacer is planned without it.
-                rope = cfg.position_embedding_type == "rope" and mode != "wallfacer"
+                # (Megatron's get_pos_emb_on_this_cp_rank): CP plans run without it (its
+                # fused kernel saves one [s, 1, 1, d] fp32 table, external to the layers).
+                rope = cfg.position_embedding_type == "rope" and cp == 1
                 self._layer[key] = layer_probe.measure_layer(
-                    tcfg, mode, s, b, causal=cfg.causal, rope=rope, rotary_base=cfg.rotary_base)
-                if holds_all_layers(cfg):
+                    tcfg, probe, s, b, causal=cfg.causal, rope=rope, rotary_base=cfg.rotary_base)
+                if holds_all_layers(cfg) and not full:
                     self._head[key] = layer_probe.measure_head(
-                        tcfg, padded_vocab(cfg, _tp(mode, p)), s, b, mode=mode)
+                        tcfg, padded_vocab(cfg, p // cp), s, b, mode=probe)
         return self._layer[key], self._head.get(key)
 
     def saved_tensors(self, cfg, mode: str, p: int, s: int) -> list:
@@ -315,14 +443,17 @@ class Planner:
         the layer output last: the breakdown of ``R`` (``layer_retained``)."""
         from torch._subclasses.fake_tensor import FakeTensorMode
 
-        self.world.setup(mode, p)
+        cp = self._cp(mode, p)
+        probe = probe_mode(mode, cp)
+        self.world.setup(probe, p, cp)
         ring_pass, qkv = self.metp_choices(cfg, mode, p, s)[-1]
-        tcfg = transformer_config(cfg, p, mode, self.settings.recompute_modules,
-                                  ring_pass or self.settings.metp_ring_pass, qkv or "recompute")
+        tcfg = transformer_config(cfg, p, probe, self.settings.recompute_modules,
+                                  ring_pass or self.settings.metp_ring_pass, qkv or "recompute",
+                                  cp=cp)
         with FakeTensorMode():
             return layer_probe.itemise_layer(
-                tcfg, mode, s, self.settings.micro_batch, causal=cfg.causal,
-                rope=cfg.position_embedding_type == "rope" and mode != "wallfacer",
+                tcfg, probe, s, self.settings.micro_batch, causal=cfg.causal,
+                rope=cfg.position_embedding_type == "rope" and cp == 1,
                 rotary_base=cfg.rotary_base)
 
     def metp_choices(self, cfg, mode: str, p: int, s: int) -> List[tuple]:
@@ -349,9 +480,18 @@ class Planner:
             out += [(r, q) for q in qkvs]
         return out
 
-    def plan(self, cfg, mode: str, p: int, s: int) -> PlanPoint:
+    def plan(self, cfg, mode: str, p: int, s: int, **override) -> PlanPoint:
         """The point with the settings' METP choices; under "auto" the first of
-        :meth:`metp_choices` that fits (the last when none does)."""
+        :meth:`metp_choices` that fits (the last when none does). ``override``: PlanSettings
+        fields for this call only (e.g. ``recompute_granularity="full"``, ``context_parallel``);
+        the measurements stay cached across them."""
+        if override:
+            saved = self.settings
+            self.settings = replace(saved, **override)
+            try:
+                return self.plan(cfg, mode, p, s)
+            finally:
+                self.settings = saved
         for ring_pass, qkv in self.metp_choices(cfg, mode, p, s):
             point = self._plan(cfg, mode, p, s, qkv, ring_pass)
             if point.fits:
@@ -360,7 +500,14 @@ class Planner:
 
     def _plan(self, cfg, mode: str, p: int, s: int, qkv: str, ring_pass: str = "") -> PlanPoint:
         st = self.settings
+        cp = self._cp(mode, p)
+        full = st.recompute_granularity == "full"
+        if full and st.offload_layers:
+            raise ValueError("--cpu-offloading-num-layers with --recompute-granularity full: "
+                             "plan one or the other")
         lm, head = self._measure(cfg, mode, p, s, qkv or "recompute", ring_pass)
+        ckpt = self._measure(cfg, mode, p, s, qkv or "recompute", ring_pass, full=True)[0] \
+            if full else None
         L, b, h = cfg.layers_per_device, st.micro_batch, cfg.hidden_size
         x0 = s // p * b * h * 2
         head_peak = head.peak if head else 0
@@ -376,8 +523,10 @@ class Planner:
         # estimate takes one). Host memory per GPU: N R.
         n_off = min(st.offload_layers, L - 1)
         resident = L - n_off + (1 if n_off else 0)
-        act = x0 + max(resident * lm.retained + shared + head_extra,
-                       (resident - 1) * lm.retained + lm.peak - lm.shared_buffer + shared)
+        if ckpt is not None:
+            shared = max(shared, ckpt.shared_buffer)
+        act = x0 + stack_activation(L, lm, ckpt, st.recompute_method, st.recompute_num_layers,
+                                    shared, head_extra, resident)
         if st.megatron_fsdp:
             act += fsdp_transient_bytes(mode, p, lm.params, L)
         if mode == "wallfacer":
@@ -388,25 +537,25 @@ class Planner:
         if holds_all_layers(cfg):
             params += head.params                                     # final norm, output
             if cfg.untie_embeddings_and_output_weights:               # else shared with output
-                params += padded_vocab(cfg, _tp(mode, p)) // _tp(mode, p) * h  # word table
+                params += padded_vocab(cfg, p // cp) // (p // cp) * h  # word table
             params += position_table_params(cfg, mode, p, s)
         state = int(params * optimizer_bytes_per_param(mode, p, st.distributed_optimizer,
-                                                       st.megatron_fsdp))
+                                                       st.megatron_fsdp, cp))
         total = state + act
         needed = total * (1 + st.fragmentation) + st.reserve_gib * GIB
         sent = 2.0 * (L * lm.sent_elements + (head.sent_elements if head else 0.0))
         calls = L * lm.calls + (head.calls if head else 0)
-        if mode == "wallfacer":
+        if cp > 1:
             # Weights are replicated over CP: Megatron reduce-scatters the fp32 gradients over
             # the CP (x DP) group and all-gathers the updated bf16 parameters (distributed
             # optimizer), (p-1)/p of each per rank. Analytic: the probe runs no optimizer.
             # Megatron-FSDP all-gathers the bf16 parameters twice (forward, and again for the
             # backward) and reduce-scatters the fp32 gradient, per layer.
             if st.megatron_fsdp:
-                sent += (p - 1) / p * params * (2 + 2 + 4)
+                sent += (cp - 1) / cp * params * (2 + 2 + 4)
                 calls += 3 * L
             else:
-                sent += (p - 1) / p * params * (4 + 2)
+                sent += (cp - 1) / cp * params * (4 + 2)
                 calls += 2
         host_ok = st.host_memory_gib is None or n_off * lm.retained <= st.host_memory_gib * GIB
         point = PlanPoint(
@@ -416,29 +565,63 @@ class Planner:
             layer_retained=lm.retained, layer_peak=lm.peak, head_peak=head_peak,
             params_per_rank=params, sent_bytes=sent, comm_calls=calls,
             offloaded_layers=n_off, host_bytes=n_off * lm.retained, qkv_backward=qkv,
-            ring_pass=ring_pass)
+            ring_pass=ring_pass, context_parallel=cp, recompute=" ".join(recompute_flags(st)))
         point.est_time_s = estimate_step_time(cfg, mode, p, s, sent, calls, st,
                                               recomputes_qkv=qkv == "recompute")
         return point
 
     def longest_sequence(self, cfg, mode: str, p: int, lo: int = 4096,
-                         hi_limit: int = 2**24) -> Optional[PlanPoint]:
-        """Largest multiple of 1024 tokens whose point fits the budget (bisection), or None."""
+                         hi_limit: int = 2**24, progress=None, **override) -> Optional[PlanPoint]:
+        """Largest multiple of 1024 tokens whose point fits the budget, or None.
+
+        A point's need grows linearly with s while the plan's choices stay the same (flash
+        attention: every activation is O(s)), so the search interpolates the need between a
+        point that fits and one that does not (regula falsi) and confirms the answer with its
+        neighbour one granule up; where the need bends (METP changing its ring pass) it falls
+        back to halving the interval. ``progress(s, point)`` is called after every probe;
+        ``override`` as in :meth:`plan`."""
         g = SEQ_GRANULE
-        if not self.plan(cfg, mode, p, lo).fits:
+        budget = self.settings.memory_gib * GIB
+
+        def probe(tokens: int) -> PlanPoint:
+            point = self.plan(cfg, mode, p, tokens, **override)
+            if progress is not None:
+                progress(tokens, point)
+            return point
+
+        def interpolate(a: PlanPoint, z: PlanPoint) -> float:
+            slope = (z.needed_bytes - a.needed_bytes) / max(z.seq_length - a.seq_length, 1)
+            return a.seq_length + (budget - a.needed_bytes) / slope if slope > 0 else math.inf
+
+        low = probe(lo)
+        if not low.fits:
             return None
-        hi = lo * 2
-        while hi <= hi_limit and self.plan(cfg, mode, p, hi).fits:
-            lo, hi = hi, hi * 2
-        # lo fits, hi does not (or exceeds the limit): bisect in units of the granule.
-        a, z = lo // g, hi // g
-        while z - a > 1:
-            mid = (a + z) // 2
-            if self.plan(cfg, mode, p, mid * g).fits:
+        high = probe(min(lo * 2, hi_limit))
+        while high.fits and high.seq_length < hi_limit:
+            # Extrapolate the line through the last two points, 10 % beyond it (at least double
+            # the sequence when the need barely grows), to reach a point that does not fit.
+            guess = min(interpolate(low, high), 2**40) * 1.1
+            nxt = min(max(int(guess) // g * g + g, high.seq_length * 2), hi_limit)
+            low, high = high, probe(nxt)
+        if high.fits:
+            return high  # fits at the limit
+        a, z = low, high
+        while z.seq_length - a.seq_length > g:
+            guess = int(interpolate(a, z)) // g * g
+            if not a.seq_length < guess < z.seq_length:
+                guess = (a.seq_length + z.seq_length) // 2 // g * g
+            mid = probe(guess)
+            if mid.fits:
                 a = mid
+                if z.seq_length - a.seq_length > g:  # the neighbour above decides at once
+                    up = probe(a.seq_length + g)
+                    a, z = (up, z) if up.fits else (a, up)
             else:
                 z = mid
-        return self.plan(cfg, mode, p, a * g)
+                if z.seq_length - a.seq_length > g:
+                    down = probe(z.seq_length - g)
+                    a, z = (down, z) if down.fits else (a, down)
+        return a
 
 
 @contextlib.contextmanager
