@@ -264,6 +264,7 @@ def resolve_metp_attention(ns) -> None:
     qkv = getattr(ns, "metp_qkv_backward", "auto") or "auto"
     if getattr(ns, "tensor_parallel_mode", "tp") != "metp" or "auto" not in (ring, qkv):
         return
+    from megatron_metp.measure.planner import recompute_settings
     from megatron_metp.measure.planner import resolve_metp_attention as plan_attention
     from megatron_metp.models.config import ConfigError, config_from_megatron_args
 
@@ -278,7 +279,7 @@ def resolve_metp_attention(ns) -> None:
             micro_batch=getattr(ns, "micro_batch_size", None) or 1,
             distributed_optimizer=bool(getattr(ns, "use_distributed_optimizer", False)),
             megatron_fsdp=bool(getattr(ns, "use_megatron_fsdp", False)),
-            ring_pass=ring, qkv_backward=qkv)
+            ring_pass=ring, qkv_backward=qkv, recompute=recompute_settings(ns))
     except (ConfigError, ValueError) as e:
         raise MetpConfigError(f"--metp-ring-pass / --metp-qkv-backward auto: {e}; name them "
                               f"(--metp-ring-pass whole|head-group, --metp-qkv-backward "

@@ -220,9 +220,20 @@ def check_values(ns: Namespace, *, trainer: bool = False) -> None:
     if lr is not None and min_lr is not None and min_lr > lr:
         _fail(f"--min-lr {min_lr} is above --lr {lr}: the schedule decays from --lr to "
               f"--min-lr; pass --min-lr <= {lr}")
-    if getattr(ns, "recompute_modules", None) and not getattr(ns, "recompute_granularity", None):
+    gran = getattr(ns, "recompute_granularity", None)
+    if getattr(ns, "recompute_modules", None) and gran != "selective":
         _fail(f"--recompute-modules {' '.join(ns.recompute_modules)} needs "
               f"--recompute-granularity selective")
+    for attr, flag in (("recompute_method", "--recompute-method"),
+                       ("recompute_num_layers", "--recompute-num-layers")):
+        v = getattr(ns, attr, None)
+        if v is not None and gran != "full":
+            _fail(f"{flag} {v} needs --recompute-granularity full (it says which layers a full "
+                  f"recompute checkpoints); add it or drop {flag}")
+    k, layers = getattr(ns, "recompute_num_layers", None), getattr(ns, "num_layers", None)
+    if gran == "full" and k is not None and (k < 1 or (layers and k > layers)):
+        _fail(f"--recompute-num-layers {k}: must be between 1 and --num-layers {layers} (layers "
+              f"per chunk, or checkpointed layers with --recompute-method block)")
     s, pos = getattr(ns, "seq_length", None), getattr(ns, "max_position_embeddings", None)
     if (s is not None and pos is not None and s > pos and getattr(
             ns, "position_embedding_type", "learned_absolute") == "learned_absolute"):

@@ -134,6 +134,61 @@ def test_layernorm_recompute_is_exact_for_metp_and_tp(report):
 
 
 # ------------------------------------------------------------------------------------------
+# Full recompute (issue 32 item 2): --recompute-granularity full runs Megatron's own
+# TransformerBlock._checkpointed_forward around METP's layers: only each chunk's input is kept,
+# and the backward runs the layer's forward again, weight ring and K/V ring included. The
+# recomputed forward is the same computation on the same inputs in the same order (CPU kernels
+# are deterministic, dropout 0), so the loss and every gradient must equal the run without
+# recompute bit for bit; the methods cover one layer per chunk, both layers in one chunk, and
+# Megatron's block method with only the first layer checkpointed.
+FULL_RECOMPUTE = {"uniform-1": ("uniform", 1), "uniform-2": ("uniform", 2), "block-1": ("block", 1)}
+
+
+def _full_recompute_compare(p):
+    M.setup(tp=p, mode="metp")
+    out = {}
+    for case, (style, overrides) in _cases(p).items():
+        base = None
+        for name, rc in [("none", None)] + list(FULL_RECOMPUTE.items()):
+            extra = dict(recompute_granularity="full", recompute_method=rc[0],
+                         recompute_num_layers=rc[1]) if rc else {}
+            model = M.build("metp", style, **overrides, **extra)
+            assert model.decoder.config.recompute_granularity == ("full" if rc else None)
+            calls = []
+            if rc:  # the checkpointed path is what runs: count Megatron's CheckpointFunction
+                from megatron.core.tensor_parallel import random as mrandom
+
+                orig = mrandom.CheckpointFunction.apply
+                mrandom.CheckpointFunction.apply = lambda *a, _o=orig: calls.append(1) or _o(*a)
+            try:
+                r = M.step(M.wrap_ddp(model), M.batch())
+            finally:
+                if rc:
+                    mrandom.CheckpointFunction.apply = orig
+            # uniform 1: one chunk per layer (2); uniform 2: one chunk; block 1: the first layer.
+            assert len(calls) == {None: 0, ("uniform", 1): 2, ("uniform", 2): 1,
+                                  ("block", 1): 1}[rc], (name, calls)
+            r["grads"] = M.full_grads(model, r["grads"])
+            if base is None:
+                base = r
+                continue
+            assert r["loss"] == base["loss"], (case, name, r["loss"], base["loss"])
+            bad = [n for n in r["grads"] if not torch.equal(r["grads"][n], base["grads"][n])]
+            assert not bad, (case, name, bad)
+            assert torch.equal(r["logits"], base["logits"]), (case, name)
+        out[case] = (base["loss"], len(base["grads"]))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_metp_full_recompute_is_bit_identical(world, report):
+    res = run_ranks(world, _full_recompute_compare, world)
+    for case, (loss, n) in res[0].items():
+        report(f"metp full recompute p={world} {case}: {', '.join(FULL_RECOMPUTE)} equal the "
+               f"run without recompute bit for bit (loss {loss:.6f}, {n} gradients)")
+
+
+# ------------------------------------------------------------------------------------------
 # The METP LM head inside the model (issue 12 item 2): with labels, MetpGPTModel's loss is the
 # ring cross entropy (no logits); it must equal GPTModel's TP+SP loss, per token, with every
 # gradient, for tied and untied output weights.

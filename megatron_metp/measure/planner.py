@@ -643,11 +643,13 @@ def quiet_megatron():
 def resolve_metp_attention(cfg, p: int, s: int, *, micro_batch: int = 1,
                            memory_gib: Optional[float] = None,
                            distributed_optimizer: bool = False, megatron_fsdp: bool = False,
-                           ring_pass: str = "auto", qkv_backward: str = "auto") -> tuple:
+                           ring_pass: str = "auto", qkv_backward: str = "auto",
+                           recompute: Optional[dict] = None) -> tuple:
     """``--metp-ring-pass auto`` and ``--metp-qkv-backward auto`` for a METP run, decided
     before any rank starts from memory headroom: the first of :meth:`Planner.metp_choices`
     (fastest first) that the planner finds fits ``memory_gib`` (default: this GPU's, else 80),
-    the most frugal when none does. A setting that is not "auto" is kept. Returns
+    the most frugal when none does. A setting that is not "auto" is kept. ``recompute``: the
+    run's Megatron recompute as PlanSettings fields (:func:`recompute_settings`). Returns
     (ring pass, Q/K/V backward, one-line reason)."""
     if memory_gib is None:
         memory_gib = (torch.cuda.get_device_properties(0).total_memory / GIB
@@ -655,7 +657,7 @@ def resolve_metp_attention(cfg, p: int, s: int, *, micro_batch: int = 1,
     planner = Planner(PlanSettings(memory_gib=memory_gib, micro_batch=micro_batch,
                                    distributed_optimizer=distributed_optimizer,
                                    megatron_fsdp=megatron_fsdp, metp_ring_pass=ring_pass,
-                                   metp_qkv_backward=qkv_backward))
+                                   metp_qkv_backward=qkv_backward, **(recompute or {})))
     try:
         with quiet_megatron():
             point = planner.plan(cfg, "metp", p, s)
@@ -674,6 +676,22 @@ def resolve_metp_attention(cfg, p: int, s: int, *, micro_batch: int = 1,
         skipped = choices[:choices.index(got)]
         why += (f"; {', '.join(f'{r}/{q}' for r, q in skipped)} did not)" if skipped else ")")
     return point.ring_pass, point.qkv_backward, why
+
+
+def recompute_settings(ns) -> dict:
+    """PlanSettings fields of a run's Megatron recompute flags (``ns``: metp train's or
+    Megatron-LM's namespace): ``recompute_granularity``, ``recompute_method``,
+    ``recompute_num_layers``, ``recompute_modules``; {} without recompute."""
+    gran = getattr(ns, "recompute_granularity", None)
+    if gran == "full":
+        return dict(recompute_granularity="full",
+                    recompute_method=getattr(ns, "recompute_method", None) or "uniform",
+                    recompute_num_layers=getattr(ns, "recompute_num_layers", None) or 1)
+    if gran == "selective":
+        return dict(recompute_granularity="selective",
+                    recompute_modules=list(getattr(ns, "recompute_modules", None)
+                                           or ["core_attn"]))
+    return {}
 
 
 def position_table_params(cfg, mode: str, p: int, s: int) -> int:

@@ -110,8 +110,16 @@ def _train_parser(p: argparse.ArgumentParser) -> Callable:
       help="METP's one ring pass: keep Q/K/V for backward (save: one GEMM less per layer, "
            "more memory) or recompute them (recompute: the paper's Alg. 6); auto (default): "
            "save when the planner finds the run still fits --auto-memory-gib")
-    a("--recompute-granularity", choices=("selective",), default=None,
-      help="Megatron's selective activation recompute (with --recompute-modules)")
+    a("--recompute-granularity", choices=("selective", "full"), default=None,
+      help="Megatron's activation recompute: selective (with --recompute-modules) or full "
+           "(whole layers, in every mode: only each chunk's input is kept and the backward runs "
+           "the forward again, METP's rings included)")
+    a("--recompute-method", choices=("uniform", "block"), default=None,
+      help="full recompute: uniform (chunks of --recompute-num-layers layers, default) or block "
+           "(only the first --recompute-num-layers layers of each stage)")
+    a("--recompute-num-layers", type=int, default=None,
+      help="full recompute: layers per chunk (uniform) or checkpointed layers (block); "
+           "default 1")
     a("--recompute-modules", nargs="+", choices=("layernorm", "mlp", "core_attn"), default=None,
       help="what selective recompute recomputes in backward (Megatron-LM's flag; default "
            "core_attn); layernorm: the norm outputs, 2 bsh/p less per layer in every mode")

@@ -79,6 +79,8 @@ def resolve_namespace(args: Namespace, cfg: ModelConfig, mode: str,
     ns.data_path = args.data_path
     ns.recompute_granularity = args.recompute_granularity
     ns.recompute_modules = args.recompute_modules
+    ns.recompute_method = args.recompute_method
+    ns.recompute_num_layers = args.recompute_num_layers
     ns.metp_ring_pass = getattr(args, "metp_ring_pass", None) or "auto"
     ns.metp_qkv_backward = getattr(args, "metp_qkv_backward", None) or "auto"
     return ns
@@ -144,6 +146,7 @@ def resolve_metp_attention(args: Namespace, cfg: ModelConfig, world_size: int, *
     qkv = getattr(args, "metp_qkv_backward", None) or "auto"
     if "auto" not in (ring, qkv) or "metp" not in modes_of(args, cfg):
         return
+    from megatron_metp.measure.planner import recompute_settings
     from megatron_metp.measure.planner import resolve_metp_attention as plan_attention
 
     ns = resolve_namespace(args, cfg, "metp", world_size)
@@ -156,7 +159,8 @@ def resolve_metp_attention(args: Namespace, cfg: ModelConfig, world_size: int, *
             cfg, p, ns.seq_length, micro_batch=ns.micro_batch_size,
             memory_gib=args.auto_memory_gib,
             distributed_optimizer=bool(args.use_distributed_optimizer),
-            megatron_fsdp=bool(args.use_megatron_fsdp), ring_pass=ring, qkv_backward=qkv)
+            megatron_fsdp=bool(args.use_megatron_fsdp), ring_pass=ring, qkv_backward=qkv,
+            recompute=recompute_settings(ns))
     if announce:
         print(f"[metp] METP attention (--metp-ring-pass {ring} --metp-qkv-backward {qkv}): "
               f"{why}", flush=True)
@@ -260,7 +264,13 @@ def _transformer_config(ns: Namespace, cfg: ModelConfig):
         bf16=ns.bf16, params_dtype=dtype,
         stock=True,  # Megatron-LM's default fusions, in every mode
     )
-    if getattr(ns, "recompute_granularity", None):
+    if getattr(ns, "recompute_granularity", None) == "full":
+        # Megatron's TransformerBlock checkpoints chunks of layers (its _checkpointed_forward):
+        # only each chunk's input is kept; METP's rings run again in backward.
+        kw.update(recompute_granularity="full",
+                  recompute_method=getattr(ns, "recompute_method", None) or "uniform",
+                  recompute_num_layers=getattr(ns, "recompute_num_layers", None) or 1)
+    elif getattr(ns, "recompute_granularity", None):
         kw.update(recompute_granularity=ns.recompute_granularity,
                   recompute_modules=list(ns.recompute_modules or ["core_attn"]))
     if ns.pipeline_model_parallel_size > 1:
