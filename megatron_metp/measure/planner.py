@@ -433,10 +433,13 @@ class Planner:
                 rope = cfg.position_embedding_type == "rope" and cp == 1
                 self._layer[key] = layer_probe.measure_layer(
                     tcfg, probe, s, b, causal=cfg.causal, rope=rope, rotary_base=cfg.rotary_base)
-                if holds_all_layers(cfg) and not full:
-                    self._head[key] = layer_probe.measure_head(
+                # The head (final norm, logits or METP's ring loss) is the same whatever the
+                # layers recompute or which attention pass they take: once per point.
+                hkey = (cfg.name, probe, p, s, cp)
+                if holds_all_layers(cfg) and hkey not in self._head:
+                    self._head[hkey] = layer_probe.measure_head(
                         tcfg, padded_vocab(cfg, p // cp), s, b, mode=probe)
-        return self._layer[key], self._head.get(key)
+        return self._layer[key], self._head.get((cfg.name, probe_mode(mode, cp), p, s, cp))
 
     def saved_tensors(self, cfg, mode: str, p: int, s: int) -> list:
         """One layer's tensors kept for backward, itemised (``layer_probe.itemise_layer``),

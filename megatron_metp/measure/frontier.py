@@ -1,0 +1,471 @@
+"""``metp plan --frontier``: the fastest configuration that fits, per family, at every sequence
+length: throughput against sequence length for stock Megatron-Core at its best, METP and
+WallFacer (ESTIMATES: every time comes from the timeline model, ``measure.timeline``).
+
+Families and the configurations searched (each a set of Megatron-LM flags; p GPUs, DP = 1):
+
+==========  =====================================================================================
+stock       Megatron-Core's own modules and Megatron-LM's defaults, TP x CP = p with every split
+            the head counts allow (CP > 1: ``--cp-comm-type p2p``, the distributed optimizer
+            sharding the state over CP, Transformer Engine's CP attention stood in for by the
+            plugin's ring, ``planner.CP_STAND_IN``), with and without ``--tp-comm-overlap``, and
+            each recompute: none, selective (``layernorm``, ``layernorm mlp``, ``layernorm
+            core_attn``, ``layernorm core_attn mlp``), and full (``--recompute-method block
+            --recompute-num-layers k``, the fewest layers k that fit; k = every layer is written
+            ``uniform 1``)
+metp        ``--tensor-parallel-mode metp`` (TP = p), each attention choice
+            (``planner.Planner.metp_choices``: ring pass, Q/K/V saved or recomputed) with no
+            recompute, ``layernorm`` or full recompute of the fewest layers k that fit
+wallfacer   ``--tensor-parallel-mode wallfacer`` (CP = p, team size 1, distributed optimizer),
+            no recompute, ``layernorm`` or full recompute of the fewest layers k that fit
+==========  =====================================================================================
+
+Memory: the planner (``measure.planner``: Megatron's and the plugin's layers under
+FakeTensorMode, the device's layers stacked from a plain and a checkpointed probe, the LM head,
+model state, reserve and fragmentation). Time: one layer's op trace (``op_trace``) replayed on
+the GPU model (``timeline.simulate``), once plain and once inside Megatron's CheckpointFunction;
+a device of L layers with k checkpointed takes k t_ckpt + (L - k) t_plain. Under CP > 1 the
+distributed optimizer's gradient reduce-scatter and parameter all-gather over the CP group are
+added, exposed (Megatron-LM's default, no ``--overlap-grad-reduce``). Left out, for every family
+alike: the LM head's and the embedding's time (their memory is counted), the optimizer step,
+and pipeline bubbles (LLaMA-70B and GPT-175B are planned as one middle pipeline stage of 5 and
+1 layers, as METP's Table 3 measures them). Every family is traced on rank 0; METP's balanced layout
+gives every rank the same work (``metp plan --timeline`` measures max / mean 1.001 over 8).
+
+MFU counts model FLOPs only (Megatron-LM's formula, ``models.flops``): recompute is not model
+FLOPs, and a causal model counts the causal half of the attention scores, as Megatron-LM does.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from typing import Dict, List, Optional, Tuple
+
+from megatron_metp.measure.planner import GIB, SEQ_GRANULE, Planner, PlanSettings, seq_label
+from megatron_metp.measure.timeline import ESTIMATE, GPUS, comm_time, simulate, tp_comm_overlap
+
+FAMILIES = ("stock", "metp", "wallfacer")
+SELECTIVE = ((), ("layernorm",), ("layernorm", "mlp"), ("layernorm", "core_attn"),
+             ("layernorm", "core_attn", "mlp"))
+NORMS_ONLY = ((), ("layernorm",))   # "without recompute": nothing beyond the norms
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One configuration of a family (module docstring)."""
+
+    family: str
+    mode: str                       # the planner's mode: tp | metp | wallfacer
+    cp: int = 1                     # context-parallel size (tp: its split; wallfacer: p)
+    selective: Tuple[str, ...] = ()  # --recompute-modules (selective)
+    block: int = 0                  # full recompute of the first k layers (0: none)
+    ring_pass: str = ""             # METP attention
+    qkv: str = ""
+    overlap: bool = False           # --tp-comm-overlap
+
+    def recompute_flags(self, layers: int) -> List[str]:
+        if self.block >= layers:
+            return ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                    "--recompute-num-layers", "1"]
+        if self.block:
+            return ["--recompute-granularity", "full", "--recompute-method", "block",
+                    "--recompute-num-layers", str(self.block)]
+        if self.selective:
+            return ["--recompute-granularity", "selective", "--recompute-modules",
+                    *self.selective]
+        return []
+
+    def flags(self, p: int, layers: int) -> List[str]:
+        """Megatron-LM's flags of this configuration (beyond the model's own)."""
+        tp = p // self.cp
+        if self.family == "wallfacer":
+            out = ["--tensor-parallel-mode", "wallfacer", "--tensor-model-parallel-size", str(p),
+                   "--wallfacer-team-size", "1", "--use-distributed-optimizer"]
+        elif self.family == "metp":
+            out = ["--tensor-parallel-mode", "metp", "--tensor-model-parallel-size", str(p),
+                   "--sequence-parallel", "--metp-ring-pass", self.ring_pass,
+                   "--metp-qkv-backward", self.qkv]
+        else:
+            out = ["--tensor-model-parallel-size", str(tp)]
+            if tp > 1:
+                out.append("--sequence-parallel")
+            if self.cp > 1:
+                out += ["--context-parallel-size", str(self.cp), "--cp-comm-type", "p2p",
+                        "--use-distributed-optimizer"]
+            if self.overlap:
+                out.append("--tp-comm-overlap")
+        return out + self.recompute_flags(layers)
+
+    def settings(self, layers: int) -> dict:
+        """PlanSettings fields of this configuration (``Planner.plan`` overrides)."""
+        kw = dict(context_parallel=self.cp if self.mode == "tp" else 1,
+                  recompute_granularity=None, recompute_modules=None,
+                  recompute_method="block", recompute_num_layers=1)
+        if self.block:
+            kw.update(recompute_granularity="full", recompute_num_layers=min(self.block, layers))
+        elif self.selective:
+            kw.update(recompute_granularity="selective", recompute_modules=list(self.selective))
+        if self.mode == "metp":
+            kw.update(metp_ring_pass=self.ring_pass, metp_qkv_backward=self.qkv)
+        return kw
+
+
+def _divisors(p: int) -> List[int]:
+    return [d for d in range(1, p + 1) if p % d == 0]
+
+
+class Frontier:
+    """Plans and times configurations (memory and time cached per probe)."""
+
+    def __init__(self, settings: Optional[PlanSettings] = None, gpus=("H100",),
+                 host_op_s: float = 10e-6, gpus_per_node: int = 8, progress=None):
+        self.settings = settings or PlanSettings()
+        self.planner = Planner(self.settings)
+        self.gpus = tuple(gpus)
+        self.machines = {g: replace(GPUS[g], efficiency=self.settings.efficiency,
+                                    gpus_per_node=gpus_per_node, host_op_s=host_op_s)
+                         for g in self.gpus}
+        self._times: Dict[tuple, Dict[str, Dict[str, float]]] = {}
+        self.progress = progress or (lambda msg: None)
+        self.probes = 0
+
+    # ---- the configurations -------------------------------------------------------------
+
+    def base_variants(self, cfg, family: str, p: int) -> List[Variant]:
+        """The family's configurations without full recompute (module docstring)."""
+        if family == "stock":
+            out = []
+            for cp in _divisors(p):
+                tp = p // cp
+                if cfg.num_attention_heads % tp or cfg.num_query_groups % tp:
+                    continue
+                for sel in SELECTIVE:
+                    out.append(Variant("stock", "tp", cp, sel))
+                    if tp > 1:
+                        out.append(Variant("stock", "tp", cp, sel, overlap=True))
+            return out
+        if family == "metp":
+            choices = self.planner.metp_choices(cfg, "metp", p, 0)
+            return [Variant("metp", "metp", 1, sel, ring_pass=r, qkv=q)
+                    for r, q in choices for sel in NORMS_ONLY]
+        return [Variant("wallfacer", "wallfacer", p, sel) for sel in NORMS_ONLY]
+
+    def frugal(self, cfg, family: str, p: int) -> List[Variant]:
+        """The configurations that need the least memory: full recompute of every layer (for
+        METP with its most frugal attention; stock at every TP x CP split)."""
+        L = cfg.layers_per_device
+        if family == "stock":
+            return [Variant("stock", "tp", v.cp, block=L) for v in self.base_variants(
+                cfg, family, p) if not v.selective and not v.overlap]
+        if family == "metp":
+            r, q = self.planner.metp_choices(cfg, "metp", p, 0)[-1]
+            return [Variant("metp", "metp", 1, block=L, ring_pass=r, qkv=q)]
+        return [Variant("wallfacer", "wallfacer", p, block=L)]
+
+    # ---- memory and time ------------------------------------------------------------------
+
+    def plan(self, cfg, v: Variant, p: int, s: int):
+        self.probes += 1
+        return self.planner.plan(cfg, v.mode, p, s, **v.settings(cfg.layers_per_device))
+
+    def layer_times(self, cfg, v: Variant, p: int, s: int, full: bool) -> Dict[str, float]:
+        """ESTIMATED seconds of one layer per GPU: plain (with ``v``'s selective recompute) or
+        inside Megatron's CheckpointFunction (``full``)."""
+        from megatron_metp.measure.op_trace import trace_layer
+
+        sel = () if full else v.selective
+        key = (cfg.name, v.mode, p, s, v.cp, sel, full, v.ring_pass, v.qkv)
+        if key not in self._times:
+            # On the planner's own fake world (rank 0): every rank runs the same work in these
+            # layouts (module docstring), and one world set up at a time. One trace serves with
+            # and without --tp-comm-overlap (a rewrite of the same ops).
+            ops = trace_layer(cfg, v.mode, p, s, world=self.planner.world,
+                              recompute_modules=list(sel) or None,
+                              ring_pass=v.ring_pass or "auto", qkv_backward=v.qkv or "recompute",
+                              cp=v.cp if v.mode == "tp" else 1, full_recompute=full)
+            over = tp_comm_overlap(ops) if v.mode == "tp" and p // v.cp > 1 else ops
+            self._times[key] = {
+                False: {g: simulate(ops, m).step for g, m in self.machines.items()},
+                True: {g: simulate(over, m).step for g, m in self.machines.items()}}
+        return self._times[key][v.overlap]
+
+    def step_times(self, cfg, v: Variant, p: int, s: int, params_per_rank: int
+                   ) -> Dict[str, float]:
+        """ESTIMATED step seconds per GPU of the device's layers (module docstring)."""
+        L = cfg.layers_per_device
+        k = min(v.block, L)
+        plain = self.layer_times(cfg, v, p, s, False) if k < L else None
+        ckpt = self.layer_times(cfg, v, p, s, True) if k else None
+        out = {}
+        cp = v.cp if v.mode != "metp" else 1
+        for g, m in self.machines.items():
+            t = (L - k) * (plain[g] if plain else 0.0) + k * (ckpt[g] if ckpt else 0.0)
+            if cp > 1:  # distributed optimizer over CP: fp32 gradient RS + bf16 parameter AG
+                link = m.link(cp)
+                t += comm_time("reduce_scatter", 4 * params_per_rank, cp, link)
+                t += comm_time("all_gather", 2 * params_per_rank, cp, link)
+            out[g] = t
+        return out
+
+    def fewest_blocks(self, cfg, v: Variant, p: int, s: int):
+        """Full recompute of the fewest first layers k (``--recompute-method block``) for which
+        ``v`` fits at s: (k, point), or None when even every layer does not."""
+        L = cfg.layers_per_device
+        lo, hi = 1, L
+        top = self.plan(cfg, replace(v, block=L), p, s)
+        if not top.fits:
+            return None
+        best = (L, top)
+        while lo < hi:  # need falls as k grows: the fewest k that fits
+            mid = (lo + hi) // 2
+            pt = self.plan(cfg, replace(v, block=mid), p, s)
+            if pt.fits:
+                best, hi = (mid, pt), mid
+            else:
+                lo = mid + 1
+        return best
+
+    def row(self, cfg, v: Variant, p: int, s: int, point, gpu: str) -> dict:
+        from megatron_metp.measure.timeline_report import _flop_model
+        from megatron_metp.models.flops import training_flops
+
+        L = cfg.layers_per_device
+        step = self.step_times(cfg, v, p, s, point.params_per_rank)[gpu] if point.fits else None
+        model_flops = training_flops(_flop_model(cfg), self.settings.micro_batch, s) * L / p
+        m = self.machines[gpu]
+        return dict(model=cfg.name, p=p, gpu=gpu, seq_length=s, family=v.family,
+                    flags=" ".join(v.flags(p, L)), fits=bool(point.fits),
+                    step_ms=step * 1e3 if step else None,
+                    tokens_per_s=s * self.settings.micro_batch / step if step else None,
+                    mfu=model_flops / step / m.peak_flops if step else None,
+                    memory_gib=point.needed_bytes / GIB, fastest=False,
+                    layers=L, context_parallel=v.cp, recompute=" ".join(v.recompute_flags(L)),
+                    tp_comm_overlap=v.overlap, metp_attention=(
+                        f"{v.ring_pass}/{v.qkv}" if v.family == "metp" else ""))
+
+    # ---- the search -------------------------------------------------------------------------
+
+    def fastest(self, cfg, family: str, p: int, s: int) -> Tuple[Optional[Variant], object]:
+        """The family's fastest configuration that fits at s, by the first GPU's estimate, and
+        its plan point; (None, point of the most frugal configuration) when none fits."""
+        g0 = self.gpus[0]
+        fitting = []  # (time, variant, point)
+        bases = self.base_variants(cfg, family, p)
+        groups: Dict[tuple, List[Variant]] = {}
+        for v in bases:  # one group per attention / TP x CP / overlap choice
+            groups.setdefault((v.cp, v.ring_pass, v.qkv, v.overlap), []).append(v)
+        for members in groups.values():
+            fit_sets: List[set] = []
+            for v in members:  # SELECTIVE order: less recompute first
+                # Recomputing a superset of what already fits only adds time: skip it.
+                if any(set(v.selective) >= f for f in fit_sets):
+                    continue
+                pt = self.plan(cfg, v, p, s)
+                if pt.fits:
+                    fit_sets.append(set(v.selective))
+                    fitting.append((self.step_times(cfg, v, p, s, pt.params_per_rank)[g0], v,
+                                    pt))
+            # Full recompute of the fewest layers that fit, unless the norms alone already fit
+            # (one more forward of k layers costs more than the norms' recompute).
+            if any(f <= set(NORMS_ONLY[1]) for f in fit_sets):
+                continue
+            got = self.fewest_blocks(cfg, replace(members[0], selective=()), p, s)
+            if got:
+                k, pt = got
+                w = replace(members[0], selective=(), block=k)
+                fitting.append((self.step_times(cfg, w, p, s, pt.params_per_rank)[g0], w, pt))
+        if fitting:
+            _, v, pt = min(fitting, key=lambda f: f[0])
+            return v, pt
+        frugal = self.frugal(cfg, family, p)
+        return None, self.plan(cfg, frugal[0], p, s)
+
+    def longest(self, cfg, family: str, p: int):
+        """The family's longest sequence (multiple of 1024 tokens) and its configuration:
+        the most frugal configurations' longest (``Planner.longest_sequence``)."""
+        best = None
+        for v in self.frugal(cfg, family, p):
+            pt = self.planner.longest_sequence(
+                cfg, v.mode, p, progress=lambda s, pt: self._tick(cfg, family, p, s, "longest"),
+                **v.settings(cfg.layers_per_device))
+            if pt is not None and (best is None or pt.seq_length > best[1].seq_length):
+                best = (v, pt)
+        return best
+
+    def _tick(self, cfg, family, p, s, what) -> None:
+        self.probes += 1
+        self.progress(f"{cfg.name} p={p} {family}: {what} s={seq_label(s)}")
+
+
+def seq_grid(limit: int, lo: int = 4096) -> List[int]:
+    """Powers of two from ``lo`` up to ``limit``."""
+    out, s = [], lo
+    while s <= limit:
+        out.append(s)
+        s *= 2
+    return out
+
+
+def run_frontier(cfgs, ps, gpus, settings: PlanSettings, host_op_s: float, gpus_per_node: int,
+                 families=FAMILIES, log=None) -> dict:
+    """The frontier of every model and p (module docstring): the JSON document."""
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    t_all = time.time()
+    last = [0.0]
+
+    def progress(msg):  # at most one line a second, and always the per-model ones
+        if time.time() - last[0] >= 1.0:
+            last[0] = time.time()
+            log(f"[metp plan --frontier {time.time() - t_all:5.0f} s] {msg}")
+
+    fr = Frontier(settings, gpus, host_op_s, gpus_per_node, progress)
+    rows, longest = [], []
+    for i, cfg in enumerate(cfgs):
+        for p in ps:
+            t0 = time.time()
+            log(f"[metp plan --frontier {time.time() - t_all:5.0f} s] model {i + 1}/{len(cfgs)} "
+                f"{cfg.name} p={p}: longest sequence per family")
+            limits = {}
+            for fam in families:
+                got = fr.longest(cfg, fam, p)
+                if got:
+                    v, pt = got
+                    limits[fam] = pt.seq_length
+                    longest.append(dict(model=cfg.name, p=p, family=fam,
+                                        seq_length=pt.seq_length,
+                                        flags=" ".join(v.flags(p, cfg.layers_per_device))))
+            top = max(limits.values(), default=0)
+            seqs = sorted(set(seq_grid(top)) | set(limits.values()))
+            log(f"[metp plan --frontier {time.time() - t_all:5.0f} s] {cfg.name} p={p}: longest "
+                + ", ".join(f"{f} {seq_label(s)}" for f, s in limits.items())
+                + f"; {len(seqs)} lengths to plan")
+            for j, s in enumerate(seqs):
+                here = []
+                for fam in families:
+                    if s > limits.get(fam, 0):
+                        continue
+                    progress(f"{cfg.name} p={p} s={seq_label(s)} ({j + 1}/{len(seqs)}) {fam}")
+                    v, pt = fr.fastest(cfg, fam, p, s)
+                    if v is None:  # the frugal plan found it fits at its limit only
+                        continue
+                    for g in gpus:
+                        here.append(fr.row(cfg, v, p, s, pt, g))
+                for g in gpus:
+                    mine = [r for r in here if r["gpu"] == g and r["fits"]]
+                    if mine:
+                        min(mine, key=lambda r: r["step_ms"])["fastest"] = True
+                rows += here
+            log(f"[metp plan --frontier {time.time() - t_all:5.0f} s] {cfg.name} p={p} done in "
+                f"{time.time() - t0:.0f} s ({fr.probes} probes so far)")
+    fr.planner.world.teardown()
+    return dict(label=ESTIMATE, settings=dict(memory_gib=settings.memory_gib,
+                                              reserve_gib=settings.reserve_gib,
+                                              fragmentation=settings.fragmentation,
+                                              efficiency=settings.efficiency,
+                                              host_op_us=host_op_s * 1e6),
+                frontier=rows, longest=longest, seconds=time.time() - t_all)
+
+
+# ---- reports ---------------------------------------------------------------------------------
+
+
+def markdown(doc: dict) -> str:
+    rows = doc["frontier"]
+    out = ["ESTIMATE: step times simulated (megatron_metp/measure/timeline.py), not measured on "
+           "a GPU; memory planned under FakeTensorMode (megatron_metp/measure/planner.py). "
+           "Step = the device's layers, LM head and optimizer left out for every family; MFU = "
+           "model FLOPs (causal half, no recompute) / (step x peak). ★ = the fastest that fits "
+           "at that length.\n",
+           "| model | p | GPU | s | family | step ms | tokens/s | MFU | GiB | flags |",
+           "|---|---:|---|---:|---|---:|---:|---:|---:|---|"]
+    for r in rows:
+        out.append(f"| {r['model']} | {r['p']} | {r['gpu']} | {seq_label(r['seq_length'])} | "
+                   f"{r['family']}{' ★' if r['fastest'] else ''} | {r['step_ms']:,.1f} | "
+                   f"{r['tokens_per_s']:,.0f} | {r['mfu']:.1%} | {r['memory_gib']:.1f} | "
+                   f"`{r['flags']}` |")
+    out.append("\n### Longest sequence per family\n")
+    out.append("| model | p | family | longest | flags |")
+    out.append("|---|---:|---|---:|---|")
+    for r in doc["longest"]:
+        out.append(f"| {r['model']} | {r['p']} | {r['family']} | {seq_label(r['seq_length'])} | "
+                   f"`{r['flags']}` |")
+    return "\n".join(out)
+
+
+def svg(doc: dict, path: str) -> None:
+    """Tokens/s against s (log axes), one line per family ending at its longest sequence, one
+    panel per (model, p, GPU): a dependency-free SVG titled ESTIMATE."""
+    rows = doc["frontier"]
+    panels = sorted({(r["model"], r["p"], r["gpu"]) for r in rows})
+    colours = {"stock": "#1f77b4", "metp": "#d62728", "wallfacer": "#2ca02c"}
+    W, H, m = 380, 260, 55
+    cols = min(len(panels), 2) or 1
+    nrows = -(-len(panels) // cols)
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W * cols}" '
+             f'height="{H * nrows + 40}" font-family="sans-serif" font-size="11">',
+             '<rect width="100%" height="100%" fill="white"/>',
+             '<text x="10" y="18" font-size="14">ESTIMATE (simulated, not measured): tokens/s '
+             'of the fastest configuration that fits, per family</text>']
+    for n, (model, p, gpu) in enumerate(panels):
+        x0 = (n % cols) * W + m
+        y0 = (n // cols) * H + 50
+        pw, ph = W - m - 20, H - 75
+        pr = [r for r in rows if (r["model"], r["p"], r["gpu"]) == (model, p, gpu)]
+        seqs = [r["seq_length"] for r in pr]
+        tps = [r["tokens_per_s"] for r in pr if r["tokens_per_s"]]
+        sx0, sx1 = math.log2(min(seqs)), math.log2(max(seqs))
+        ty0 = math.floor(math.log10(min(tps)))
+        ty1 = math.ceil(math.log10(max(tps)))
+        if ty1 == ty0:
+            ty1 += 1
+        xs = lambda s: x0 + pw * (math.log2(s) - sx0) / ((sx1 - sx0) or 1)  # noqa: E731
+        ys = lambda v: y0 + ph * (1 - (math.log10(v) - ty0) / (ty1 - ty0))  # noqa: E731
+        parts.append(f'<text x="{x0}" y="{y0 - 6}">ESTIMATE {model}, p={p}, {gpu}</text>')
+        parts.append(f'<rect x="{x0}" y="{y0}" width="{pw}" height="{ph}" fill="none" '
+                     f'stroke="#888"/>')
+        for e in range(ty0, ty1 + 1):
+            parts.append(f'<text x="{x0 - 45}" y="{ys(10 ** e) + 4:.1f}">1e{e}</text>')
+        k = int(sx0)
+        while k <= sx1:
+            if k == int(k):
+                parts.append(f'<text x="{xs(2 ** k) - 10:.1f}" y="{y0 + ph + 14}">'
+                             f'{seq_label(2 ** k)}</text>')
+            k += 2
+        parts.append(f'<text x="{x0 + pw / 2 - 60}" y="{y0 + ph + 30}">sequence length s '
+                     f'(log)</text>')
+        parts.append(f'<text x="{x0 - 48}" y="{y0 - 6 + 0}" transform="rotate(0)"></text>')
+        for j, fam in enumerate(FAMILIES):
+            pts = sorted((r["seq_length"], r["tokens_per_s"]) for r in pr
+                         if r["family"] == fam and r["tokens_per_s"])
+            if not pts:
+                continue
+            c = colours[fam]
+            d = " ".join(f"{xs(s):.1f},{ys(v):.1f}" for s, v in pts)
+            parts.append(f'<polyline points="{d}" fill="none" stroke="{c}" stroke-width="2"/>')
+            ex, ey = xs(pts[-1][0]), ys(pts[-1][1])
+            parts.append(f'<circle cx="{ex:.1f}" cy="{ey:.1f}" r="3.5" fill="{c}"/>')
+            parts.append(f'<text x="{x0 + pw - 110}" y="{y0 + 14 + 13 * j}" fill="{c}">'
+                         f'{fam} (to {seq_label(pts[-1][0])})</text>')
+        parts.append(f'<text x="{x0 + 4}" y="{y0 + ph - 6}" fill="#555">tokens/s (log)</text>')
+    parts.append("</svg>")
+    with open(path, "w") as f:
+        f.write("\n".join(parts))
+
+
+def write(doc: dict, json_path: Optional[str], svg_path: Optional[str]) -> None:
+    if json_path:
+        os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
+        with open(json_path, "w") as f:
+            json.dump(doc, f, indent=1)
+    if svg_path:
+        os.makedirs(os.path.dirname(os.path.abspath(svg_path)), exist_ok=True)
+        svg(doc, svg_path)
+
+
+__all__ = ["FAMILIES", "Variant", "Frontier", "run_frontier", "markdown", "svg", "write",
+           "seq_grid", "SEQ_GRANULE", "asdict"]
