@@ -150,6 +150,8 @@ class Frontier:
                         out.append(Variant("stock", "tp", cp, sel, overlap=True))
             return out
         if family == "metp":
+            if cfg.num_query_groups % p:  # each ring rank owns whole query groups
+                return []
             choices = self.planner.metp_choices(cfg, "metp", p, 0)
             return [Variant("metp", "metp", 1, sel, ring_pass=r, qkv=q)
                     for r, q in choices for sel in NORMS_ONLY]
@@ -163,6 +165,8 @@ class Frontier:
             return [Variant("stock", "tp", v.cp, block=L) for v in self.base_variants(
                 cfg, family, p) if not v.selective and not v.overlap]
         if family == "metp":
+            if cfg.num_query_groups % p:
+                return []
             r, q = self.planner.metp_choices(cfg, "metp", p, 0)[-1]
             return [Variant("metp", "metp", 1, block=L, ring_pass=r, qkv=q)]
         return [Variant("wallfacer", "wallfacer", p, block=L)]
@@ -250,10 +254,9 @@ class Frontier:
 
     # ---- the search -------------------------------------------------------------------------
 
-    def fastest(self, cfg, family: str, p: int, s: int) -> Tuple[Optional[Variant], object]:
-        """The family's fastest configuration that fits at s, by the first GPU's estimate, and
-        its plan point; (None, point of the most frugal configuration) when none fits."""
-        g0 = self.gpus[0]
+    def fastest(self, cfg, family: str, p: int, s: int) -> Dict[str, tuple]:
+        """The family's fastest configuration that fits at s on each GPU: {gpu: (variant,
+        point)}; {} when none fits."""
         fitting = []  # (time, variant, point)
         bases = self.base_variants(cfg, family, p)
         groups: Dict[tuple, List[Variant]] = {}
@@ -268,8 +271,7 @@ class Frontier:
                 pt = self.plan(cfg, v, p, s)
                 if pt.fits:
                     fit_sets.append(set(v.selective))
-                    fitting.append((self.step_times(cfg, v, p, s, pt.params_per_rank)[g0], v,
-                                    pt))
+                    fitting.append((self.step_times(cfg, v, p, s, pt.params_per_rank), v, pt))
             # Full recompute of the fewest layers that fit, unless the norms alone already fit
             # (one more forward of k layers costs more than the norms' recompute).
             if any(f <= set(NORMS_ONLY[1]) for f in fit_sets):
@@ -278,12 +280,13 @@ class Frontier:
             if got:
                 k, pt = got
                 w = replace(members[0], selective=(), block=k)
-                fitting.append((self.step_times(cfg, w, p, s, pt.params_per_rank)[g0], w, pt))
-        if fitting:
-            _, v, pt = min(fitting, key=lambda f: f[0])
-            return v, pt
-        frugal = self.frugal(cfg, family, p)
-        return None, self.plan(cfg, frugal[0], p, s)
+                fitting.append((self.step_times(cfg, w, p, s, pt.params_per_rank), w, pt))
+        out = {}
+        for g in self.gpus:
+            if fitting:
+                _, v, pt = min(fitting, key=lambda f: f[0][g])
+                out[g] = (v, pt)
+        return out
 
     def longest(self, cfg, family: str, p: int):
         """The family's longest sequence (multiple of 1024 tokens) and its configuration:
@@ -350,10 +353,7 @@ def run_frontier(cfgs, ps, gpus, settings: PlanSettings, host_op_s: float, gpus_
                     if s > limits.get(fam, 0):
                         continue
                     progress(f"{cfg.name} p={p} s={seq_label(s)} ({j + 1}/{len(seqs)}) {fam}")
-                    v, pt = fr.fastest(cfg, fam, p, s)
-                    if v is None:  # the frugal plan found it fits at its limit only
-                        continue
-                    for g in gpus:
+                    for g, (v, pt) in fr.fastest(cfg, fam, p, s).items():
                         here.append(fr.row(cfg, v, p, s, pt, g))
                 for g in gpus:
                     mine = [r for r in here if r["gpu"] == g and r["fits"]]

@@ -10,17 +10,20 @@ Tables
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from typing import List, Optional
 
 from megatron_metp.measure import timeline_report
 from megatron_metp.measure.planner import (
+    CP_STAND_IN,
     GIB,
     Planner,
     PlanSettings,
     memory_table,
     point_dict,
+    recompute_flags,
     seq_label,
 )
 
@@ -90,6 +93,28 @@ def add_arguments(parser) -> None:
     a("--host-memory-gb", type=float, default=None, metavar="GIB",
       help="with --cpu-offloading-num-layers: pinned host memory per GPU the offloaded "
            "activations may use (a DGX H100: 2 TiB per node = 256 per GPU); default no limit")
+    a("--recompute-granularity", choices=("selective", "full"), default=None,
+      help="Megatron's recompute in every mode: selective (--recompute-modules, default "
+           "core_attn) or full (--recompute-method, --recompute-num-layers): the layer runs "
+           "inside Megatron's CheckpointFunction")
+    a("--recompute-method", choices=("uniform", "block"), default=None,
+      help="full recompute: uniform (chunks of --recompute-num-layers, default) or block (the "
+           "first --recompute-num-layers layers of the stage)")
+    a("--recompute-num-layers", type=int, default=None, metavar="N",
+      help="full recompute: layers per chunk (uniform) or checkpointed layers (block); "
+           "default 1")
+    a("--context-parallel-size", type=int, default=1, metavar="CP",
+      help="stock tp as TP x CP = p (TP = p / CP, --cp-comm-type p2p, the distributed "
+           "optimizer over CP); Transformer Engine's CP attention is stood in for by the "
+           "plugin's ring attention (megatron_metp/measure/planner.py, CP_STAND_IN)")
+    a("--frontier", action="store_true",
+      help="the throughput-vs-length frontier: for each model, p and GPU and each s from 4k "
+           "to the longest any configuration fits, the fastest configuration that fits per "
+           "family (stock: TP x CP, --tp-comm-overlap, selective and full recompute; metp; "
+           "wallfacer), its Megatron-LM flags, ESTIMATED step time, tokens/s, MFU and memory "
+           "(defaults: the four paper models, --p 8, --gpus H100,A100)")
+    a("--frontier-dir", default="frontier", metavar="DIR",
+      help="where --frontier writes frontier.json, frontier.md and frontier.svg")
     a("--json", default=None, metavar="PATH", help="write every planned point as JSON")
     timeline_report.add_arguments(parser)
 
@@ -142,6 +167,27 @@ def _check(args) -> None:
                          f">= 0 (0 = no offloading)")
     if args.host_memory_gb is not None and args.host_memory_gb <= 0:
         raise ValueError(f"--host-memory-gb {args.host_memory_gb}: must be > 0 (GiB per GPU)")
+    if args.recompute_modules and args.recompute_granularity == "full":
+        raise ValueError("--recompute-modules is for --recompute-granularity selective; drop "
+                         "one of them")
+    if (args.recompute_method or args.recompute_num_layers is not None) and \
+            args.recompute_granularity != "full":
+        raise ValueError("--recompute-method / --recompute-num-layers need "
+                         "--recompute-granularity full")
+    if args.recompute_num_layers is not None and args.recompute_num_layers < 1:
+        raise ValueError(f"--recompute-num-layers {args.recompute_num_layers}: must be >= 1")
+    cp = args.context_parallel_size
+    if cp < 1:
+        raise ValueError(f"--context-parallel-size {cp}: must be >= 1")
+    if cp > 1:
+        for p in _ints(args.p) + _ints(args.longest_p):
+            if p % cp:
+                raise ValueError(f"--context-parallel-size {cp} must divide every "
+                                 f"--tensor-model-parallel-size, not {p}")
+    if args.frontier and args.timeline:
+        raise ValueError("--frontier and --timeline are two reports: run one at a time")
+    if os.path.exists(args.frontier_dir) and not os.path.isdir(args.frontier_dir):
+        raise ValueError(f"--frontier-dir {args.frontier_dir}: exists and is not a directory")
     bad = [m for m in _modules(args.recompute_modules) or [] if m not in RECOMPUTE_MODULES]
     if bad:
         raise ValueError(f"--recompute-modules {args.recompute_modules}: {bad[0]!r} is not one "
@@ -154,6 +200,8 @@ def run(args) -> int:
     from megatron_metp.models.config import load_config
 
     _check(args)
+    if args.frontier:
+        return run_frontier(args)
     if args.timeline:
         return timeline_report.run(args, _ints, DEFAULT_MODELS,
                                    ",".join(seq_label(s) for s in DEFAULT_SEQS))
@@ -166,7 +214,8 @@ def run(args) -> int:
                             distributed_optimizer=args.use_distributed_optimizer,
                             efficiency=args.efficiency,
                             count_send_buffers=args.count_send_buffers,
-                            recompute_modules=_modules(args.recompute_modules),
+                            **_recompute(args),
+                            context_parallel=args.context_parallel_size,
                             offload_layers=args.cpu_offloading_num_layers,
                             host_memory_gib=args.host_memory_gb,
                             megatron_fsdp=args.use_megatron_fsdp,
@@ -181,9 +230,11 @@ def run(args) -> int:
     points = [planner.plan(cfg, mode, p, s)
               for cfg in cfgs for p in ps for mode in modes for s in seqs]
     out: List[str] = []
-    if settings.recompute_modules:
-        out.append(f"Selective recompute in every mode: --recompute-granularity selective "
-                   f"--recompute-modules {' '.join(settings.recompute_modules)}\n")
+    if settings.recompute_granularity:
+        out.append(f"Recompute in every mode: {' '.join(recompute_flags(settings))}\n")
+    if settings.context_parallel > 1:
+        out.append(f"Stock tp as TP x CP: --context-parallel-size "
+                   f"{settings.context_parallel} --cp-comm-type p2p ({CP_STAND_IN})\n")
     if settings.offload_layers:
         out.append(f"Activation offloading in every mode: --cpu-offloading "
                    f"--cpu-offloading-num-layers {settings.offload_layers} (at most the layers "
@@ -251,6 +302,57 @@ def run(args) -> int:
             json.dump(dict(settings=vars(settings), points=[point_dict(x) for x in points],
                            longest=longest, timed=timed), f, indent=1)
     planner.world.teardown()
+    return 0
+
+
+def _recompute(args) -> dict:
+    """PlanSettings fields of the plan's recompute flags."""
+    gran = args.recompute_granularity
+    modules = _modules(args.recompute_modules)
+    if gran == "full":
+        return dict(recompute_granularity="full",
+                    recompute_method=args.recompute_method or "uniform",
+                    recompute_num_layers=args.recompute_num_layers or 1)
+    if gran == "selective" or modules:  # --recompute-modules alone: selective, as before
+        return dict(recompute_granularity="selective",
+                    recompute_modules=modules or ["core_attn"])
+    return {}
+
+
+def run_frontier(args) -> int:
+    """``metp plan --frontier`` (``measure.frontier``): progress on stderr, the table on stdout,
+    frontier.json / .md / .svg in --frontier-dir."""
+    import warnings
+
+    from megatron_metp.measure import frontier
+    from megatron_metp.measure.planner import quiet_megatron
+    from megatron_metp.measure.timeline import GPUS
+    from megatron_metp.models.config import load_config
+
+    warnings.filterwarnings("ignore")
+    gpus = [g.strip() for g in args.gpus.split(",") if g.strip()]
+    bad = [g for g in gpus if g not in GPUS]
+    if bad or not gpus:
+        raise ValueError(f"--gpus {args.gpus!r}: choose from {', '.join(GPUS)}")
+    ps = [8] if args.p == "2,4,8" else _ints(args.p)
+    settings = PlanSettings(memory_gib=args.memory_gb, reserve_gib=args.reserve_gb,
+                            fragmentation=args.fragmentation, efficiency=args.efficiency,
+                            distributed_optimizer=args.use_distributed_optimizer)
+    cfgs = [load_config(n.strip()) for n in args.models.split(",") if n.strip()]
+    with quiet_megatron():
+        doc = frontier.run_frontier(cfgs, ps, gpus, settings, args.host_op_us * 1e-6,
+                                    args.gpus_per_node)
+    md = frontier.markdown(doc)
+    print(md)
+    d = args.frontier_dir
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "frontier.md"), "w") as f:
+        f.write(md + "\n")
+    frontier.write(doc, args.json or os.path.join(d, "frontier.json"),
+                   os.path.join(d, "frontier.svg"))
+    print(f"\n[metp plan --frontier] {doc['seconds']:.0f} s; wrote "
+          f"{args.json or os.path.join(d, 'frontier.json')}, {d}/frontier.md, "
+          f"{d}/frontier.svg (ESTIMATES)")
     return 0
 
 
