@@ -452,7 +452,9 @@ def apply_megatron_fsdp() -> None:
     mcore_fsdp_adapter.DeviceMesh = _CpuMeshes
     mcore_fsdp_adapter._get_rng_state_dict = _fsdp_rng_state_dict
     mcore_fsdp_adapter._load_rng_state_dict = _fsdp_load_rng_state_dict
-    if not isinstance(mcore_fsdp_adapter.TELinear, type):  # no TE: no module is a TELinear
+    # core 0.16.1 imports TELinear for an isinstance check; 0.19 compares the class name instead.
+    te_linear = getattr(mcore_fsdp_adapter, "TELinear", None)
+    if te_linear is not None and not isinstance(te_linear, type):  # no TE: no TELinear
         mcore_fsdp_adapter.TELinear = type("NoTELinear", (), {})
     from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer as pgb
 
@@ -613,6 +615,9 @@ def apply() -> None:
 
     torch.cuda.current_device = _cpu_current_device
     torch.cuda.synchronize = _cpu_synchronize
+    # Megatron-Core >= 0.19: DDP's start_grad_sync (distributed.param_and_grad_buffer) asks
+    # torch.cuda.current_stream() on every gradient sync, overlap or not; one in-order executor.
+    torch.cuda.current_stream = lambda device=None: _CPU_STREAM
 
     from megatron.core.tensor_parallel import random as mrandom
 
@@ -627,6 +632,10 @@ def apply() -> None:
     _wrap_method(optimizer.FP32Optimizer, "__init__")
     _wrap_method(optimizer.MixedPrecisionOptimizer, "__init__")
     _wrap_method(optimizer.Float16OptimizerWithFloat16Params, "__init__", cuda_type_names=True)
+    # core 0.19: ChainedOptimizer.step -> MegatronOptimizer.has_grad_norm_group all-reduces a
+    # flag made with device='cuda' (absent in 0.16.1).
+    if "has_grad_norm_group" in vars(optimizer.MegatronOptimizer):
+        _wrap_method(optimizer.MegatronOptimizer, "has_grad_norm_group")
     # Tied embeddings under pipeline parallelism: the last stage's copy of the word embedding
     # is moved with .cuda() before the first/last-stage all-reduce that equalises it.
     from megatron.core.models.common.language_module.language_module import LanguageModule

@@ -78,8 +78,10 @@ def _megatron_initialize():
     return importlib.import_module("megatron.training.initialize")
 
 
-def _initialize_distributed(get_embedding_ranks, get_position_embedding_ranks, store):
-    """Stand-in 2: the process group and Megatron-Core's groups, without a CUDA device."""
+def _initialize_distributed(get_embedding_ranks, get_position_embedding_ranks, store,
+                            skip_model_parallel_init=False):
+    """Stand-in 2: the process group and Megatron-Core's groups, without a CUDA device.
+    ``skip_model_parallel_init`` (core_v0.19: the caller builds the groups) as Megatron-LM's."""
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
     from megatron.training import get_args
@@ -91,8 +93,13 @@ def _initialize_distributed(get_embedding_ranks, get_position_embedding_ranks, s
         dist.init_process_group(
             backend=args.distributed_backend, store=store, world_size=args.world_size,
             rank=args.rank, timeout=timedelta(minutes=args.distributed_timeout_minutes))
-    if mpu.model_parallel_is_initialized():
+    if skip_model_parallel_init or mpu.model_parallel_is_initialized():
         return
+    # --disable-gloo-process-groups: args.enable_gloo_process_groups up to core_v0.17,
+    # args.use_gloo_process_groups from core_v0.19 (megatron/training/config/common_config.py).
+    gloo = getattr(args, "use_gloo_process_groups", None)
+    if gloo is None:
+        gloo = args.enable_gloo_process_groups
     mpu.initialize_model_parallel(
         args.tensor_model_parallel_size,
         args.pipeline_model_parallel_size,
@@ -106,7 +113,7 @@ def _initialize_distributed(get_embedding_ranks, get_position_embedding_ranks, s
         order="tp-cp-ep-dp-pp" if not args.use_tp_pp_dp_mapping else "tp-cp-ep-pp-dp",
         get_embedding_ranks=get_embedding_ranks,
         get_position_embedding_ranks=get_position_embedding_ranks,
-        create_gloo_process_groups=args.enable_gloo_process_groups,
+        create_gloo_process_groups=gloo,
     )
 
 
@@ -115,15 +122,23 @@ def _seeded_tracker(original: Callable) -> Callable:
 
     @functools.wraps(original)
     def _set_random_seed(seed_, data_parallel_random_init=False, te_rng_tracker=False,
-                         inference_rng_tracker=False, use_cudagraphable_rng=False):
+                         inference_rng_tracker=False, use_cudagraphable_rng=False,
+                         pp_group=None, dp_group=None, **groups):
+        # core_v0.19 adds pp_group, dp_group, tp_group, ep_group, etp_group (None: mpu's).
+        if pp_group is not None or dp_group is not None or groups:
+            groups.update(pp_group=pp_group, dp_group=dp_group)
         original(seed_, data_parallel_random_init, te_rng_tracker, inference_rng_tracker,
-                 use_cudagraphable_rng)
+                 use_cudagraphable_rng, **groups)
+        import torch.distributed as dist
         from megatron.core import parallel_state as mpu
         from megatron.core import tensor_parallel
 
-        seed = seed_ + 100 * mpu.get_pipeline_model_parallel_rank()
+        pp_rank = (dist.get_rank(pp_group) if pp_group is not None
+                   else mpu.get_pipeline_model_parallel_rank())
+        seed = seed_ + 100 * pp_rank
         if data_parallel_random_init:
-            seed += 10 * mpu.get_data_parallel_rank()
+            seed += 10 * (dist.get_rank(dp_group) if dp_group is not None
+                          else mpu.get_data_parallel_rank())
         tensor_parallel.model_parallel_cuda_manual_seed(seed, te_rng_tracker,
                                                         inference_rng_tracker)
 
@@ -146,7 +161,7 @@ def _compile_dependencies() -> None:
     dist.barrier()
 
 
-def _no_jit_warmup() -> None:
+def _no_jit_warmup(*_args, **_kwargs) -> None:
     """Stand-in 5: nothing to warm up on CPU (and no random numbers drawn)."""
 
 

@@ -226,10 +226,15 @@ def _masked_rank_task():
         # Reference: every rank's per-token losses gathered; mean over the unmasked ones.
         from megatron.core.utils import get_batch_on_this_cp_rank
 
-        local = get_batch_on_this_cp_rank(dict(loss_mask=mask.clone()))["loss_mask"]
+        import inspect
+
+        group = mpu.get_context_parallel_group()
+        kw = {"cp_group": group}  # core 0.19 reads None as the world group
+        if "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters:
+            kw["is_hybrid_cp"] = False
+        local = get_batch_on_this_cp_rank(dict(loss_mask=mask.clone()), **kw)["loss_mask"]
         parts = [torch.empty_like(out) for _ in range(P)]
         masks = [torch.empty_like(local) for _ in range(P)]
-        group = mpu.get_context_parallel_group()
         dist.all_gather(parts, out.detach().contiguous(), group=group)
         dist.all_gather(masks, local.contiguous(), group=group)
         num = sum((o.double() * m).sum() for o, m in zip(parts, masks))

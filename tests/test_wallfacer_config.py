@@ -4,6 +4,7 @@ Pure logic, no ranks: every claim of ``config_generator``'s docstring is checked
 over the schedule it produces.
 """
 
+import inspect
 import itertools
 
 import pytest
@@ -124,7 +125,14 @@ def test_positions_match_megatron_slicing(monkeypatch):
         monkeypatch.setattr(mcore_utils.parallel_state, "get_context_parallel_world_size",
                             lambda: P)
         monkeypatch.setattr(mcore_utils.parallel_state, "get_context_parallel_rank", lambda: r)
-        ref = mcore_utils.get_batch_on_this_cp_rank({"tokens": full[None].clone()})["tokens"][0]
+        kw = {}
+        if "is_hybrid_cp" in inspect.signature(mcore_utils.get_batch_on_this_cp_rank).parameters:
+            # core 0.19 reads rank and size from torch.distributed on its cp_group argument.
+            monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: P)
+            monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: r)
+            kw["is_hybrid_cp"] = False
+        ref = mcore_utils.get_batch_on_this_cp_rank({"tokens": full[None].clone()},
+                                                    **kw)["tokens"][0]
         # ... which is chunks r and 2P-1-r of 2P, written out: the layout the code relies on.
         assert ref.tolist() == full.view(2 * P, -1)[[r, 2 * P - 1 - r]].reshape(-1).tolist()
         assert torch.equal(shards[r], ref)

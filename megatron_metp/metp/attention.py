@@ -783,7 +783,10 @@ class MetpSelfAttention(SelfAttention):
         cp_comm_type: Optional[str] = None,
         pg_collection=None,
         kernel_backend: Optional[str] = None,
+        **kwargs,
     ):
+        # Megatron-Core >= 0.19 also passes ``name`` (and ``pp_layer_offset``): forwarded to
+        # SelfAttention, which takes them there (0.16.1's SelfAttention never receives them).
         if pg_collection is None:
             from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -797,7 +800,7 @@ class MetpSelfAttention(SelfAttention):
 
             submodules = dataclasses.replace(submodules, core_attention=IdentityOp)
         super().__init__(config, submodules, layer_number, attn_mask_type=attn_mask_type,
-                         cp_comm_type=cp_comm_type, pg_collection=pg_collection)
+                         cp_comm_type=cp_comm_type, pg_collection=pg_collection, **kwargs)
         # The attention kernel (megatron_metp.kernels.BACKENDS); None chooses per block.
         self.kernel_backend = kernel_backend
         if isinstance(self.q_layernorm, IdentityOp):

@@ -120,7 +120,15 @@ class MetpMLP(MLP):
         input_size: Optional[int] = None,
         ffn_hidden_size: Optional[int] = None,
         tp_group: Optional[dist.ProcessGroup] = None,
+        pg_collection=None,
+        is_mtp_layer: bool = False,
+        name: Optional[str] = None,
     ):
+        # Megatron-Core >= 0.19's TransformerLayer calls its mlp submodule with pg_collection,
+        # is_mtp_layer and name (MLP.as_mlp_submodule's signature); 0.16.1 passes none of them.
+        if tp_group is None and pg_collection is not None:
+            tp_group = pg_collection.tp
+        extra = {} if name is None else {"name": name}
         if is_expert:
             raise MetpConfigError(
                 "the METP MLP is not an expert MLP: MoE layers (--num-experts) keep Megatron's "
@@ -134,7 +142,8 @@ class MetpMLP(MLP):
         group = get_tensor_model_parallel_group_if_none(tp_group, is_expert=False)
         p = dist.get_world_size(group) if group is not None else 1
         validate_metp_mlp(config, tp_size=p, ffn_hidden_size=ffn_hidden_size)
-        super().__init__(config, submodules, is_expert, input_size, ffn_hidden_size, tp_group)
+        super().__init__(config, submodules, is_expert, input_size, ffn_hidden_size, tp_group,
+                         **extra)
         # Built by MLP.__init__ from the same group; kept explicitly for the ring.
         self.ring_group = group
         self.ring_size = p

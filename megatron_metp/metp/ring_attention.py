@@ -1,4 +1,4 @@
-"""METP's attention inner loop (paper Alg. 3-4): each rank keeps its queries, K/V travel a ring.
+r"""METP's attention inner loop (paper Alg. 3-4): each rank keeps its queries, K/V travel a ring.
 
 Shapes on rank r of a ring of p ranks (rank r owns tokens [r*s/p, (r+1)*s/p), contiguous)::
 

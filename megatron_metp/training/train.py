@@ -333,7 +333,16 @@ def _forward_step(cp_size: int, device: torch.device, data_iterator, model):
 
     batch = {k: v.to(device) for k, v in next(data_iterator).items()}
     if cp_size > 1:  # Megatron's load-balanced layout: chunks r and 2CP-1-r of 2CP
-        batch = get_batch_on_this_cp_rank(batch)
+        # The CP group explicitly: core 0.19's split reads cp_group=None as the WORLD group
+        # (0.16.1: mpu's CP group), and 0.19 requires is_hybrid_cp (False: same zigzag split).
+        import inspect
+
+        from megatron.core import parallel_state as mpu
+
+        kw = {"cp_group": mpu.get_context_parallel_group()}
+        if "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters:
+            kw["is_hybrid_cp"] = False
+        batch = get_batch_on_this_cp_rank(batch, **kw)
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     return output, functools.partial(_loss_func, batch["loss_mask"], cp_size)
 
