@@ -53,6 +53,12 @@ FAMILIES = ("stock", "metp", "wallfacer")
 SELECTIVE = ((), ("layernorm",), ("layernorm", "mlp"), ("layernorm", "core_attn"),
              ("layernorm", "core_attn", "mlp"))
 NORMS_ONLY = ((), ("layernorm",))   # "without recompute": nothing beyond the norms
+# Megatron-Core 0.16.1's selective ``mlp`` recompute of an MLP with linear biases (BERT-Large,
+# GPT-175B; the local spec) never ends its backward: the MLP hands its fc2 bias, a parameter,
+# out through CheckpointFunction, and each backward's recompute enters another
+# CheckpointFunction backward (seen under FakeTensorMode on CPU). Such models are searched
+# without it (their other recompute choices remain); LLaMA's bias-free MLP keeps it.
+MLP_RECOMPUTE_WITH_BIAS = "skipped"
 
 
 @dataclass(frozen=True)
@@ -145,6 +151,8 @@ class Frontier:
                 if cfg.num_attention_heads % tp or cfg.num_query_groups % tp:
                     continue
                 for sel in SELECTIVE:
+                    if "mlp" in sel and cfg.add_bias_linear:
+                        continue  # MLP_RECOMPUTE_WITH_BIAS
                     out.append(Variant("stock", "tp", cp, sel))
                     if tp > 1:
                         out.append(Variant("stock", "tp", cp, sel, overlap=True))

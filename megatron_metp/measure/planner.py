@@ -351,7 +351,8 @@ def stack_activation(L: int, plain, ckpt, method: str, n: int, shared: int,
     * ``block`` k = ``n``: the first k layers are checkpointed one each (Megatron's block
       method), the other L - k kept whole. Their backward runs last-layer first: the peak is
       the last plain layer's (k R_f + (L - k - 1) R_n + P_n), or the last checkpointed one's
-      once every plain layer is done ((k - 1) R_f + P_f), or the head's after the forward.
+      once every plain layer is done ((k - 1) R_f + P_f, and one R_f more when a plain layer
+      consumed its output, as measured on Megatron's block), or the head's after the forward.
     * ``uniform`` n: ceil(L / n) chunks of n layers, each keeping its input; a chunk's backward
       recomputes its n layers: (C - 1) R_f + (n - 1) R_n + P_f (exact for n = 1, Megatron-LM's
       usual setting; for n > 1 the chunk's last layer is taken as the one at its peak).
@@ -372,7 +373,10 @@ def stack_activation(L: int, plain, ckpt, method: str, n: int, shared: int,
             terms.append(k * ckpt.retained + (L - k - 1) * plain.retained + plain.peak - sb_n
                          + shared)
         if k > 0:
-            terms.append((k - 1) * ckpt.retained + ckpt.peak - sb_f + shared)
+            # Measured against Megatron's TransformerBlock (tests/test_frontier.py): when a plain
+            # layer consumed the last checkpointed layer's output, that output is still alive
+            # while the checkpointed layer recomputes and runs its backward: one R_f more.
+            terms.append((k - 1 + (k < L)) * ckpt.retained + ckpt.peak - sb_f + shared)
         return max(terms)
     n = min(max(n, 1), L)
     chunks = -(-L // n)

@@ -1,0 +1,220 @@
+"""Stock's best and the frontier (issue 32): the planner's recompute and TP x CP plans, and
+``metp plan --frontier``.
+
+Fake runs happen in a subprocess (the planner initialises the ``fake`` process group in its own
+process), as in tests/test_planner.py.
+"""
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(script: str, timeout: int = 600) -> dict:
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True,
+                          text=True, timeout=timeout, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+# ------------------------------------------------------------------------------------------
+# The stacking model: the planner probes ONE layer plain and one inside Megatron's
+# CheckpointFunction and stacks the device's L layers from the two (planner.stack_activation).
+# Here Megatron's own TransformerBlock of L = 3 layers runs under FakeTensorMode with each
+# recompute setting (its _checkpointed_forward, for real), and its measured peak over its input
+# must equal the stacked prediction.
+
+_STACK_SCRIPT = """
+import json, warnings
+warnings.filterwarnings("ignore")
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from megatron.core.transformer.transformer_block import TransformerBlock
+from megatron_metp.models.config import parse_config
+from megatron_metp.measure import layer_probe
+from megatron_metp.measure.planner import FakeWorld, stack_activation, transformer_config
+from megatron_metp.specs import get_gpt_block_spec
+
+cfg = parse_config(dict(name="stack-gpt", num_layers=3, hidden_size=256, num_attention_heads=8,
+                        ffn_hidden_size=1024, vocab_size=258))
+P, S, L = 2, 65536, 3
+SETTINGS = [("none", None, 0), ("uniform", "uniform", 1), ("block-1", "block", 1),
+            ("block-2", "block", 2), ("uniform-3", "uniform", 3)]
+out = {}
+world = FakeWorld()
+for mode in ("tp", "metp"):
+    world.setup(mode, P)
+    probes = {}
+    for full in (False, True):
+        tcfg = transformer_config(cfg, P, mode, full_recompute=full)
+        with FakeTensorMode():
+            probes[full] = layer_probe.measure_layer(tcfg, mode, S)
+    for name, method, n in SETTINGS:
+        tcfg = transformer_config(cfg, P, mode)
+        tcfg.num_layers = L
+        if method:
+            tcfg.recompute_granularity = "full"
+            tcfg.recompute_method = method
+            tcfg.recompute_num_layers = n
+        with FakeTensorMode():
+            block = TransformerBlock(tcfg, get_gpt_block_spec(tcfg, mode), post_layer_norm=False,
+                                     post_process=False)
+            if mode == "metp":  # as MetpGPTModel runs it: the balanced causal layout
+                from megatron_metp.metp.attention import set_balanced_layout
+                for layer in block.layers:
+                    set_balanced_layout(layer, True)
+            block.train()
+            x = torch.empty(S // P, 1, cfg.hidden_size, dtype=torch.bfloat16).requires_grad_()
+            got = layer_probe._measure(block, x, lambda inp: block(inp, attention_mask=None))
+        ckpt = probes[True] if method else None
+        shared = max(probes[False].shared_buffer, ckpt.shared_buffer if ckpt else 0)
+        want = stack_activation(L, probes[False], ckpt, method or "uniform", n, shared, 0)
+        out[f"{mode}/{name}"] = dict(got=got.peak, want=want, retained=got.retained,
+                                     layer_out=S // P * cfg.hidden_size * 2)
+world.teardown()
+print("RESULT", json.dumps(out))
+"""
+
+
+def test_stacked_layers_equal_megatrons_block(report):
+    res = _run(_STACK_SCRIPT)
+    for key, r in res.items():
+        # The stacked prediction and the block's own measure count the same tensors (the
+        # checkpointed chunks' inputs, the plain layers' saved tensors, the peak of the layer
+        # whose backward runs), and fake tensors make byte counts deterministic: equal bytes.
+        assert r["got"] == r["want"], (key, r)
+        report(f"stacked plan vs Megatron's TransformerBlock (L=3, p=2, s=64k) {key}: "
+               f"{r['want'] / 2**20:,.1f} vs {r['got'] / 2**20:,.1f} MiB "
+               f"({r['want'] / r['got'] - 1:+.2%})")
+    # Full recompute keeps only the chunks' boundaries: uniform 1 keeps the 3 layer outputs.
+    for mode in ("tp", "metp"):
+        assert res[f"{mode}/uniform"]["retained"] == 3 * res[f"{mode}/uniform"]["layer_out"]
+        assert res[f"{mode}/uniform"]["got"] < res[f"{mode}/block-1"]["got"] \
+            < res[f"{mode}/none"]["got"]
+
+
+# ------------------------------------------------------------------------------------------
+# Stock with full recompute, against the independent measurement quoted in issue 32: Megatron-
+# Core 0.16.1's TransformerBlock with recompute_granularity='full', uniform, 1 layer, rank 0 of
+# 8, 80 GiB, 4 GiB reserve, 5 % fragmentation, 18 B/param, with the LM head: 848k for LLaMA-7B.
+
+_LONGEST_SCRIPT = """
+import json, warnings, logging
+warnings.filterwarnings("ignore")
+logging.getLogger("megatron.core").setLevel(logging.ERROR)
+from megatron_metp.models.config import load_config
+from megatron_metp.measure.planner import Planner, PlanSettings
+pl = Planner(PlanSettings())
+cfg = load_config("llama-7b")
+out = {}
+for name, kw in (("norms", dict(recompute_granularity="selective",
+                                recompute_modules=["layernorm"])),
+                 ("full", dict(recompute_granularity="full"))):
+    pt = pl.longest_sequence(cfg, "tp", 8, **kw)
+    nxt = pl.plan(cfg, "tp", 8, pt.seq_length + 1024, **kw)
+    out[name] = dict(s=pt.seq_length, fits=pt.fits, next_fits=nxt.fits,
+                     recompute=pt.recompute)
+# METP with full recompute, its most frugal attention (the frontier's METP limit).
+kw = dict(recompute_granularity="full", metp_ring_pass="head-group",
+          metp_qkv_backward="recompute")
+pt = pl.longest_sequence(cfg, "metp", 8, **kw)
+out["metp-full"] = dict(s=pt.seq_length, fits=pt.fits,
+                        next_fits=pl.plan(cfg, "metp", 8, pt.seq_length + 1024, **kw).fits,
+                        recompute=pt.recompute)
+pl.world.teardown()
+print("RESULT", json.dumps(out))
+"""
+
+
+def test_stock_full_recompute_matches_the_independent_figure(report):
+    res = _run(_LONGEST_SCRIPT)
+    for name, r in res.items():  # the search's answer fits and one granule more does not
+        assert r["fits"] and not r["next_fits"], (name, r)
+    independent = 848 * 1024
+    # Issue 32: "full recompute within 5 % of 848k for LLaMA-7B, under the same accounting".
+    assert abs(res["full"]["s"] - independent) <= 0.05 * independent, res["full"]
+    # Today's baseline (norm recompute only) is 108k (README); full recompute goes ~8x further.
+    assert 100 * 1024 <= res["norms"]["s"] <= 116 * 1024, res["norms"]
+    assert res["full"]["recompute"].startswith("--recompute-granularity full")
+    # METP with full recompute leads stock's best by the issue's 1.5x bar (stock's longest over
+    # every TP x CP split is 869k, 2.5 % above TP 8's: 1.5 x 869k = 1,304k).
+    assert res["metp-full"]["s"] >= 1.5 * 869 * 1024, res["metp-full"]
+    report(f"LLaMA-7B p=8 longest: stock norms {res['norms']['s'] // 1024}k, stock full "
+           f"recompute {res['full']['s'] // 1024}k (independent 848k: "
+           f"{res['full']['s'] / independent - 1:+.1%}), METP full recompute "
+           f"{res['metp-full']['s'] // 1024}k")
+
+
+# ------------------------------------------------------------------------------------------
+# The frontier's search on a tiny LLaMA-style model (2 layers, p = 2) at two lengths: where stock fits
+# without recompute and where it must recompute.
+
+_FRONTIER_SCRIPT = """
+import json, warnings, logging
+warnings.filterwarnings("ignore")
+logging.getLogger("megatron.core").setLevel(logging.ERROR)
+from megatron_metp.models.config import parse_config
+from megatron_metp.measure.planner import PlanSettings
+from megatron_metp.measure import frontier as F
+cfg = parse_config(dict(name="fr-llama", num_layers=2, hidden_size=64, num_attention_heads=4,
+                        num_query_groups=2, ffn_hidden_size=192, vocab_size=258, swiglu=True,
+                        normalization="RMSNorm", add_bias_linear=False,
+                        position_embedding_type="rope"))
+fr = F.Frontier(PlanSettings(memory_gib=0.06, reserve_gib=0.01), gpus=("H100", "A100"))
+out = {}
+for s in (8192, 16384):
+    got = fr.fastest(cfg, "stock", 2, s)
+    v, pt = got["H100"]
+    plain = fr.plan(cfg, F.Variant("stock", "tp", v.cp, ()), 2, s)
+    row = fr.row(cfg, v, 2, s, pt, "H100")
+    out[s] = dict(fits=pt.fits, flags=row["flags"], recompute=row["recompute"], row=row,
+                  plain_fits=plain.fits,
+                  every=[(w.selective, w.block, w.cp, w.overlap) for w in
+                         fr.base_variants(cfg, "stock", 2)])
+    m, mp = fr.fastest(cfg, "metp", 2, s)["H100"]
+    out[s]["metp"] = fr.row(cfg, m, 2, s, mp, "H100")
+fr.planner.world.teardown()
+print("RESULT", json.dumps(out))
+"""
+
+
+def test_frontier_picks_the_fastest_fitting_stock_configuration(report):
+    res = _run(_FRONTIER_SCRIPT)
+    short, long_ = res["8192"], res["16384"]
+    # Short: the plain configuration fits, so nothing is recomputed.
+    assert short["fits"] and short["plain_fits"] and short["recompute"] == ""
+    # Long: the plain configuration does not fit; stock's answer recomputes and fits.
+    assert long_["fits"] and not long_["plain_fits"]
+    assert long_["recompute"].startswith("--recompute-granularity"), long_
+    # Every TP x CP split is searched (p = 2: TP 2, TP 1 x CP 2), with and without overlap.
+    assert {tuple(e[2:]) for e in short["every"]} == {(1, False), (1, True), (2, False)}
+    for r in (short["row"], long_["row"], short["metp"], long_["metp"]):
+        assert set(r) >= {"model", "p", "gpu", "seq_length", "family", "flags", "fits",
+                          "step_ms", "tokens_per_s", "mfu", "memory_gib", "fastest"}
+        assert r["step_ms"] > 0 and 0 < r["mfu"] < 1 and r["memory_gib"] <= 0.06
+        # tokens/s and step time are one estimate
+        assert abs(r["tokens_per_s"] * r["step_ms"] / 1e3 - r["seq_length"]) < 1e-6 * \
+            r["seq_length"]
+    assert short["metp"]["flags"].startswith("--tensor-parallel-mode metp")
+    report(f"frontier (tiny LLaMA, p=2, 0.06 GiB): stock at 8k `{short['flags']}`; at 16k "
+           f"`{long_['flags']}`")
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--frontier", "--timeline"], "two reports"),
+    (["--recompute-method", "block"], "need --recompute-granularity full"),
+    (["--recompute-granularity", "full", "--recompute-modules", "mlp"], "for --recompute"),
+    (["--context-parallel-size", "3", "--p", "8"], "must divide"),
+])
+def test_plan_refuses_bad_recompute_and_frontier_flags(argv, match):
+    proc = subprocess.run([sys.executable, "-m", "megatron_metp.training.cli", "plan", *argv],
+                          capture_output=True, text=True, timeout=120, cwd=str(ROOT))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert match in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
