@@ -24,7 +24,8 @@ busy per rank        each rank's own time in the ``compute`` variant (communicat
                      shows how evenly a causal ring spreads the work
 ===================  ============================================================================
 
-Modes: ``tp`` (Megatron TP+SP, TP = p), ``metp`` (METP weight rings and two-level attention,
+Modes: ``tp`` (Megatron TP+SP, TP = p), ``tp+full`` / ``metp+full`` (the same with Megatron's full
+recompute of every layer), ``metp`` (METP weight rings and two-level attention,
 TP = p), ``wallfacer`` (CP = p, team size C = ``--wallfacer-team-size``, default the largest
 valid C > 1; skipped when only C = 1 is valid, i.e. it would be ``ring``), ``ring`` (WallFacer with
 C = 1: plain ring attention). Shapes per rank: ``x_shard_s [s/p, b, h]`` into the layer.
@@ -61,7 +62,10 @@ from megatron_metp.measure.memory import PeakMemory
 
 __all__ = ["BENCH_MODES", "add_arguments", "main", "bench_in_rank", "eq5_threshold"]
 
-BENCH_MODES = ("tp", "metp", "wallfacer", "ring")
+# "+full": the same mode with Megatron's --recompute-granularity full --recompute-method uniform
+# --recompute-num-layers 1 (every layer inside CheckpointFunction: only its input is kept, and
+# the backward runs the forward again), e.g. stock's longest-sequence configuration "tp+full".
+BENCH_MODES = ("tp", "metp", "wallfacer", "ring", "tp+full", "metp+full")
 VARIANTS = ("overlapped", "serialised", "compute")
 
 
@@ -261,7 +265,7 @@ def bench_in_rank(args: argparse.Namespace) -> Dict:
                              "eq5_threshold_seq_length": thr, "ranks": p}
     peak = gpu_peak_tflops() if device.type == "cuda" else None
     for mode in args.modes:
-        if mode == "wallfacer" and team_size(args, p) is None:
+        if mode.startswith("wallfacer") and team_size(args, p) is None:
             result["skipped"].append(f"wallfacer: p={p} allows only C=1, which is the ring mode")
             continue
         spec_mode, config, label = setup(mode, args, p)

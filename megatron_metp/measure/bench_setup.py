@@ -30,7 +30,10 @@ def setup(mode: str, args, p: int):
     from megatron_metp.model import initialize_parallel, make_config
 
     dtype = torch.bfloat16 if args.bf16 else torch.float32
-    kw = dict(num_layers=args.num_layers if args.scope == "model" else 1,
+    mode, _, extra = mode.partition("+")
+    recompute = dict(recompute_granularity="full", recompute_method="uniform",
+                     recompute_num_layers=1) if extra == "full" else {}
+    kw = dict(num_layers=args.num_layers if args.scope == "model" else 1, **recompute,
               hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
               params_dtype=dtype, bf16=args.bf16,
               stock=True)  # Megatron-LM's default fusions: tp is the stock baseline
@@ -40,7 +43,7 @@ def setup(mode: str, args, p: int):
         kw["num_query_groups"] = args.num_query_groups or args.num_attention_heads
     if mode in ("tp", "metp"):
         initialize_parallel(tensor_model_parallel_size=p, mode=mode)
-        return mode, make_config(args.style, **kw), mode
+        return mode, make_config(args.style, **kw), mode + ("+full" if recompute else "")
     from megatron_metp.wallfacer.scheduler import initialize_wallfacer
 
     c = 1 if mode == "ring" else team_size(args, p)
@@ -77,7 +80,15 @@ def layer_step(config, spec_mode: str, s: int, b: int, device):
             call(module).backward(grad_shard_s)
         return step
 
-    step = run(layer, lambda m: m(x_shard_s, attention_mask=None)[0])
+    if config.recompute_granularity == "full":
+        # As TransformerBlock._checkpointed_forward runs one layer per chunk: Megatron's own
+        # CheckpointFunction keeps the input and runs the forward again in backward.
+        from megatron.core import tensor_parallel
+
+        step = run(layer, lambda m: tensor_parallel.checkpoint(
+            lambda x: m(x, attention_mask=None)[0], False, x_shard_s))
+    else:
+        step = run(layer, lambda m: m(x_shard_s, attention_mask=None)[0])
     sublayers = {
         "attention": run(layer.self_attention, lambda m: m(x_shard_s, attention_mask=None)[0]),
         "mlp": run(layer.mlp, lambda m: m(x_shard_s)[0]),
