@@ -584,8 +584,8 @@ class Planner:
         A point's need grows linearly with s while the plan's choices stay the same (flash
         attention: every activation is O(s)), so the search interpolates the need between a
         point that fits and one that does not (regula falsi) and confirms the answer with its
-        neighbour one granule up; where the need bends (METP changing its ring pass) it falls
-        back to halving the interval. ``progress(s, point)`` is called after every probe;
+        neighbour one granule away; every other step halves the interval, so where the need
+        bends (METP changing its ring pass or slicing) the search stays logarithmic. ``progress(s, point)`` is called after every probe;
         ``override`` as in :meth:`plan`."""
         g = SEQ_GRANULE
         budget = self.settings.memory_gib * GIB
@@ -613,21 +613,20 @@ class Planner:
         if high.fits:
             return high  # fits at the limit
         a, z = low, high
-        while z.seq_length - a.seq_length > g:
-            guess = int(interpolate(a, z)) // g * g
+        halve = False  # interpolation and halving alternate: where the need bends,
+        while z.seq_length - a.seq_length > g:  # halving still bounds the probes
+            guess = (a.seq_length + z.seq_length) // 2 // g * g if halve \
+                else int(interpolate(a, z)) // g * g
             if not a.seq_length < guess < z.seq_length:
                 guess = (a.seq_length + z.seq_length) // 2 // g * g
             mid = probe(guess)
-            if mid.fits:
-                a = mid
-                if z.seq_length - a.seq_length > g:  # the neighbour above decides at once
-                    up = probe(a.seq_length + g)
-                    a, z = (up, z) if up.fits else (a, up)
-            else:
-                z = mid
-                if z.seq_length - a.seq_length > g:
-                    down = probe(z.seq_length - g)
-                    a, z = (down, z) if down.fits else (a, down)
+            a, z = (mid, z) if mid.fits else (a, mid)
+            if not halve and z.seq_length - a.seq_length > g:
+                # On a line the interpolation lands on the answer or its neighbour: the
+                # neighbour decides at once.
+                nb = probe(a.seq_length + g if mid.fits else z.seq_length - g)
+                a, z = (nb, z) if nb.fits else (a, nb)
+            halve = not halve
         return a
 
 
