@@ -216,3 +216,23 @@ def test_timeline_refuses_bad_flag(argv, flag, capsys):
     rc = main(argv)
     lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert rc == 2 and len(lines) == 1 and flag in lines[0], lines
+
+
+def test_trace_length_follows_the_sequence_lengths(tmp_path):
+    """``metp plan --timeline --seq-lengths 32k`` without --trace-seq-length (issue 34 item 8):
+    the trace follows --seq-lengths instead of failing on the 128k default; a named trace
+    length that is not planned still exits 2 with the fix."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    base = [sys.executable, "-m", "megatron_metp.training.cli", "plan", "--timeline",
+            "--models", "llama-7b", "--seq-lengths", "32k", "--modes", "tp", "--gpus", "H100",
+            "--timeline-dir", str(tmp_path)]
+    ok = subprocess.run(base, capture_output=True, text=True, timeout=300, cwd=str(root))
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert (tmp_path / "trace_llama-7b.json").is_file()
+    bad = subprocess.run(base + ["--trace-seq-length", "64k"], capture_output=True, text=True,
+                         timeout=300, cwd=str(root))
+    assert bad.returncode == 2 and "pass one of them" in bad.stderr, bad.stderr[-2000:]

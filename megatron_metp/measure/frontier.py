@@ -396,12 +396,64 @@ def markdown(doc: dict) -> str:
                    f"{r['family']}{' ★' if r['fastest'] else ''} | {r['step_ms']:,.1f} | "
                    f"{r['tokens_per_s']:,.0f} | {r['mfu']:.1%} | {r['memory_gib']:.1f} | "
                    f"`{r['flags']}` |")
+    out.append("\n### METP against stock's best that fits (speed-up > 1: METP faster)\n")
+    out.append(lead_markdown(doc))
     out.append("\n### Longest sequence per family\n")
     out.append("| model | p | family | longest | flags |")
     out.append("|---|---:|---|---:|---|")
     for r in doc["longest"]:
         out.append(f"| {r['model']} | {r['p']} | {r['family']} | {seq_label(r['seq_length'])} | "
                    f"`{r['flags']}` |")
+    return "\n".join(out)
+
+
+def _norms_only(recompute: str) -> bool:
+    """No recompute beyond the norms (issue 32's "without recompute")."""
+    return recompute in ("", "--recompute-granularity selective --recompute-modules layernorm")
+
+
+def lead(doc: dict) -> List[dict]:
+    """METP against stock's best at every planned length, per (model, p, GPU): the speed-up
+    (stock's fastest fitting step / METP's), the band (stock fits without recompute, stock
+    must recompute, only METP fits) and the longest sequences' ratio."""
+    out = []
+    rows = doc["frontier"]
+    longest = {(r["model"], r["p"], r["family"]): r["seq_length"] for r in doc["longest"]}
+    for key in sorted({(r["model"], r["p"], r["gpu"]) for r in rows}):
+        mine = [r for r in rows if (r["model"], r["p"], r["gpu"]) == key]
+        by = {(r["family"], r["seq_length"]): r for r in mine}
+        for s in sorted({r["seq_length"] for r in mine}):
+            stock, metp = by.get(("stock", s)), by.get(("metp", s))
+            if metp is None:
+                continue
+            band = ("only METP fits" if stock is None else
+                    "stock fits without recompute" if _norms_only(stock["recompute"]) else
+                    "stock must recompute")
+            out.append(dict(model=key[0], p=key[1], gpu=key[2], seq_length=s, band=band,
+                            stock_flags=stock["flags"] if stock else None,
+                            stock_ms=stock["step_ms"] if stock else None,
+                            metp_ms=metp["step_ms"], metp_flags=metp["flags"],
+                            speedup=stock["step_ms"] / metp["step_ms"] if stock else None,
+                            longest_ratio=longest.get((key[0], key[1], "metp"), 0)
+                            / max(longest.get((key[0], key[1], "stock"), 1), 1)))
+    return out
+
+
+def lead_markdown(doc: dict) -> str:
+    out = ["| model | GPU | s | band | stock's best (flags) | stock ms | METP ms | METP "
+           "speed-up |", "|---|---|---:|---|---|---:|---:|---:|"]
+    for r in lead(doc):
+        sp = f"{r['speedup']:.2f}x" if r["speedup"] else "-"
+        st = f"{r['stock_ms']:,.1f}" if r["stock_ms"] else "does not fit"
+        flags = r["stock_flags"] or ""
+        short = (flags.replace("--tensor-model-parallel-size ", "TP ")
+                 .replace(" --sequence-parallel", "").replace("--context-parallel-size ", "CP ")
+                 .replace(" --cp-comm-type p2p --use-distributed-optimizer", "")
+                 .replace("--recompute-granularity ", "").replace("--recompute-modules ", "")
+                 .replace("--recompute-method ", "").replace("--recompute-num-layers ", "")
+                 .replace("--tp-comm-overlap", "overlap"))
+        out.append(f"| {r['model']} | {r['gpu']} | {seq_label(r['seq_length'])} | {r['band']} "
+                   f"| {short} | {st} | {r['metp_ms']:,.1f} | {sp} |")
     return "\n".join(out)
 
 
@@ -475,5 +527,5 @@ def write(doc: dict, json_path: Optional[str], svg_path: Optional[str]) -> None:
         svg(doc, svg_path)
 
 
-__all__ = ["FAMILIES", "Variant", "Frontier", "run_frontier", "markdown", "svg", "write",
+__all__ = ["FAMILIES", "Variant", "Frontier", "run_frontier", "markdown", "svg", "write", "lead",
            "seq_grid", "SEQ_GRANULE", "asdict"]

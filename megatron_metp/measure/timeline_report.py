@@ -25,6 +25,7 @@ from megatron_metp.measure.timeline import ESTIMATE, GPUS, chrome_trace, simulat
 
 TIMELINE_MODELS = ("llama-7b", "gpt-175b")
 TIMELINE_SEQS = "32k,128k,512k,1024k"
+TRACE_DEFAULT = "128k"
 SCENARIOS = {"tp": ("tp", "tp+overlap"), "metp": ("metp",), "wallfacer": ("wallfacer",)}
 
 
@@ -37,8 +38,9 @@ def add_arguments(parser) -> None:
     a("--timeline-dir", default="timeline", metavar="DIR",
       help="where --timeline writes timeline.json/.md, trace_<model>.json, timeline.svg")
     a("--gpus", default="H100,A100", help=f"GPU models for --timeline: {', '.join(GPUS)}")
-    a("--trace-seq-length", default="128k",
-      help="sequence of the Chrome trace (--timeline; one of --seq-lengths)")
+    a("--trace-seq-length", default=TRACE_DEFAULT,
+      help="sequence of the Chrome trace (--timeline; one of --seq-lengths; by default 128k, "
+           "or the longest of --seq-lengths up to 128k when 128k is not one of them)")
     a("--host-op-us", type=float, default=10.0, metavar="US",
       help="host time to issue one op, compute or communication, in microseconds (--timeline; "
            "default 10: PyTorch eager dispatch + a CUDA launch; an assumption, see "
@@ -248,9 +250,13 @@ def run(args, ints, default_models, default_seqs) -> int:
     models, seqs, ps, modes = _defaults(args, ints, default_models, default_seqs)
     gpus = [g.strip() for g in args.gpus.split(",") if g.strip()]
     trace_s = ints(args.trace_seq_length)[0]
+    if trace_s not in seqs and args.trace_seq_length == TRACE_DEFAULT:
+        # Left at its default: the trace follows --seq-lengths (the longest up to 128k).
+        trace_s = max([s for s in seqs if s <= trace_s] or [min(seqs)])
     if trace_s not in seqs:
         raise ValueError(f"--trace-seq-length {args.trace_seq_length}: not one of --seq-lengths "
-                         f"{','.join(seq_label(s) for s in seqs)}")
+                         f"{','.join(seq_label(s) for s in seqs)}; pass one of them (or add "
+                         f"{seq_label(trace_s)} to --seq-lengths)")
     keep: Dict = {}
     t0 = time.time()
     rows = timeline_rows([load_config(m) for m in models], ps, modes, seqs, gpus,
