@@ -166,18 +166,25 @@ class Frontier:
         return [Variant("wallfacer", "wallfacer", p, sel) for sel in NORMS_ONLY]
 
     def frugal(self, cfg, family: str, p: int) -> List[Variant]:
-        """The configurations that need the least memory: full recompute of every layer (for
-        METP with its most frugal attention; stock at every TP x CP split)."""
+        """The configurations that need the least memory: full recompute of every layer, and
+        the norms' recompute alone (a device of one layer, GPT-175B's stage, gains nothing
+        from full recompute: its recompute's working set can exceed what it saves), for METP
+        with its most frugal attention, for stock at every TP x CP split."""
         L = cfg.layers_per_device
+        norms = NORMS_ONLY[1]
         if family == "stock":
-            return [Variant("stock", "tp", v.cp, block=L) for v in self.base_variants(
-                cfg, family, p) if not v.selective and not v.overlap]
+            splits = [v.cp for v in self.base_variants(cfg, family, p)
+                      if not v.selective and not v.overlap]
+            return [Variant("stock", "tp", cp, block=L) for cp in splits] + \
+                [Variant("stock", "tp", cp, norms) for cp in splits]
         if family == "metp":
             if cfg.num_query_groups % p:
                 return []
             r, q = self.planner.metp_choices(cfg, "metp", p, 0)[-1]
-            return [Variant("metp", "metp", 1, block=L, ring_pass=r, qkv=q)]
-        return [Variant("wallfacer", "wallfacer", p, block=L)]
+            return [Variant("metp", "metp", 1, block=L, ring_pass=r, qkv=q),
+                    Variant("metp", "metp", 1, norms, ring_pass=r, qkv=q)]
+        return [Variant("wallfacer", "wallfacer", p, block=L),
+                Variant("wallfacer", "wallfacer", p, norms)]
 
     # ---- memory and time ------------------------------------------------------------------
 
