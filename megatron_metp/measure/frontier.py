@@ -43,10 +43,10 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Tuple
 
-from megatron_metp.measure.planner import GIB, SEQ_GRANULE, Planner, PlanSettings, seq_label
+from megatron_metp.measure.planner import GIB, Planner, PlanSettings, seq_label
 from megatron_metp.measure.timeline import ESTIMATE, GPUS, comm_time, simulate, tp_comm_overlap
 
 FAMILIES = ("stock", "metp", "wallfacer")
@@ -505,7 +505,6 @@ def svg(doc: dict, path: str) -> None:
             k += 2
         parts.append(f'<text x="{x0 + pw / 2 - 60}" y="{y0 + ph + 30}">sequence length s '
                      f'(log)</text>')
-        parts.append(f'<text x="{x0 - 48}" y="{y0 - 6 + 0}" transform="rotate(0)"></text>')
         for j, fam in enumerate(FAMILIES):
             pts = sorted((r["seq_length"], r["tokens_per_s"]) for r in pr
                          if r["family"] == fam and r["tokens_per_s"])
@@ -535,4 +534,4 @@ def write(doc: dict, json_path: Optional[str], svg_path: Optional[str]) -> None:
 
 
 __all__ = ["FAMILIES", "Variant", "Frontier", "run_frontier", "markdown", "svg", "write", "lead",
-           "seq_grid", "SEQ_GRANULE", "asdict"]
+           "lead_markdown", "seq_grid"]
