@@ -1,21 +1,62 @@
 #!/usr/bin/env bash
-# The test command: create the venv if needed, then run the CPU test suite on gloo.
+# The test commands. Each creates the venv it needs (scripts/setup_env.sh).
 #
-# Under CI (CI=true) or with METP_TEST_SLURM=1, first start a one-node SLURM cluster
-# (scripts/slurm/local_cluster.sh: installs Debian's slurm-wlm, root only) so that
-# tests/test_slurm.py submits a real sbatch job; if that is impossible the test skips with the
-# reason and the rest of the suite runs as usual.
+#   bash scripts/run_tests.sh          the default tier: Python 3.11, megatron-core 0.16.1, every
+#                                      test not marked `full` (~8 minutes on 2 cores)
+#   bash scripts/run_tests.sh --full   the full tier, what CI runs (.ci/run): every test on
+#                                      megatron-core 0.16.1 (Megatron-LM's own loop, real SLURM
+#                                      jobs, the 8-rank and bisection cases included), then the
+#                                      model, checkpoint, packed and Megatron-LM tests again on
+#                                      megatron-core 0.19.2 / Python 3.12 (./.venv-mcore019)
+#
+# Extra arguments go to pytest (the first environment's run under --full).
+# Megatron-LM's training loop runs where MEGATRON_LM_PATH (core_v0.16.1) and
+# MEGATRON_LM_019_PATH (core_v0.19.0) name extracted trees; .ci/run extracts them from
+# ../shared/megatron-lm. Without them those tests skip, saying why.
+# The full tier first starts a one-node SLURM cluster (scripts/slurm/local_cluster.sh: installs
+# Debian's slurm-wlm, root only) so that tests/test_slurm.py submits real sbatch jobs; if that is
+# impossible those tests skip with the reason.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+FULL=0
+if [ "${1:-}" = --full ]; then FULL=1; shift; fi
 bash scripts/setup_env.sh
-if [ -n "${MEGATRON_LM_PATH:-}" ]; then
-  # tests/test_megatron_lm_training.py runs Megatron-LM's own pretrain_gpt.py: the packages its
-  # megatron.training imports (pyproject's megatron-lm extra).
-  "${METP_VENV:-.venv}/bin/python" -m pip --disable-pip-version-check -q install -e ".[megatron-lm]" \
-    2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
+VENV=${METP_VENV:-.venv}
+if [ "$FULL" = 0 ]; then
+  exec "$VENV/bin/python" -m pytest -q -rs --durations=15 "$@"
 fi
-if [ "${CI:-}" = true ] || [ "${METP_TEST_SLURM:-0}" = 1 ]; then
-  timeout 300 bash scripts/slurm/local_cluster.sh start \
-    || echo "run_tests.sh: no local SLURM cluster; tests/test_slurm.py will skip its real job"
-fi
-exec "${METP_VENV:-.venv}/bin/python" -m pytest -q -rs --durations=25 "$@"
+
+# The packages megatron.training imports (pyproject's megatron-lm extra).
+megatron_lm_extra() {
+  "$1/bin/python" -m pip --disable-pip-version-check -q install -e ".[megatron-lm]" 2>&1 \
+    | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+}
+T0=$(date +%s)
+[ -n "${MEGATRON_LM_PATH:-}" ] && megatron_lm_extra "$VENV"
+timeout 300 bash scripts/slurm/local_cluster.sh start \
+  || echo "run_tests.sh: no local SLURM cluster; tests/test_slurm.py will skip its real jobs"
+echo "=== full tier, 1 of 2: $VENV, every test (-m '') ==="
+RC1=0
+"$VENV/bin/python" -m pytest -q -rs --durations=25 -m "" "$@" || RC1=$?
+T1=$(date +%s)
+
+echo "=== full tier, 2 of 2: megatron-core 0.19.2 on Python 3.12 ==="
+bash scripts/setup_env.sh mcore019
+V19=.venv-mcore019
+RC2=0
+if [ -n "${MEGATRON_LM_019_PATH:-}" ]; then megatron_lm_extra "$V19"; fi
+# What 0.19 changes under the plugin: the layer specs' constructor keywords, DDP and the
+# optimizer's CUDA calls, get_batch_on_this_cp_rank, Megatron-LM's initialisation and its
+# training loop. So: the model-level parity tests (tp / metp / wallfacer against fp64 and against
+# Megatron's own layers), checkpoint names and checkpoints across modes and p, packed batches,
+# metp train, the CPU stand-ins, and Megatron-LM core_v0.19.0's pretrain_gpt.py.
+MEGATRON_LM_PATH="${MEGATRON_LM_019_PATH:-}" "$V19/bin/python" -m pytest -q -rs --durations=15 \
+  -m "" \
+  tests/test_layers.py tests/test_tp_baseline.py tests/test_metp_model.py \
+  tests/test_wallfacer_model.py tests/test_checkpoint_keys.py tests/test_reliability_checkpoint.py \
+  tests/test_packed.py tests/test_train.py tests/test_cpu_compat.py \
+  tests/test_megatron_lm_releases.py tests/test_megatron_lm_training.py || RC2=$?
+T2=$(date +%s)
+echo "run_tests.sh --full: megatron-core 0.16.1 rc $RC1 in $((T1 - T0)) s;" \
+     "megatron-core 0.19.2 rc $RC2 in $((T2 - T1)) s (venv included)"
+[ "$RC1" = 0 ] && [ "$RC2" = 0 ]

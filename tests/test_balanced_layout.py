@@ -110,9 +110,9 @@ def _counter(fn, flops, phase, per_pair):
     return wrapped
 
 
-# p = 8 (8 ranks on 2 cores, ~30 s) in the slow tier; the default tier runs p = 2 and 4, and
+# p = 8 (8 ranks on 2 cores, ~30 s) in the full tier; the default tier runs p = 2 and 4, and
 # the model parity tests cover p = 8 there too.
-@pytest.mark.parametrize("world", [2, 4, pytest.param(8, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("world", [2, 4, pytest.param(8, marks=pytest.mark.full)])
 def test_balanced_ring_matches_fp64_and_every_rank_works_alike(world, report):
     cases = [(torch.float32, 4), (torch.float32, 2), (torch.float64, 1)]  # MHA, GQA, MQA
     results = run_ranks(world, _ring_balanced, cases)

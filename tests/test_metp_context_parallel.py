@@ -86,9 +86,9 @@ def test_metp_tp2_cp2_gpt_losses_equal_tp(report, tmp_path):
     _check(4, "tiny-gpt", 2, report, tmp_path)
 
 
-# 8 ranks on 2 cores (~26 s): in the slow tier; TP 2 x CP 2 above covers the GPT style (learned
+# 8 ranks on 2 cores (~26 s): in the full tier; TP 2 x CP 2 above covers the GPT style (learned
 # positions, tied embeddings) in the default one, and the module tests cover TP 4 rings.
-@pytest.mark.slow
+@pytest.mark.full
 def test_metp_tp4_cp2_gpt_losses_equal_tp(report, tmp_path):
     _check(8, "tiny-gpt", 4, report, tmp_path)
 

@@ -50,7 +50,7 @@ shows, and this list stays the truth):
 
 One 4-rank pool serves every case (spawning ranks costs ~14 s on two cores; each case ~1 s).
 P = 4 admits WallFacer teams of C = 1 (one ring of 4) and C = 2 (rings of length 1); a team
-with C > 1 *and* a ring (P = 8, C = 2) runs under ``-m slow``.
+with C > 1 *and* a ring (P = 8, C = 2) runs in the full tier (``-m full``).
 """
 
 from __future__ import annotations
@@ -603,7 +603,7 @@ def test_wallfacer_order(team_size, report):
            + "; ".join(f"{ph} {dict(ops) or 'none'}" for ph, ops in exposed.items()))
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_wallfacer_order_team_and_ring():
     """P = 8, C = 2: teams of two and sub-rings of two (the only case with both below P = 16)."""
     for traces, info in run_ranks(8, _wallfacer_traces, 2, timeout=300):

@@ -129,6 +129,9 @@ def _suite_scripts() -> dict:
             "qkv": _QKV_SCRIPT}
 
 
+# In the full tier for time (issue 33: the default tier is <= 10 minutes on 2 cores): ~47 s of
+# real gloo ranks beside the fake planner.
+@pytest.mark.full
 def test_fake_planner_agrees_with_real_gloo_run(report):
     real = run_ranks(P, _real_all)
     fake = _run_fake(_FAKE_SCRIPT)
@@ -284,10 +287,11 @@ _BISECT_SCRIPT = textwrap.dedent(
 )
 
 
-# Slow (40 s: two LLaMA-7B bisections under fake tensors): run with -m slow. The suite keeps
+# Slow (40 s: two LLaMA-7B bisections under fake tensors): in the full tier (-m full). The suite
+# keeps
 # the bisection's boundary rule through test_auto's refusal test (Planner.longest_sequence on
 # tiny-gpt: the named length fits and one granule more does not).
-@pytest.mark.slow
+@pytest.mark.full
 def test_longest_sequence_bisection(report):
     res = _run_fake(_BISECT_SCRIPT)
     budget = 48 * 2**30

@@ -82,7 +82,7 @@ def test_wallfacer_attention_matches_fp64(P, report):
     _check_and_report(per_rank, report, P)
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_wallfacer_attention_p16(report):
     configs = [(C, pl, causal, 4) for C, pl in scheduler.candidates(16) if C > 1
                for causal in (True, False)]
