@@ -266,10 +266,13 @@ def _writable_dir(flag: str, path: str, what: str) -> None:
 
 
 def check_output_file(flag: str, path: str) -> None:
-    """``path`` names a file (not a directory) in a directory that can be written or made."""
+    """``path`` names a file (not a directory) in a directory that can be written or made; the
+    directory is made now, so that a report computed for minutes is not lost at its end."""
     if os.path.isdir(path):
         _fail(f"{flag} {path}: is a directory; pass a file path inside it")
-    _writable_dir(flag, os.path.dirname(os.path.abspath(path)), f"the {flag} file")
+    parent = os.path.dirname(os.path.abspath(path))
+    _writable_dir(flag, parent, f"the {flag} file")
+    os.makedirs(parent, exist_ok=True)
 
 
 def check_paths(ns: Namespace) -> None:
