@@ -57,6 +57,63 @@ def uses_legacy_norm_keys(ckpt_dir: str) -> bool:
     return any(k == _LEGACY_PROBE or k.endswith("." + _LEGACY_PROBE) for k in keys)
 
 
+def damage(ckpt_dir: str) -> Optional[str]:
+    """What is missing or damaged in the torch_dist checkpoint ``ckpt_dir`` (an ``iter_*``
+    directory), in a few words; None when it is whole. Checked before any rank starts: the
+    files Megatron's loader opens (``metadata.json``, ``common.pt``, PyTorch's ``.metadata``)
+    exist and parse, and every ``.distcp`` file that ``.metadata`` points into exists and is
+    long enough for every byte range it records (a truncated copy fails here, not mid-load)."""
+    import json
+
+    if not os.path.isdir(ckpt_dir):
+        return "the iteration directory named by latest_checkpointed_iteration.txt is missing"
+    cfg = os.path.join(ckpt_dir, "metadata.json")
+    if not os.path.isfile(cfg):
+        return "metadata.json is missing"
+    try:
+        with open(cfg) as f:
+            backend = json.load(f).get("sharded_backend")
+    except (OSError, ValueError) as e:
+        return f"metadata.json cannot be read ({e.__class__.__name__})"
+    if backend != "torch_dist":
+        return None    # other formats are Megatron's to check
+    if not os.path.isfile(os.path.join(ckpt_dir, "common.pt")):
+        return "common.pt is missing"
+    if not os.path.isfile(os.path.join(ckpt_dir, _METADATA)):
+        return f"{_METADATA} (PyTorch's index of the shards) is missing"
+    try:
+        storage = _read_metadata(ckpt_dir).storage_data
+    except Exception as e:  # noqa: BLE001 - any unreadable index is damage
+        return f"{_METADATA} cannot be read ({e.__class__.__name__})"
+    need = {}
+    for info in storage.values():
+        end = (info.offset or 0) + (info.length or 0)
+        need[info.relative_path] = max(need.get(info.relative_path, 0), end)
+    for name, end in sorted(need.items()):
+        path = os.path.join(ckpt_dir, name)
+        if not os.path.isfile(path):
+            return f"shard file {name} is missing"
+        size = os.path.getsize(path)
+        if size < end:
+            return f"shard file {name} is truncated ({size} of at least {end} bytes)"
+    return None
+
+
+def check_intact(flag: str, root: str) -> None:
+    """Raise ValueError with one line when ``root``'s newest checkpoint is damaged."""
+    path = latest_checkpoint_dir(root)
+    tracker = os.path.join(root, "latest_checkpointed_iteration.txt")
+    if path is None and os.path.isfile(tracker):
+        path = os.path.join(root, "iter_?")
+    if path is None:
+        return
+    what = damage(path)
+    if what:
+        raise ValueError(f"{flag} {root}: the checkpoint in {path} is damaged: {what}; restore "
+                         f"it from a copy, or load an earlier iteration (point "
+                         f"latest_checkpointed_iteration.txt at one that is whole)")
+
+
 def latest_checkpoint_dir(root: str) -> Optional[str]:
     """The ``iter_*`` directory Megatron-LM (and ``metp train``) would load from ``root``, via
     its ``latest_checkpointed_iteration.txt``; ``root`` itself if it is one; else None."""

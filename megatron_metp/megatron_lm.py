@@ -216,6 +216,29 @@ def _remap_yaml(ns, argv: Sequence[str]) -> None:
         setattr(home, key, getattr(view, key))
 
 
+def _have_apex_norm() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("apex") is not None
+
+
+def check_stock_norm(ns, have_apex_norm: Callable[[], bool] = _have_apex_norm) -> None:
+    """Stock tp with ``--sequence-parallel`` and ``--transformer-impl local`` builds Megatron's
+    local layer spec, whose norm is Apex's ``FusedLayerNorm`` or, without Apex (a CPU machine),
+    ``WrappedTorchNorm``, which asserts on sequence parallelism in every rank's model build
+    (megatron/core/transformer/torch_norm.py). Refused here, once, before any rank builds."""
+    mode = getattr(ns, "tensor_parallel_mode", None) or "tp"
+    if (mode == "tp" and getattr(ns, "sequence_parallel", False)
+            and (getattr(ns, "tensor_model_parallel_size", 1) or 1) > 1
+            and getattr(ns, "transformer_impl", None) == "local"
+            and not getattr(ns, "spec", None) and not have_apex_norm()):
+        raise MetpConfigError(
+            "--sequence-parallel with --tensor-parallel-mode tp and --transformer-impl local "
+            "needs Apex's fused norm (Megatron's torch norm refuses sequence parallelism, and "
+            "Apex is not installed): install Apex, use --transformer-impl transformer_engine, or "
+            "drop --sequence-parallel (on a CPU machine)")
+
+
 def remap_and_validate(ns, argv: Optional[Sequence[str]] = None):
     """The WallFacer remap and the plugin's validation on what Megatron-LM's ``parse_args``
     returned, in place, before Megatron validates it: an argparse namespace, or the nested
@@ -233,18 +256,34 @@ def remap_and_validate(ns, argv: Optional[Sequence[str]] = None):
         resolve_auto(ns)
     apply_mode_remap(ns, explicit=explicit_flags(argv))
     validate_args(ns)
+    check_stock_norm(ns)
     check_load_keys(ns)
     resolve_metp_attention(ns)
     return ns
 
 
 def check_load_keys(ns) -> None:
-    """A ``--load`` checkpoint written by megatron-metp 0.1 names the layer norms plainly, which
-    Megatron-LM's loader cannot match with its (and the plugin's) fused names: refuse it before
-    anything starts, naming the conversion (``megatron_metp.checkpoint_keys``)."""
-    from megatron_metp.checkpoint_keys import latest_checkpoint_dir, uses_legacy_norm_keys
+    """Refused before anything starts, in one line: with ``--exit-on-missing-checkpoint``, a
+    ``--load`` holding no checkpoint; a damaged newest checkpoint (``checkpoint_keys.damage``:
+    a missing or truncated file); one written by megatron-metp 0.1, whose plain layer-norm
+    names Megatron-LM's loader cannot match with its (and the plugin's) fused names (naming
+    the conversion, ``megatron_metp.checkpoint_keys``)."""
+    from megatron_metp.checkpoint_keys import (
+        check_intact, latest_checkpoint_dir, uses_legacy_norm_keys)
 
     root = getattr(ns, "load", None)
+    tracker = os.path.join(root, "latest_checkpointed_iteration.txt") if root else None
+    if root and getattr(ns, "exit_on_missing_checkpoint", False) and \
+            not os.path.isfile(tracker):
+        raise MetpConfigError(f"--load {root}: no checkpoint there (no "
+                              f"latest_checkpointed_iteration.txt) and "
+                              f"--exit-on-missing-checkpoint is set: pass the directory given to "
+                              f"--save, or drop the flag to train from scratch")
+    if root and os.path.isdir(root):
+        try:
+            check_intact("--load", root)
+        except ValueError as e:
+            raise MetpConfigError(str(e)) from None
     path = latest_checkpoint_dir(root) if root and os.path.isdir(root) else None
     if path and uses_legacy_norm_keys(path):
         raise MetpConfigError(

@@ -324,3 +324,17 @@ def test_data_iterators_leave_the_cpu_generator_as_they_found_it():
     torch.manual_seed(7)
     build(4)
     assert not torch.equal(torch.rand(4), expected)   # unwrapped, they do
+
+
+def test_stock_tp_sequence_parallel_needs_a_norm_that_allows_it():
+    # Megatron's local spec builds WrappedTorchNorm without Apex, which asserts on SP in every
+    # rank: refused once, naming the flag and the fixes (issue 34 item 5).
+    ns = argparse.Namespace(tensor_parallel_mode="tp", tensor_model_parallel_size=2,
+                            sequence_parallel=True, transformer_impl="local", spec=None)
+    with pytest.raises(MetpConfigError, match="--sequence-parallel .* install Apex"):
+        mlm.check_stock_norm(ns, have_apex_norm=lambda: False)
+    mlm.check_stock_norm(ns, have_apex_norm=lambda: True)          # Apex's FusedLayerNorm
+    for change in (dict(transformer_impl="transformer_engine"), dict(sequence_parallel=False),
+                   dict(tensor_model_parallel_size=1), dict(tensor_parallel_mode="metp")):
+        mlm.check_stock_norm(argparse.Namespace(**{**vars(ns), **change}),
+                             have_apex_norm=lambda: False)

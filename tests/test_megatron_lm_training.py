@@ -288,6 +288,9 @@ def test_training_log_reports_tflops_in_every_mode(runs):
       "--sequence-parallel", "--num-attention-heads", "6"], "--num-attention-heads"),
     (["--tensor-parallel-mode", "metp", "--tensor-model-parallel-size", "2",
       "--sequence-parallel", "--attention-dropout", "0.1"], "--attention-dropout"),
+    # Stock tp + SP on CPU: Megatron's torch norm would assert in every rank (issue 34 item 5).
+    (["--tensor-parallel-mode", "tp", "--tensor-model-parallel-size", "2",
+      "--sequence-parallel"], "--sequence-parallel"),
 ])
 def test_bad_flags_exit_2_before_anything_starts(tmp_path, argv, flag):
     # Later flags win in argparse, so the bad value follows COMMON's.

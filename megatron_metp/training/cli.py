@@ -147,6 +147,9 @@ def _train_parser(p: argparse.ArgumentParser) -> Callable:
     a("--make-vocab-size-divisible-by", type=int, default=None)
     a("--save", default=None, help="checkpoint directory (Megatron-Core dist_checkpointing)")
     a("--load", default=None, help="resume from the newest checkpoint in this directory")
+    a("--exit-on-missing-checkpoint", action="store_true",
+      help="with --load: stop (exit code 2) when it holds no checkpoint, instead of warning "
+           "and training from scratch (Megatron-LM's flag)")
     a("--save-interval", type=int, default=None)
     a("--exit-interval", type=int, default=None,
       help="save (with --save) and exit cleanly when the iteration is a multiple of this")

@@ -181,12 +181,27 @@ def check_model_config(args: Namespace) -> ModelConfig:
     return cfg
 
 
+def check_missing_load(args: Namespace) -> None:
+    """``--exit-on-missing-checkpoint``: a ``--load`` that holds no checkpoint is refused (a
+    resumed job should not silently restart); without it the run warns once and starts from
+    ``--seed`` (:func:`_resume`), as Megatron-LM does."""
+    from megatron_metp.training.train_checkpoint import has_checkpoint
+
+    if args.load and getattr(args, "exit_on_missing_checkpoint", False) and \
+            not has_checkpoint(args.load):
+        raise ValueError(f"--load {args.load}: no checkpoint there (no "
+                         f"latest_checkpointed_iteration.txt) and --exit-on-missing-checkpoint "
+                         f"is set: pass the directory given to --save, or drop the flag to "
+                         f"train from scratch")
+
+
 def check_sharding_layout(args: Namespace, ns: Namespace, world_size: int) -> None:
     """What needs the resolved layout: the ``--load`` this optimizer can read, and Megatron-FSDP
     without pipeline parallelism. Run by :func:`preflight` in the launching process and again
     in every rank (under an outside launcher, torchrun or srun, preflight does not run)."""
     from megatron_metp.training.train_checkpoint import check_loadable
 
+    check_missing_load(args)
     check_loadable(args.load, bool(args.use_distributed_optimizer), _layout_tag(ns, world_size))
     if args.use_megatron_fsdp and ns.pipeline_model_parallel_size > 1:
         raise ValueError(f"--use-megatron-fsdp with --pipeline-model-parallel-size "
@@ -468,7 +483,8 @@ def _resume(args: Namespace, run: _ModeRun) -> int:
         # As Megatron-LM does (--load and --save often name the same directory): no complete
         # checkpoint there yet means a fresh start, said once.
         _print0(f"[metp] warning: --load {args.load} holds no complete checkpoint "
-                f"(no {checkpoint_io.TRACKER}); starting from --seed")
+                f"(no {checkpoint_io.TRACKER}); training starts from scratch (--seed); "
+                f"--exit-on-missing-checkpoint stops instead")
     return 0
 
 

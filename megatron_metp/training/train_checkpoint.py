@@ -111,6 +111,9 @@ def check_loadable(root: str, distributed_optimizer: bool, layout: str) -> None:
     layout must match)."""
     if not root or not has_checkpoint(root):
         return
+    from megatron_metp.checkpoint_keys import check_intact
+
+    check_intact("--load", root)
     iteration = latest_iteration(root)
     if iteration == 0:  # the initial weights: no optimizer state in it
         return
