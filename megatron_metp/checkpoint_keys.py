@@ -60,8 +60,9 @@ def uses_legacy_norm_keys(ckpt_dir: str) -> bool:
 def damage(ckpt_dir: str) -> Optional[str]:
     """What is missing or damaged in the torch_dist checkpoint ``ckpt_dir`` (an ``iter_*``
     directory), in a few words; None when it is whole. Checked before any rank starts: the
-    files Megatron's loader opens (``metadata.json``, ``common.pt``, PyTorch's ``.metadata``)
-    exist and parse, and every ``.distcp`` file that ``.metadata`` points into exists and is
+    files Megatron's loader opens (``metadata.json``, PyTorch's ``.metadata``, and
+    ``common.pt`` where ``metadata.json`` names it, as megatron-core 0.16.1 writes it) exist and
+    parse, and every ``.distcp`` file that ``.metadata`` points into exists and is
     long enough for every byte range it records (a truncated copy fails here, not mid-load)."""
     import json
 
@@ -72,12 +73,15 @@ def damage(ckpt_dir: str) -> Optional[str]:
         return "metadata.json is missing"
     try:
         with open(cfg) as f:
-            backend = json.load(f).get("sharded_backend")
+            meta = json.load(f)
     except (OSError, ValueError) as e:
         return f"metadata.json cannot be read ({e.__class__.__name__})"
-    if backend != "torch_dist":
+    if meta.get("sharded_backend") != "torch_dist":
         return None    # other formats are Megatron's to check
-    if not os.path.isfile(os.path.join(ckpt_dir, "common.pt")):
+    # megatron-core 0.16.1 writes the common state to common.pt (and says so in metadata.json);
+    # 0.19 keeps it inside the distributed checkpoint and writes no common.pt.
+    if meta.get("common_backend") == "torch" and \
+            not os.path.isfile(os.path.join(ckpt_dir, "common.pt")):
         return "common.pt is missing"
     if not os.path.isfile(os.path.join(ckpt_dir, _METADATA)):
         return f"{_METADATA} (PyTorch's index of the shards) is missing"

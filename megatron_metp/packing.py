@@ -35,6 +35,7 @@ them into the caller's accumulators (views of the rows and columns each piece co
 from __future__ import annotations
 
 import bisect
+from collections import OrderedDict
 from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -53,40 +54,61 @@ def _ints(t) -> List[int]:
 
 
 _SEQLEN_FIELDS = ("cu_seqlens_q", "cu_seqlens_q_padded", "cu_seqlens_kv", "cu_seqlens_kv_padded")
+_FIX = ("pass a 1-D integer tensor (int32, as Megatron makes it) of cumulative document "
+        "lengths, e.g. torch.tensor([0, 12, 40], dtype=torch.int32)")
 
 
-def _fingerprint(params):
-    """What a cached layout was derived from: each ``cu_seqlens`` field's object and, for a
-    tensor, its version counter (bumped by every in-place write: a reassigned field is another
-    object, a buffer updated in place, as CUDA-graph capture keeps them, has a new version).
-    The entry keeps the objects themselves, so an id is never reused while it is cached.
-    What the version counter does not see: a buffer refilled by a collective
-    (``dist.broadcast`` into it) or through ``.data``; such a caller hands over a new tensor
-    or writes with ``copy_`` (as CUDA-graph static buffers are filled)."""
-    objs = tuple(getattr(params, f, None) for f in _SEQLEN_FIELDS)
-    key = tuple((id(o), o._version if isinstance(o, torch.Tensor) else
-                 (tuple(o) if isinstance(o, (list, tuple)) else o)) for o in objs)
-    return key, objs
+def seqlens_values(name: str, t) -> Optional[Tuple[int, ...]]:
+    """The values of one ``PackedSeqParams`` ``cu_seqlens`` field, read from the host once, or
+    a one-line ValueError naming the field and the fix: a meta tensor, a 2-D one, a floating
+    (NaN and fractions included) or bool one, or a list of anything but ints. Integer dtypes
+    other than int32 (int64, int16, uint8 ...) are accepted: the values are what counts.
+    Tensors made under ``torch.inference_mode()`` are read like any other."""
+    if t is None:
+        return None
+    where = f"PackedSeqParams.{name}"
+    if isinstance(t, torch.Tensor):
+        if t.is_meta:
+            raise ValueError(f"{where} is a meta tensor (it has no values); {_FIX}")
+        if t.dim() != 1:
+            raise ValueError(f"{where} has shape {tuple(t.shape)}, not 1-D; {_FIX}")
+        if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+            raise ValueError(f"{where} has dtype {t.dtype}; {_FIX}")
+        return tuple(t.tolist())
+    if isinstance(t, (list, tuple)):
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in t):
+            raise ValueError(f"{where} holds non-integers ({[type(x).__name__ for x in t]}); "
+                             f"{_FIX}")
+        return tuple(t)
+    raise ValueError(f"{where} is a {type(t).__name__}; {_FIX}")
+
+
+def _values(params) -> tuple:
+    """What a layout is derived from: the values of every ``cu_seqlens`` field."""
+    return tuple(seqlens_values(f, getattr(params, f, None)) for f in _SEQLEN_FIELDS)
+
+
+# Layouts by (kind, sizes, the cu_seqlens values): keyed on the values themselves, so a layout
+# can never outlive the input it came from, however that input was written (in place, through
+# .data, numpy or its storage, by a collective) or whichever object carries it. Bounded: a
+# training run cycles through few distinct packs per step, and a miss only rebuilds.
+_LAYOUTS: "OrderedDict[tuple, object]" = OrderedDict()
+_MAX_LAYOUTS = 64
 
 
 def _cached(params, key, build):
-    """``build()`` after the self-attention check, kept on the ``PackedSeqParams`` object under
-    ``key`` and the fingerprint of its ``cu_seqlens`` (:func:`_fingerprint`): a layout is
-    derived again whenever the tensors it came from change (see
-    :meth:`PackedLayout.from_packed_seq_params`)."""
-    cache = getattr(params, "_metp_packed_layouts", None)
-    if cache is None:
-        cache = {}
-        try:
-            params._metp_packed_layouts = cache
-        except AttributeError:   # a frozen or slotted stand-in: no cache
-            pass
-    stamp, objs = _fingerprint(params)
-    hit = cache.get(key)
-    if hit is None or hit[0] != stamp:
+    """``build()`` after the self-attention check, cached on ``key`` and the values of the
+    ``cu_seqlens`` fields (one small host copy per call: :func:`_values`)."""
+    k = (key, _values(params))
+    hit = _LAYOUTS.get(k)
+    if hit is None:
         _check_self_attention(params)
-        hit = cache[key] = (stamp, build(), objs)
-    return hit[1]
+        hit = _LAYOUTS[k] = build()
+        while len(_LAYOUTS) > _MAX_LAYOUTS:
+            _LAYOUTS.popitem(last=False)
+    else:
+        _LAYOUTS.move_to_end(k)
+    return hit
 
 
 def _check_self_attention(params) -> None:

@@ -52,6 +52,9 @@ DAMAGE = {
         n for n in os.listdir(it) if n.endswith(".distcp")))), "is missing")[1],
     "no metadata.json": lambda it: (os.remove(os.path.join(it, "metadata.json")),
                                     "metadata.json is missing")[1],
+    # megatron-core 0.16.1 names common.pt in metadata.json (0.19 writes neither).
+    "no common.pt": lambda it: (os.remove(os.path.join(it, "common.pt")),
+                                "common.pt is missing")[1],
     "no .metadata": lambda it: (os.remove(os.path.join(it, ".metadata")),
                                 ".metadata (PyTorch's index of the shards) is missing")[1],
     "garbled .metadata": lambda it: (open(os.path.join(it, ".metadata"), "wb").write(b"x" * 9),

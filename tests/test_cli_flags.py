@@ -212,3 +212,15 @@ def test_bad_flag_fails_fast_as_a_process(args, report):
     assert "launching" not in r.stdout  # the launcher never printed its command
     assert elapsed < 2.0, elapsed
     report(f"bad flag {' '.join(args)}: exit 2 after {elapsed:.2f} s (a new Python process)")
+
+
+def test_bench_plot_without_matplotlib_is_refused(tmp_path, capsys, monkeypatch, no_launch):
+    # It once exited 0 and wrote no plot (issue 34 item 9).
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    rc = _run_main(["bench", "--plot", str(tmp_path / "b.png")])
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert rc == 2 and len(err) == 1 and "--plot" in err[0] and "[plot]" in err[0], (rc, err)

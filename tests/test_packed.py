@@ -571,39 +571,93 @@ _REUSE = {  # three documents each, so that a buffer can be updated in place
 }
 
 
-def _params(c, **kw):
+def _params(c, inference=False, **kw):
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    cu, pad = (torch.tensor(c[k], dtype=torch.int32) for k in ("cu", "cu_pad"))
+    with torch.inference_mode(inference):
+        cu, pad = (torch.tensor(c[k], dtype=torch.int32) for k in ("cu", "cu_pad"))
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                            cu_seqlens_q_padded=pad, cu_seqlens_kv_padded=pad, **kw)
 
 
+def _write(t: torch.Tensor, values, how: str) -> None:
+    """Write ``values`` into ``t`` in place by one of the routes a data loader or a collective
+    takes; the ones after ``copy_`` do not bump the version counter (issue 35 item 1)."""
+    new = torch.tensor(values, dtype=t.dtype)
+    if how in ("in-place", "static-buffer"):
+        t.copy_(new)
+    elif how == "data-copy":
+        t.data.copy_(new)
+    elif how == "data-index":
+        for i, x in enumerate(values):
+            t.data[i] = x
+    elif how == "numpy":
+        t.numpy()[:] = new.numpy()
+    elif how == "storage":
+        t.untyped_storage().copy_(new.untyped_storage())
+    elif how == "broadcast":   # rank 0 holds the new values; every rank receives them in place
+        if dist.get_rank() == 0:
+            t.data.copy_(new)
+        dist.broadcast(t, src=0)
+    else:
+        raise AssertionError(how)
+
+
 def _reuse(params, c, how):
     """Point ``params`` at the documents ``c``: new tensors (reassigned), or the same tensors
-    written in place (an update, or a CUDA-graph static buffer: same storage every step)."""
-    if how == "reassign":
-        fresh = _params(c)
+    written in place (``how`` names the route: see :func:`_write`; ``static-buffer`` is one
+    storage for q and kv, as a captured CUDA graph keeps it)."""
+    if how in ("reassign", "inference"):
+        fresh = _params(c, inference=how == "inference")
         params.cu_seqlens_q, params.cu_seqlens_kv = fresh.cu_seqlens_q, fresh.cu_seqlens_kv
         params.cu_seqlens_q_padded = fresh.cu_seqlens_q_padded
         params.cu_seqlens_kv_padded = fresh.cu_seqlens_kv_padded
-    else:
+        return
+    if how == "from-numpy":    # tensors over numpy arrays the loader refills
         for f, key in (("cu_seqlens_q", "cu"), ("cu_seqlens_q_padded", "cu_pad")):
-            getattr(params, f).copy_(torch.tensor(c[key], dtype=torch.int32))
-        if how == "in-place":   # kv given as its own tensors
-            params.cu_seqlens_kv.copy_(params.cu_seqlens_q)
-            params.cu_seqlens_kv_padded.copy_(params.cu_seqlens_q_padded)
+            params._arrays[f][:] = c[key]
+        return
+    fields = [("cu_seqlens_q", "cu"), ("cu_seqlens_q_padded", "cu_pad")]
+    if how != "static-buffer":   # kv as its own tensors, written the same way
+        fields += [("cu_seqlens_kv", "cu"), ("cu_seqlens_kv_padded", "cu_pad")]
+    for f, key in fields:
+        _write(getattr(params, f), c[key], how)
 
 
-@pytest.mark.parametrize("how", ["reassign", "in-place", "static-buffer"])
+def _reusable(c, how):
+    """The PackedSeqParams a test reuses: kv as its own tensors, except for a static buffer."""
+    params = _params(c, inference=how == "inference")
+    if how == "static-buffer":   # one storage for q and kv, as a captured graph keeps them
+        params.cu_seqlens_kv, params.cu_seqlens_kv_padded = (params.cu_seqlens_q,
+                                                             params.cu_seqlens_q_padded)
+    else:
+        params.cu_seqlens_kv = params.cu_seqlens_q.clone()
+        params.cu_seqlens_kv_padded = params.cu_seqlens_q_padded.clone()
+    if how == "from-numpy":
+        import numpy as np
+
+        params._arrays = {f: np.array(c[k], dtype=np.int32)
+                          for f, k in (("cu_seqlens_q", "cu"), ("cu_seqlens_q_padded", "cu_pad"))}
+        params.cu_seqlens_q = params.cu_seqlens_kv = torch.from_numpy(
+            params._arrays["cu_seqlens_q"])
+        params.cu_seqlens_q_padded = params.cu_seqlens_kv_padded = torch.from_numpy(
+            params._arrays["cu_seqlens_q_padded"])
+    return params
+
+
+# Every route a caller can take to new documents (issue 35 item 1): reassigned tensors, copy_,
+# a static buffer, .data writes, numpy views and arrays, storage writes, inference tensors; the
+# ring test adds a dist.broadcast into the tensor.
+WRITES = ["reassign", "in-place", "static-buffer", "data-copy", "data-index", "numpy",
+          "from-numpy", "storage", "inference"]
+
+
+@pytest.mark.parametrize("how", WRITES)
 def test_reused_packed_params_follow_their_tensors(how):
     from megatron_metp.packing import (BalancedDocLayout, CPBlockLayout, CPDocumentLayout,
                                        PackedLayout, balanced_packed_layout)
 
-    params = _params(_REUSE["first"])
-    if how == "static-buffer":   # one storage for q and kv, as a captured graph keeps them
-        params.cu_seqlens_kv, params.cu_seqlens_kv_padded = (params.cu_seqlens_q,
-                                                             params.cu_seqlens_q_padded)
+    params = _reusable(_REUSE["first"], how)
     layouts = {
         "metp": lambda prm: PackedLayout.from_packed_seq_params(prm, total=16),
         "wallfacer thd": lambda prm: CPDocumentLayout.from_packed_seq_params(prm, 2),
@@ -630,7 +684,7 @@ def test_reused_packed_params_follow_their_tensors(how):
             if isinstance(got, BalancedDocLayout):
                 assert torch.equal(got.order(), want.order())
             seen[name] = got
-        # Unchanged tensors: the cached layout is reused (one host read per batch).
+        # Unchanged values: the cached layout is reused (one small host read per call).
         assert layouts["metp"](params) is seen["metp"]
 
 
@@ -643,10 +697,7 @@ def _reused_ring_task(how):
 
     r = dist.get_rank()
     sl, total = 8, 16
-    params = _params(_REUSE["first"])
-    if how == "static-buffer":
-        params.cu_seqlens_kv, params.cu_seqlens_kv_padded = (params.cu_seqlens_q,
-                                                             params.cu_seqlens_q_padded)
+    params = _reusable(_REUSE["first"], how)
     errs = []
     for step in ("first", "second", "third"):
         if step != "first":
@@ -673,7 +724,7 @@ def _reused_ring_task(how):
     return max(errs)
 
 
-@pytest.mark.parametrize("how", ["reassign", "in-place", "static-buffer"])
+@pytest.mark.parametrize("how", WRITES + ["broadcast"])
 def test_reused_packed_params_ring_matches_fp64(how, report):
     worst = max(run_ranks(2, _reused_ring_task, how))
     report(f"reused PackedSeqParams ({how}), METP ring p=2, 3 batches of other documents: "
@@ -809,3 +860,51 @@ def test_ring_refuses_a_wrong_block_size_before_posting(world, report):
         assert err <= 1e-5, err   # see _close: fp32 ring against fp64
     report(f"bad packed input, metp ring p={world}, blocks of the wrong size: {res[0][0][0]} "
            f"(twice, then a valid call in the same group: err {max(e for _, e in res):.1e})")
+
+
+# Malformed cu_seqlens (issue 35 item 5): one line naming the field and the fix, from the first
+# read of the values (before any layout, so before any communication that needs one).
+_MALFORMED = {
+    "NaN": lambda: torch.tensor([0.0, float("nan"), 64.0]),
+    "fractional floats": lambda: torch.tensor([0.0, 12.7, 40.2, 64.0]),
+    "float": lambda: torch.tensor([0.0, 12.0, 64.0]),
+    "bool": lambda: torch.tensor([False, True, True]),
+    "meta": lambda: torch.empty(3, dtype=torch.int32, device="meta"),
+    "2-D": lambda: torch.tensor([[0, 12, 64]], dtype=torch.int32),
+    "list of floats": lambda: [0, 12.5, 64],
+}
+
+
+@pytest.mark.parametrize("case", list(_MALFORMED))
+def test_malformed_cu_seqlens_get_one_line(case, report):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from megatron_metp.packing import CPDocumentLayout, PackedLayout, balanced_packed_layout
+
+    bad = _MALFORMED[case]()
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=bad, cu_seqlens_kv=bad)
+    for make in (lambda: PackedLayout.from_packed_seq_params(params, total=64),
+                 lambda: CPDocumentLayout.from_packed_seq_params(params, 2),
+                 lambda: balanced_packed_layout(params, 2, 64)):
+        with pytest.raises(ValueError) as e:
+            make()
+        msg = str(e.value)
+        assert msg.startswith("PackedSeqParams.cu_seqlens_q ") and "\n" not in msg, msg
+        assert "torch.int32" in msg, msg
+    report(f"malformed cu_seqlens ({case}): {msg}")
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int16, torch.uint8])
+def test_other_integer_dtypes_give_the_int32_layout(dtype):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from megatron_metp.packing import PackedLayout
+
+    def layout(dt):
+        cu = torch.tensor([0, 12, 40, 64], dtype=dt)
+        return PackedLayout.from_packed_seq_params(
+            PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu), total=64)
+
+    a, b = layout(dtype), layout(torch.int32)
+    assert all(a.block_pieces(i, j, 16) == b.block_pieces(i, j, 16)
+               for i in range(4) for j in range(4))

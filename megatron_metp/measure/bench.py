@@ -128,6 +128,12 @@ def preflight(args: argparse.Namespace, world: int) -> None:
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
         if path:
             check_output_file(flag, path)
+    if args.plot:
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:
+            raise ValueError(f"--plot {args.plot}: needs matplotlib, which is not installed: "
+                             f"pip install 'megatron-metp[plot]' (or drop --plot)")
     for flag, v in (("--ffn-hidden-size", args.ffn_hidden_size),
                     ("--num-query-groups", args.num_query_groups)):
         if v is not None and v < 1:

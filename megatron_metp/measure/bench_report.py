@@ -91,6 +91,7 @@ def plot(result: Dict, path: str) -> str:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except ImportError:
         return ("[metp bench] matplotlib is not installed: no plot written "
                 "(pip install 'megatron-metp[plot]')")
@@ -111,10 +112,18 @@ def plot(result: Dict, path: str) -> str:
                      label="Eq. 5 threshold")
     for ax, ylabel in ((ax_m, "peak tensor MiB per rank (max)"), (ax_t, "step ms (slowest rank)")):
         ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted({pt["seq_length"] for pt in result["points"]}))
+        ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.minorticks_off()
         ax.set_xlabel("sequence length")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
-    ax_t.set_yscale("log")  # step times span orders of magnitude across s
+    ax_m.set_ylim(bottom=0)  # memory from zero: a narrow band must not look like a big gap
+    times = [1e3 * pt["time_s"][k] for pt in result["points"] for k in ("overlapped", "compute")]
+    if times and min(times) > 0 and max(times) / min(times) > 20:
+        ax_t.set_yscale("log")  # step times spanning orders of magnitude across s
+    else:
+        ax_t.set_ylim(bottom=0)
     ax_m.legend(fontsize=7)
     ax_t.legend(fontsize=6)
     st = result["settings"]
