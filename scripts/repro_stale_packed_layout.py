@@ -9,8 +9,9 @@ own documents (each document attended on its own, padding rows 0), as max |err| 
 
 A layout cached on the object and keyed without the tensors (megatron-metp before 7f534e8)
 follows the first batch's documents: errors of order 1 on the second and third batches. Keyed
-by the tensors' identity and version counter (``packing._fingerprint``), every batch is within
-fp32 rounding of fp64.
+by the tensors' identity and version counter, writes that skip the counter (``.data``, numpy,
+storage, a broadcast) were still missed; keyed on the values (``packing._cached``, now), every
+batch is within fp32 rounding of fp64 (tests/test_packed.py covers every write form).
 
     python scripts/repro_stale_packed_layout.py
 """
