@@ -227,38 +227,58 @@ def run(args) -> int:
     cfgs = [load_config(n.strip()) for n in args.models.split(",") if n.strip()]
     ps, seqs = _ints(args.p), _ints(args.seq_lengths)
     t0 = time.time()
-    points = [planner.plan(cfg, mode, p, s)
-              for cfg in cfgs for p in ps for mode in modes for s in seqs]
-    out: List[str] = []
+    grid = [(cfg, p, mode, s) for cfg in cfgs for p in ps for mode in modes for s in seqs]
+    say = _progress(t0)
+    points = []
+    for i, (cfg, p, mode, s) in enumerate(grid):
+        say(f"memory {i + 1}/{len(grid)}: {cfg.name} p={p} {mode} s={seq_label(s)}",
+            done=i, total=len(grid))
+        points.append(planner.plan(cfg, mode, p, s))
+    head: List[str] = []
     if settings.recompute_granularity:
-        out.append(f"Recompute in every mode: {' '.join(recompute_flags(settings))}\n")
+        head.append(f"Recompute in every mode: {' '.join(recompute_flags(settings))}\n")
     if settings.context_parallel > 1:
-        out.append(f"Stock tp as TP x CP: --context-parallel-size "
-                   f"{settings.context_parallel} --cp-comm-type p2p ({CP_STAND_IN})\n")
+        head.append(f"Stock tp as TP x CP: --context-parallel-size "
+                    f"{settings.context_parallel} --cp-comm-type p2p ({CP_STAND_IN})\n")
     if settings.offload_layers:
-        out.append(f"Activation offloading in every mode: --cpu-offloading "
-                   f"--cpu-offloading-num-layers {settings.offload_layers} (at most the layers "
-                   f"per device - 1; host RAM per GPU in the breakdown below)\n")
-    out.append(f"## Per-rank memory of a training step, GiB (state + activation peak; "
-               f"mode/TP in brackets; * = exceeds {settings.memory_gib:g} GiB with "
-               f"{settings.reserve_gib:g} GiB reserve and {settings.fragmentation:.0%} "
-               f"fragmentation)\n")
-    out.append(memory_table(points))
+        head.append(f"Activation offloading in every mode: --cpu-offloading "
+                    f"--cpu-offloading-num-layers {settings.offload_layers} (at most the layers "
+                    f"per device - 1; host RAM per GPU in the breakdown below)\n")
+    head.append(f"## Per-rank memory of a training step, GiB (state + activation peak; one row "
+                f"per model, p and mode; * = exceeds {settings.memory_gib:g} GiB with "
+                f"{settings.reserve_gib:g} GiB reserve and {settings.fragmentation:.0%} "
+                f"fragmentation)\n")
+    head.append(memory_table(points))
+    _emit(head)           # each table as soon as it is complete
     longest = []
     lp = _ints(args.longest_p)
     if lp:
-        out.append(f"\n## Longest sequence within {settings.memory_gib:g} GiB per GPU\n")
-        out.append("| model | p | " + " | ".join(modes) + " | metp / tp |")
-        out.append("|---|---|" + "---:|" * (len(modes) + 1))
+        _emit([f"\n## Longest sequence within {settings.memory_gib:g} GiB per GPU\n",
+               "| model | p | " + " | ".join(modes) + " | metp / tp |",
+               "|---|---|" + "---:|" * (len(modes) + 1)])
+        searches, n = len(cfgs) * len(lp) * len(modes), 0
         for cfg in cfgs:
             for p in lp:
-                best = {m: planner.longest_sequence(cfg, m, p) for m in modes}
+                best = {}
+                for m in modes:
+                    probes = []
+
+                    def tick(s, pt, cfg=cfg, p=p, m=m, probes=probes):
+                        probes.append(s)
+                        say(f"longest {n + 1}/{searches}: {cfg.name} p={p} {m}, probe "
+                            f"{len(probes)} at s={seq_label(s)} "
+                            f"({'fits' if pt is not None and pt.fits else 'does not fit'})",
+                            done=n, total=searches)
+
+                    best[m] = planner.longest_sequence(cfg, m, p, progress=tick)
+                    n += 1
                 longest += [point_dict(v) for v in best.values() if v is not None]
                 cells = [seq_label(best[m].seq_length) if best[m] else "none" for m in modes]
                 ratio = ""
                 if best.get("tp") and best.get("metp"):
                     ratio = f"{best['metp'].seq_length / best['tp'].seq_length:.2f}x"
-                out.append(f"| {cfg.name} | {p} | " + " | ".join(cells) + f" | {ratio} |")
+                _emit([f"| {cfg.name} | {p} | " + " | ".join(cells) + f" | {ratio} |"])
+    out: List[str] = []
     if longest:
         out.append("\n### Where the memory goes at the longest sequence (GiB per rank; R in "
                    "bsh/p, one bf16 [s/p, b, h] tensor)\n")
@@ -276,33 +296,63 @@ def run(args) -> int:
                 f"{pt['layer_peak'] / GIB:.1f} | {pt['offloaded_layers']} | "
                 f"{pt['host_bytes'] / GIB:.1f} |")
     if lp:
+        say("saved-tensor tables", done=0, total=0)
         out.append(saved_tensor_tables(planner, cfgs, [m for m in modes if m in ("tp", "metp")],
                                        lp[0], _ints(args.time_seq_length)[0]))
+    _emit(out)
     ts = _ints(args.time_seq_length)[0]
-    out.append(f"\n## Communication per step per rank and ESTIMATED step time at s = "
-               f"{seq_label(ts)} (estimates: FLOPs at {settings.efficiency:.0%} of bf16 peak, "
-               "alpha-beta NVLink, tp serialised, metp overlapped)\n")
-    out.append("| model | p | mode | sent GiB | calls | H100 compute s | H100 comm s | "
-               "H100 step s (est.) | A100 step s (est.) |")
-    out.append("|---|---|---|---:|---:|---:|---:|---:|---:|")
+    out = [f"\n## Communication per step per rank at s = {seq_label(ts)} (counted under fake "
+           f"tensors: bytes each rank sends and collective/P2P calls, one training step)\n",
+           "| model | p | mode | sent GiB | calls |", "|---|---|---|---:|---:|"]
     timed = []
     for cfg in cfgs:
         for p in ps:
             for mode in modes:
                 pt = planner.plan(cfg, mode, p, ts)
-                timed.append(point_dict(pt))
-                e = pt.est_time_s
+                timed.append(_without_times(point_dict(pt)))
                 out.append(f"| {cfg.name} | {p} | {mode} | {pt.sent_bytes / GIB:.2f} | "
-                           f"{pt.comm_calls} | {e['H100_compute']:.3f} | {e['H100_comm']:.3f} | "
-                           f"{e['H100']:.3f} | {e['A100']:.3f} |")
+                           f"{pt.comm_calls} |")
+    out.append("\nStep times on a GPU (ESTIMATES) come from one model, the timeline: "
+               "`metp plan --timeline` (per-layer traces, overlap as scheduled) and "
+               "`metp plan --frontier` (against stock's best).")
     out.append(f"\n(planned in {time.time() - t0:.0f} s)")
-    print("\n".join(out), flush=True)
+    _emit(out)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(settings=vars(settings), points=[point_dict(x) for x in points],
-                           longest=longest, timed=timed), f, indent=1)
+            json.dump(dict(settings=vars(settings),
+                           points=[_without_times(point_dict(x)) for x in points],
+                           longest=[_without_times(x) for x in longest], timed=timed),
+                      f, indent=1)
     planner.world.teardown()
     return 0
+
+
+def _emit(lines: List[str]) -> None:
+    if lines:
+        print("\n".join(lines), flush=True)
+
+
+def _without_times(d: dict) -> dict:
+    """A plan point for the JSON, without the planner's alpha-beta step time (the timeline is
+    the one estimator of GPU time: ``metp plan --timeline`` / ``--frontier``)."""
+    return {k: v for k, v in d.items() if k != "est_time_s"}
+
+
+def _progress(t0: float):
+    """``say(msg, done, total)``: a progress line on stderr, at most one every 2 s, with the
+    elapsed time and, once something is done, the time left at the rate so far."""
+    last = [0.0]
+
+    def say(msg: str, done: int, total: int) -> None:
+        now = time.time()
+        if now - last[0] < 2.0 and done:
+            return
+        last[0] = now
+        el = now - t0
+        left = f", ~{el / done * (total - done):.0f} s left" if done and total else ""
+        print(f"[metp plan] {msg} ({el:.0f} s{left})", file=sys.stderr, flush=True)
+
+    return say
 
 
 def _recompute(args) -> dict:

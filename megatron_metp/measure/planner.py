@@ -795,4 +795,6 @@ def memory_table(points: List[PlanPoint]) -> str:
     if any(pt.qkv_backward == "save" for pt in points):
         lines.append("\n† METP keeps the one ring pass's Q/K/V for backward there "
                      "(--metp-qkv-backward: it fits); elsewhere it recomputes them.")
+    if any(pt.mode != "tp" for pt in points) and any(pt.mode == "tp" for pt in points):
+        lines.append("(x.xx): the mode's GiB over stock tp's at the same model, p and s.")
     return "\n".join(lines)
