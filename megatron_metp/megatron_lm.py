@@ -521,15 +521,102 @@ def config_flags(name_or_path: str, *, training: bool = True) -> List[str]:
     return out
 
 
+def merge_flags(tokens: Sequence[str]) -> List[str]:
+    """A flag list in which a later ``--flag [value]`` replaces an earlier one (argparse's rule,
+    made explicit so that a printed command names each flag once). A token after ``--flag`` is
+    its value unless it starts with ``--``."""
+    order: List[str] = []
+    value: dict = {}
+    i = 0
+    while i < len(tokens):
+        flag = tokens[i]
+        if not flag.startswith("--"):
+            raise ValueError(f"merge: {flag!r} follows no --flag")
+        vals = []
+        while i + 1 < len(tokens) and not tokens[i + 1].startswith("--"):
+            vals.append(tokens[i + 1])
+            i += 1
+        if flag in value:
+            order.remove(flag)
+        order.append(flag)
+        value[flag] = vals
+        i += 1
+    return [t for f in order for t in (f, *value[f])]
+
+
+def check_launch(config: str, world_size: int, tokens: Sequence[str]) -> None:
+    """The checks ``metp train`` and the Megatron-LM route run at start-up, on a launch script's
+    flags (``tokens``, Megatron-LM names) with the model shape of ``config``, for
+    ``world_size`` ranks: the same one-line MetpConfigError messages, before anything is
+    submitted or started."""
+    from megatron_metp.validation import team_size as _team
+
+    ns = argparse.Namespace(
+        tensor_parallel_mode="tp", tensor_model_parallel_size=1, context_parallel_size=1,
+        pipeline_model_parallel_size=1, sequence_parallel=False, wallfacer_team_size=None,
+        wallfacer_placement=None, cp_comm_type=["p2p"], world_size=world_size)
+    flags = merge_flags(list(config_flags(config, training=True)) + list(tokens))
+    i = 0
+    while i < len(flags):
+        key = flags[i][2:].replace("-", "_")
+        vals = []
+        while i + 1 < len(flags) and not flags[i + 1].startswith("--"):
+            vals.append(flags[i + 1])
+            i += 1
+        if not vals:
+            setattr(ns, key, True)
+        else:
+            v = vals[0] if len(vals) == 1 else vals
+            try:
+                v = int(v)
+            except (TypeError, ValueError):
+                try:
+                    v = float(v)
+                except (TypeError, ValueError):
+                    pass
+            setattr(ns, key, v)
+        i += 1
+    mode = ns.tensor_parallel_mode
+    if mode not in ("tp", "metp", "metp_mlp", "wallfacer"):
+        raise MetpConfigError(f"--tensor-parallel-mode {mode!r} is unknown: choose one of tp, "
+                              f"metp, wallfacer (MODE=)")
+    if ns.wallfacer_team_size is not None and not isinstance(ns.wallfacer_team_size, int) \
+            and ns.wallfacer_team_size != "auto":
+        raise MetpConfigError(f"--wallfacer-team-size {ns.wallfacer_team_size!r}: an integer "
+                              f"C >= 1 or auto (TEAM_SIZE=)")
+    del _team
+    apply_mode_remap(ns, explicit={f for f in tokens if f.startswith("--")})
+    validate_args(ns)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """``python -m megatron_metp.megatron_lm flags CONFIG`` prints pretrain_gpt.py flags for a
-    config; ``vocab-size CONFIG`` prints its vocabulary size (for ``--vocab-size``)."""
+    config; ``vocab-size CONFIG`` prints its vocabulary size (for ``--vocab-size``); ``merge
+    FLAGS...`` prints the flags with each named once (later wins); ``check CONFIG
+    --world-size N -- FLAGS...`` runs the plugin's start-up checks on a launch script's flags
+    (exit 2 and one line on a bad configuration)."""
     import shlex
 
     from megatron_metp.models.config import load_config
 
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["merge"]:
+        print(shlex.join(merge_flags(argv[1:])))
+        return 0
+    if argv[:1] == ["check"]:
+        rest = argv.index("--") if "--" in argv else len(argv)
+        p = argparse.ArgumentParser(prog="python -m megatron_metp.megatron_lm check")
+        p.add_argument("config")
+        p.add_argument("--world-size", type=int, required=True)
+        a = p.parse_args(argv[1:rest])
+        try:
+            check_launch(a.config, a.world_size, argv[rest + 1:])
+        except ValueError as e:   # MetpConfigError and the config loader's errors
+            print(f"megatron-metp: error: {e}", file=sys.stderr)
+            return 2
+        return 0
     p = argparse.ArgumentParser(prog="python -m megatron_metp.megatron_lm")
-    p.add_argument("command", choices=("flags", "vocab-size"))
+    p.add_argument("command", choices=("flags", "vocab-size", "merge", "check"))
     p.add_argument("config", help="configs/<model>.yaml or a model name")
     p.add_argument("--model-only", action="store_true", help="flags: leave out training defaults")
     a = p.parse_args(argv)

@@ -69,7 +69,7 @@ def test_requeue_resumes_from_save():
 
 def test_wallfacer_dry_run_on_a100():
     out = _dry_run("metp_train.sbatch", MODE="wallfacer", TP="16", TEAM_SIZE="2",
-                   PLACEMENT="ring-consecutive", CLUSTER="a100", CONFIG="tiny-llama")
+                   PLACEMENT="ring-consecutive", CLUSTER="a100", CONFIG="tiny-llama", NODES="2")
     cmd = _command(out)
     assert "--wallfacer-team-size 2 --wallfacer-placement ring-consecutive" in cmd
     assert "--sequence-parallel" not in cmd  # the remap turns SP off for wallfacer
@@ -77,17 +77,56 @@ def test_wallfacer_dry_run_on_a100():
 
 
 def test_pretrain_gpt_dry_run_takes_model_flags_from_the_config():
-    out = _dry_run("pretrain_gpt.sbatch", MODE="metp", TP="4", CONFIG="tiny-llama",
-                   SEQ_LENGTH="8192")
+    out = _dry_run("pretrain_gpt.sbatch", MODE="metp", TP="2", CONFIG="tiny-llama",
+                   SEQ_LENGTH="8192", GLOBAL_BATCH_SIZE="16", MEGATRON_LM_PATH=_fake_megatron_lm())
     cmd = _command(out)
     assert "scripts/pretrain_gpt_metp.py" in cmd and "MEGATRON_LM_PATH" in out
     for part in ("--normalization RMSNorm", "--swiglu", "--group-query-attention",
                  "--mock-data --tokenizer-type NullTokenizer --vocab-size",
-                 "--max-position-embeddings 8192", "--seq-length 8192",
-                 "--tensor-parallel-mode metp --tensor-model-parallel-size 4"):
+                 "--max-position-embeddings 8192", "--seq-length 8192", "--eval-interval",
+                 "--tensor-parallel-mode metp --tensor-model-parallel-size 2"):
         assert part in cmd, (part, cmd)
     # The variables come last, so they override the config's training defaults.
-    assert cmd.rindex("--tensor-model-parallel-size 4") > cmd.rindex("--num-layers")
+    assert cmd.rindex("--tensor-model-parallel-size 2") > cmd.rindex("--num-layers")
+    # Each flag once (issue 34 item 2: --seq-length, --lr, --train-iters ... were repeated).
+    flags = [t for t in cmd.split() if t.startswith("--")]
+    launcher = {"--nodes=1", "--ntasks-per-node=1", "--kill-on-bad-exit=1"}
+    repeated = {f for f in flags if flags.count(f) > 1 and f not in launcher}
+    assert not repeated, repeated
+
+
+def _fake_megatron_lm() -> str:
+    import tempfile
+
+    d = tempfile.mkdtemp(prefix="fake-megatron-lm-")
+    Path(d, "pretrain_gpt.py").write_text("")
+    return d
+
+
+def test_cpu_cluster_gives_the_cpu_flags_and_no_bf16():
+    cmd = _command(_dry_run("pretrain_gpt.sbatch", MODE="metp", TP="2", CONFIG="tiny-gpt",
+                            CLUSTER="cpu", MEGATRON_LM_PATH=_fake_megatron_lm()))
+    for part in ("--distributed-backend gloo", "--transformer-impl local",
+                 "--no-gradient-accumulation-fusion", "--use-cpu-initialization"):
+        assert part in cmd, (part, cmd)
+    assert "--bf16" not in cmd
+
+
+@pytest.mark.parametrize("script", ["metp_train.sbatch", "pretrain_gpt.sbatch"])
+@pytest.mark.parametrize("env,flag", [
+    (dict(MODE="bogus"), "--tensor-parallel-mode"),
+    (dict(MODE="wallfacer", TP="8", TEAM_SIZE="3"), "--wallfacer-team-size"),
+    (dict(MODE="metp", TP="4", CONFIG="tiny-llama"), "--num-query-groups"),
+])
+def test_bad_settings_stop_before_srun_even_in_a_dry_run(script, env, flag):
+    # The checks of metp train, with its messages, before anything is submitted or started.
+    e = dict(os.environ, DRY_RUN="1", PYTHON=sys.executable, METP_ROOT=str(ROOT),
+             MEGATRON_LM_PATH=_fake_megatron_lm(), **env)
+    r = subprocess.run(["bash", str(SLURM / script)], env=e, capture_output=True, text=True,
+                       timeout=120, cwd=ROOT)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and flag in lines[0], r.stderr
+    assert "srun" not in r.stdout
 
 
 def test_pretrain_gpt_needs_megatron_lm_path_to_run():

@@ -25,10 +25,12 @@
 #   MAX_REQUEUES         requeue at most this many times (default 20)
 # Machine
 #   CLUSTER     h100 | a100 | cpu   NCCL settings and ranks per node (NPROC_PER_NODE overrides)
-#   PYTHON      the Python with megatron_metp installed (default: python)
+#   PYTHON      the Python with megatron_metp installed, on every node (default: METP_ROOT's
+#               .venv/bin/python, made by scripts/setup_env.sh, else python on PATH)
 #   METP_ROOT   this repository (default: the sbatch submit directory)
 #   MASTER_PORT rendezvous port on the first node (default 29500)
-#   DRY_RUN=1   print the environment and the command instead of running it
+#   DRY_RUN=1   print the environment and the command instead of running it (after the same
+#               checks; NODES=N stands for sbatch's --nodes there)
 
 set -euo pipefail
 
@@ -42,10 +44,12 @@ fi
 TEAM_SIZE=${TEAM_SIZE:-1}
 PLACEMENT=${PLACEMENT:-team-consecutive}
 CONFIG=${CONFIG:-llama-7b}
-BF16=${BF16:-1}
+BF16=${BF16:-$([ "${CLUSTER:-h100}" = cpu ] && echo 0 || echo 1)}
 TIMEOUT_MINUTES=${TIMEOUT_MINUTES:-10}
 CLUSTER=${CLUSTER:-h100}
-PYTHON=${PYTHON:-python}
+if [ -z "${PYTHON:-}" ]; then
+    if [ -x "$METP_ROOT/.venv/bin/python" ]; then PYTHON=$METP_ROOT/.venv/bin/python; else PYTHON=python; fi
+fi
 DRY_RUN=${DRY_RUN:-0}
 EXTRA_ARGS=${EXTRA_ARGS:-}
 cd "$METP_ROOT"
@@ -78,7 +82,8 @@ case "$CLUSTER" in
 esac
 
 # --- rendezvous -----------------------------------------------------------------------------------
-NNODES=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}
+# Outside an allocation (DRY_RUN), NODES stands for sbatch's --nodes.
+NNODES=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-${NODES:-1}}}
 if [ -n "${SLURM_JOB_NODELIST:-}" ]; then
     MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)
 else
@@ -172,6 +177,13 @@ parallel_flags() {
     return 0
 }
 
+# check_flags FLAGS...: the plugin's start-up checks (the messages of metp train and the
+# Megatron-LM route) on this job's flags and world size, before srun, DRY_RUN included.
+check_flags() {
+    PYTHONWARNINGS=ignore "$PYTHON" -m megatron_metp.megatron_lm check "$CONFIG" \
+        --world-size $(( NNODES * NPROC_PER_NODE )) -- "$@" >/dev/null || exit 2
+}
+
 # launch PROGRAM [ARGS...]: srun -> one torchrun per node -> NPROC_PER_NODE ranks of PROGRAM.
 launch() {
     local cmd=(srun --nodes="$NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1
@@ -182,7 +194,7 @@ launch() {
     # shellcheck disable=SC2206  # EXTRA_ARGS is a flag list, split on purpose
     [ -n "$EXTRA_ARGS" ] && cmd+=($EXTRA_ARGS)
     echo "[metp-slurm] nodes=$NNODES ranks/node=$NPROC_PER_NODE mode=$MODE TP=$TP CP=$CP PP=$PP" \
-         "SP=$SP cluster=$CLUSTER rendezvous=$MASTER_ADDR:$MASTER_PORT"
+         "SP=$SP cluster=$CLUSTER rendezvous=$MASTER_ADDR:$MASTER_PORT python=$PYTHON"
     if [ "$DRY_RUN" = 1 ]; then
         env | grep -E '^(NCCL_|TORCH_NCCL_|CUDA_DEVICE_MAX|OMP_NUM_THREADS|MEGATRON_LM_PATH)' \
             | sort | sed 's/^/export /'
