@@ -607,6 +607,14 @@ def _install_fusion_kernels() -> None:
             setattr(mod, name, _in_token_chunks(fn, tokens))
 
 
+def _mcore_release() -> tuple:
+    """(major, minor) of the installed megatron-core (its distribution's version)."""
+    from importlib.metadata import version
+
+    major, minor = version("megatron-core").split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
 def apply() -> None:
     """Install the CPU stand-ins if CUDA is absent; a no-op on GPU machines and when repeated."""
     global _APPLIED
@@ -617,7 +625,9 @@ def apply() -> None:
     torch.cuda.synchronize = _cpu_synchronize
     # Megatron-Core >= 0.19: DDP's start_grad_sync (distributed.param_and_grad_buffer) asks
     # torch.cuda.current_stream() on every gradient sync, overlap or not; one in-order executor.
-    torch.cuda.current_stream = lambda device=None: _CPU_STREAM
+    # Only where that release is installed (0.16.1 asks it on the overlap path alone).
+    if _mcore_release() >= (0, 19):
+        torch.cuda.current_stream = lambda device=None: _CPU_STREAM
 
     from megatron.core.tensor_parallel import random as mrandom
 

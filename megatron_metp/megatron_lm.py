@@ -74,7 +74,9 @@ def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         return parser
     group = parser.add_argument_group(title="megatron-metp")
     group.add_argument(
-        "--tensor-parallel-mode", choices=CLI_MODES + ("auto",), default="tp",
+        # No argparse choices: a wrong value would print the usage text on every rank;
+        # remap_and_validate refuses it once, in one line (rank 0), with the choices.
+        "--tensor-parallel-mode", default="tp", metavar="{" + ",".join(CLI_MODES + ("auto",)) + "}",
         help="tp: Megatron's TP+SP (its own spec); metp: METP weight-ring MLP and two-level "
              "attention over the --tensor-model-parallel-size ring; wallfacer: multi-ring "
              "sequence-parallel attention (with --context-parallel-size 1 the requested TP size "

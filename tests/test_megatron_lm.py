@@ -73,10 +73,15 @@ def test_provider_adds_the_flags_and_chains():
                        "--wallfacer-placement", "ring-consecutive"])
     assert (ns.wallfacer_team_size, ns.wallfacer_placement) == ("auto", "ring-consecutive")
     assert p.parse_args(["--wallfacer-team-size", "4"]).wallfacer_team_size == 4
-    for bad in (["--tensor-parallel-mode", "ulysses"], ["--wallfacer-team-size", "0"],
-                ["--wallfacer-team-size", "x"], ["--wallfacer-placement", "nodes"]):
+    for bad in (["--wallfacer-team-size", "0"], ["--wallfacer-team-size", "x"],
+                ["--wallfacer-placement", "nodes"]):
         with pytest.raises(SystemExit):  # argparse refuses before anything starts
             p.parse_args(bad)
+    # An unknown mode passes argparse (whose refusal prints the usage text on every rank) and
+    # is refused once, in one line, by the plugin's validation.
+    ns = p.parse_args(["--tensor-parallel-mode", "ulysses"])
+    with pytest.raises(MetpConfigError, match="--tensor-parallel-mode 'ulysses' is unknown"):
+        mlm.remap_and_validate(ns, argv=["--tensor-parallel-mode", "ulysses"])
 
 
 # ----------------------------------------------------------------------------- remap

@@ -288,6 +288,8 @@ def test_training_log_reports_tflops_in_every_mode(runs):
       "--sequence-parallel", "--num-attention-heads", "6"], "--num-attention-heads"),
     (["--tensor-parallel-mode", "metp", "--tensor-model-parallel-size", "2",
       "--sequence-parallel", "--attention-dropout", "0.1"], "--attention-dropout"),
+    # An unknown mode: one line, no usage text (it was printed once per rank).
+    (["--tensor-parallel-mode", "bogus"], "--tensor-parallel-mode"),
     # Stock tp + SP on CPU: Megatron's torch norm would assert in every rank (issue 34 item 5).
     (["--tensor-parallel-mode", "tp", "--tensor-model-parallel-size", "2",
       "--sequence-parallel"], "--sequence-parallel"),
@@ -301,4 +303,5 @@ def test_bad_flags_exit_2_before_anything_starts(tmp_path, argv, flag):
     assert proc.returncode == 2, (proc.stdout[-2000:], proc.stderr[-3000:])
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("megatron-metp:")]
     assert len(lines) == 1 and flag in lines[0], proc.stderr[-3000:]
+    assert "usage:" not in proc.stderr, proc.stderr[-3000:]
     assert " iteration " not in proc.stdout

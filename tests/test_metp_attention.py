@@ -28,6 +28,9 @@ def _cfg(p, kind):
     if kind == "qkln":  # q/k layernorm (Megatron's --qk-layernorm), GQA, bias on qkv only
         return make_config("llama", hidden_size=64, num_attention_heads=8, num_query_groups=4,
                            qk_layernorm=True, add_qkv_bias=True), True
+    if kind == "bias512":  # the audit's case (issue 35 item 6): h = 512, GQA, a Q/K/V bias
+        return make_config("llama", hidden_size=512, num_attention_heads=8, num_query_groups=4,
+                           add_qkv_bias=True), True
     raise ValueError(kind)
 
 
@@ -630,7 +633,7 @@ def _save_against_recompute():
     setup(tp=p, mode="metp")
     r = dist.get_rank()
     out = {}
-    for kind in ("mha", "gqa", "qkln"):
+    for kind in ("mha", "gqa", "qkln", "bias512"):
         config, rope = _cfg(p, kind)
         runs = {}
         for qkv in ("recompute", "save"):
@@ -647,11 +650,14 @@ def _save_against_recompute():
                      and o.name in ("mm", "addmm", "linear")]
             runs[qkv] = (res, len(gemms), sum(o.flops for o in gemms))
         (a, n_a, f_a), (b, n_b, f_b) = runs["recompute"], runs["save"]
+        pairs = list(zip(a[:2], b[:2])) + [(a[2][n], b[2][n]) for n in a[2]]
         out[kind] = dict(
-            # The saved projection is the forward's own GEMM output, which the recompute
-            # repeats on the same inputs with the same kernel: bit for bit the same values.
-            same=all(torch.equal(u, v) for u, v in zip(a[:2], b[:2]))
-            and all(torch.equal(a[2][n], b[2][n]) for n in a[2]),
+            # The saved projection is the forward's own output: two half-row GEMMs and, with a
+            # bias, a separate bias add. The recompute runs one fused F.linear over the whole
+            # gathered weight: the same values where the two round alike, not in general.
+            same=all(torch.equal(u, v) for u, v in pairs),
+            rel=max(((u - v).abs().max() / v.abs().max().clamp_min(1e-30)).item()
+                    for u, v in pairs),
             gemms=(n_a, n_b), flops=(f_a, f_b),
             qkv_flops=2.0 * S // p * B * config.hidden_size
             * (config.num_attention_heads + 2 * (config.num_query_groups
@@ -671,13 +677,20 @@ def _save_against_recompute():
 @pytest.mark.parametrize("world", [2, 4])
 def test_saved_qkv_skips_the_recompute_gemm_bit_for_bit(world, report):
     # --metp-qkv-backward save: the backward reads the forward's Q/K/V projection instead of
-    # running it again (issue 25 item 3). Exact equality (no tolerance): the same GEMM on the
-    # same operands; the fp64 parity of the saved path is test_metp_mha_matches_fp64_and_tp's
-    # "whole-save" case.
+    # running it again (issue 25 item 3). Exact equality at h = 32 and 64, where the forward's
+    # half-row GEMMs and the recompute's one GEMM round alike; at h = 512 with a Q/K/V bias
+    # they do not (issue 35 item 6): a tolerance there. The fp64 parity of the saved path is
+    # test_metp_mha_matches_fp64_and_tp's "whole-save" case.
     got = run_ranks(world, _save_against_recompute)
     for rank in got:
-        for kind in ("mha", "gqa", "qkln"):
+        for kind in ("mha", "gqa", "qkln", "bias512"):
             res = rank[kind]
+            if kind == "bias512":
+                # Not bit for bit with a bias at h = 512 (the audit measured 3.7e-7 to 4.5e-7
+                # relative in dx and dW_qkv): fp32 rounding of mm + add against fused addmm, a
+                # few ulps; 1e-5 is 20x that and far below any wrong term (order 1).
+                assert res["rel"] <= 1e-5, (kind, world, res["rel"])
+                continue
             assert res["same"], (kind, world)
             (n_a, n_b), (f_a, f_b) = res["gemms"], res["flops"]
             assert n_b == n_a - 1, (kind, res["gemms"])
@@ -686,4 +699,7 @@ def test_saved_qkv_skips_the_recompute_gemm_bit_for_bit(world, report):
         assert "keep" in rank["bad"] and "--metp-qkv-backward" in rank["bad"]
     res = got[0]["mha"]
     report(f"p={world} one ring pass, fwd+bwd GEMMs recompute/save: {res['gemms']}, "
-           f"FLOPs {res['flops'][0]:.3g}/{res['flops'][1]:.3g}")
+           f"FLOPs {res['flops'][0]:.3g}/{res['flops'][1]:.3g}; bit for bit at h = 32/64; "
+           f"h = 512 GQA with a Q/K/V bias: max rel diff "
+           f"{max(r['bias512']['rel'] for r in got):.1e} (bit for bit: "
+           f"{all(r['bias512']['same'] for r in got)})")

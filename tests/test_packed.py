@@ -784,10 +784,22 @@ def _bad_inputs_task(mode):
     ids = torch.randint(0, M.VOCAB, (1, tokens), generator=torch.Generator().manual_seed(0))
     pos = torch.arange(tokens)[None]
     seen = {}
-    for name, (cu, qp, kvp, needle) in _bad_cases(total, mode).items():
+    half = total // 2
+    made = {name: (_bad_params(cu, qp, kvp), needle)
+            for name, (cu, qp, kvp, needle) in _bad_cases(total, mode).items()}
+    # Issue 35 items 4 and 5: float offsets (Megatron's THD RoPE split on them), and for
+    # WallFacer a max_seqlen_q shorter than a document (a rotary table too short).
+    flt = _bad_params([0, 5, half + 3], [0, half, total], [0, half, total])
+    flt.cu_seqlens_q = flt.cu_seqlens_q.float()
+    made["float cu_seqlens"] = (flt, "dtype torch.float32")
+    if mode == "wallfacer":
+        short = _bad_params([0, 5, half + 3], [0, half, total], [0, half, total])
+        short.max_seqlen_q = 4
+        made["max_seqlen_q shorter than a document"] = (short, "max_seqlen_q 4")
+    for name, (prm, needle) in made.items():
         for attempt in range(2):
             try:
-                model(ids, pos, None, packed_seq_params=_bad_params(cu, qp, kvp))
+                model(ids, pos, None, packed_seq_params=prm)
             except ValueError as e:
                 msg = str(e)
                 assert needle in msg and "\n" not in msg, (name, msg)
@@ -908,3 +920,111 @@ def test_other_integer_dtypes_give_the_int32_layout(dtype):
     a, b = layout(dtype), layout(torch.int32)
     assert all(a.block_pieces(i, j, 16) == b.block_pieces(i, j, 16)
                for i in range(4) for j in range(4))
+
+
+def _packed_gpt_learned_positions_task():
+    """METP GPT with learned absolute positions (the sharded table): a packed batch is refused
+    on every rank, in one line, before the embedding's first collective; the same group then
+    trains an unpacked batch (nothing was left posted)."""
+    from tests import _models as M
+
+    p = dist.get_world_size()
+    total = 8 * p
+    M.setup(tp=p, mode="metp")
+    model = M.build("metp", "gpt", max_sequence_length=total)
+    assert model.position_table_sharded
+    ids = torch.randint(0, M.VOCAB, (1, total), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(total)[None]
+    good = _bad_params([0, 5, total // 2 + 3], [0, total // 2, total], [0, total // 2, total])
+    try:
+        model(ids, pos, None, packed_seq_params=good)
+    except ValueError as e:
+        msg = str(e)
+    else:
+        raise AssertionError("a packed batch was accepted by the sharded position table")
+    assert "\n" not in msg and "rope" in msg, msg
+    out = model(ids, pos, None)
+    assert torch.isfinite(out).all()
+    return msg
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_packed_gpt_with_a_sharded_position_table_is_refused_in_one_line(world, report):
+    # Issue 35 item 3: it raised IndexError in F.embedding after the word reduce-scatter. Not
+    # supported (a rank holds the rows of its slice of one whole sequence, and packed positions
+    # restart per document): refused before any collective, the same line on every rank.
+    msgs = run_ranks(world, _packed_gpt_learned_positions_task)
+    assert len(set(msgs)) == 1
+    report(f"packed GPT batch, METP p={world}, sharded learned position table: {msgs[0]}")
+
+
+def _mismatch_task():
+    """METP at TP = p: ranks handed different inputs all raise the same line, promptly, and the
+    group then runs a matching batch (nothing left posted)."""
+    import time
+
+    from tests import _models as M
+
+    p, r = dist.get_world_size(), dist.get_rank()
+    total = 8 * p
+    M.setup(tp=p, mode="metp")
+    model = M.build("metp", "llama", max_sequence_length=total, num_attention_heads=p,
+                    num_query_groups=p)
+    ids = torch.randint(0, M.VOCAB, (1, total), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(total)[None]
+    half = total // 2
+    good = lambda: _bad_params([0, 5, half + 3], [0, half, total], [0, half, total])  # noqa
+    cases = {
+        # rank 0 one token short (unpacked): the shapes differ
+        "tokens": lambda: (ids[:, :total - 1] if r == 0 else ids,
+                           pos[:, :total - 1] if r == 0 else pos, None),
+        # the last rank's documents differ
+        "cu_seqlens": lambda: (ids, pos, _bad_params([0, 7, half + 3], [0, half, total],
+                                                     [0, half, total]) if r == p - 1 else good()),
+        # one rank's cu_seqlens unreadable (NaN): every rank raises, none hangs
+        "one rank malformed": lambda: (ids, pos, PackedSeqParams_nan() if r == 0 else good()),
+    }
+    seen = {}
+    for name, make in cases.items():
+        a, b, prm = make()
+        t0 = time.perf_counter()
+        try:
+            model(a, b, None, packed_seq_params=prm)
+        except ValueError as e:
+            seen[name] = (str(e), time.perf_counter() - t0)
+        else:
+            raise AssertionError(f"{name}: accepted")
+    # The check's cost: one all-reduce of two int64 per forward (wall time here, on gloo).
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(20):
+        model._agree_on_inputs(ids, good())
+    cost = (time.perf_counter() - t0) / 20
+    out = model(ids, pos, None, packed_seq_params=good())
+    assert torch.isfinite(out).all()
+    return seen, cost
+
+
+def PackedSeqParams_nan():
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    bad = torch.tensor([0.0, float("nan"), 64.0])
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=bad, cu_seqlens_kv=bad)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ranks_handed_different_inputs_fail_alike_without_hanging(world, report):
+    # Issue 35 item 7: the rank that found its input bad refused; the others blocked in the
+    # embedding's collective until the group timed out.
+    got = run_ranks(world, _mismatch_task, timeout=120)
+    for name in ("tokens", "cu_seqlens"):
+        msgs = {g[0][name][0] for g in got}
+        assert len(msgs) == 1 and "different inputs" in next(iter(msgs)), (name, msgs)
+    # An unreadable input on one rank: the mismatch line on every rank (the fingerprints differ).
+    assert len({g[0]["one rank malformed"][0] for g in got}) == 1
+    slowest = max(t for g in got for _, t in g[0].values())
+    cost = max(g[1] for g in got)
+    assert slowest < 10.0, slowest   # not a timeout: the group's is minutes
+    report(f"different inputs on METP p={world} ranks: every rank raised the same line within "
+           f"{slowest:.2f} s; the check costs one all-reduce of 2 int64 per forward "
+           f"({1e6 * cost:.0f} us on gloo/CPU here)")

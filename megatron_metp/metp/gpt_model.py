@@ -44,6 +44,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron_metp.metp.attention import set_balanced_layout
 from megatron_metp.metp.cross_entropy import metp_cross_entropy
 from megatron_metp.metp.embedding import MetpLanguageModelEmbedding
+from megatron_metp.packing import _values as packed_values
 from megatron_metp.packing import balanced_packed_layout, cp_balanced_packed_layout
 from megatron_metp.token_layout import can_balance, permute_sequence
 
@@ -85,8 +86,49 @@ class MetpGPTModel(GPTModel):
         this batch's ``s`` tokens (``packing``'s checks: offsets, padded twins, lengths)."""
         from megatron_metp.metp.attention import packed_ring_layout
 
+        if self.position_table_sharded:
+            # Each rank holds the table rows of its own slice of one whole sequence; a packed
+            # batch's positions restart in every document, so they fall in other ranks' rows
+            # (issue 35 item 3: F.embedding's IndexError after the word reduce-scatter).
+            raise ValueError(
+                "packed sequences (packed_seq_params) with METP's sharded learned position "
+                "table: positions restart in every document, so a rank's tokens need rows other "
+                "ranks hold; use --position-embedding-type rope (LLaMA-style), or unpacked "
+                "batches, for learned absolute positions under --tensor-parallel-mode metp")
         packed_ring_layout(params, self.tp_size, self.config.context_parallel_size,
                            s // self.tp_size, self._packed_order(s, params) is not None)
+
+    def _agree_on_inputs(self, ref: torch.Tensor, params) -> None:
+        """The TP ranks compare a fingerprint of their inputs before the step's first collective
+        (issue 35 item 7): the tokens' shape and the values of every ``cu_seqlens`` field. Ranks
+        handed different inputs would otherwise pair up wrong collectives, or one would refuse
+        its input while the others block in the embedding's reduce-scatter until the group
+        times out. One all-reduce of two int64 per forward, on the input's device; on a
+        mismatch (or an input some rank cannot read) every rank raises the same line."""
+        if self.tp_size == 1:
+            return
+        import torch.distributed as dist
+
+        bad = None
+        try:
+            values = packed_values(params) if params is not None else None
+        except ValueError as e:
+            bad, values = str(e), "unreadable"
+        # A digest of the text, not hash(): hash(None) differs between processes before 3.12.
+        import hashlib
+
+        digest = hashlib.blake2b(repr((tuple(ref.shape), values)).encode(), digest_size=8)
+        fp = int.from_bytes(digest.digest(), "little") & ((1 << 62) - 1)
+        t = torch.tensor([fp, -fp], dtype=torch.int64, device=ref.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.pg_collection.tp)
+        if int(t[0]) != -int(t[1]):
+            raise ValueError(
+                "the tensor-parallel ranks were handed different inputs (tokens per sequence, or "
+                "packed_seq_params' cu_seqlens values, differ between ranks of one METP group): "
+                "give every rank of a tensor-parallel group the same batch, as Megatron-LM's "
+                "data loader does (rank 0 reads it, the group receives it)")
+        if bad is not None:
+            raise ValueError(bad)
 
     def _packed_order(self, s: int, packed_seq_params):
         """The balanced layout of a packed (THD) batch of ``s`` tokens (the CP rank's), or None
@@ -103,6 +145,8 @@ class MetpGPTModel(GPTModel):
                 runtime_gather_output=None, *, inference_params=None, loss_mask=None,
                 padding_mask=None):
         ref = next((t for t in (input_ids, labels, position_ids) if t is not None), None)
+        if ref is not None:
+            self._agree_on_inputs(ref, packed_seq_params)
         if packed_seq_params is not None and ref is not None:
             self._check_packed(packed_seq_params, ref.shape[1])
         balanced = ref is not None and self.uses_balanced_layout(ref.shape[1], packed_seq_params)

@@ -12,7 +12,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_metp.packing import CPDocumentLayout, PackedLayout, check_tokens
+from megatron_metp.packing import CPDocumentLayout, PackedLayout, check_tokens, seqlens_values
 from megatron_metp.wallfacer.attention import wallfacer_attention
 from megatron_metp.wallfacer.groups import WallFacerGroups
 
@@ -111,7 +111,21 @@ class WallFacerCoreAttention(MegatronModule):
 
     def check_packed(self, params, tokens: int) -> None:
         """Refuse a packed batch whose offsets do not fit this rank's ``tokens`` (before any
-        communication; the layout is cached on ``params`` for :meth:`forward`)."""
+        communication; the layout is cached on ``params`` for :meth:`forward`). For THD, also
+        a ``max_seqlen_q`` shorter than a document: Megatron sizes the rotary table from it, so
+        the ranks would apply a table too short (raw size errors on some ranks, a one-row table
+        on others, and collectives that pair up wrong; issue 35 item 4). The check reads only
+        values every rank shares, so every rank refuses alike."""
+        if params.qkv_format == "thd" and getattr(params, "max_seqlen_q", None) is not None:
+            field = ("cu_seqlens_q_padded" if getattr(params, "cu_seqlens_q_padded", None)
+                     is not None else "cu_seqlens_q")
+            cu = seqlens_values(field, getattr(params, field))
+            longest = max((b - a for a, b in zip(cu, cu[1:])), default=0)
+            if int(params.max_seqlen_q) < longest:
+                raise ValueError(
+                    f"PackedSeqParams.max_seqlen_q {int(params.max_seqlen_q)} is shorter than "
+                    f"the longest document ({longest} tokens, from {field}): Megatron sizes the "
+                    f"rotary table from it; set max_seqlen_q to at least {longest}")
         if params.qkv_format == "thd" and self.plan.cp_size > 1:
             layout = CPDocumentLayout.from_packed_seq_params(params, self.plan.cp_size)
             check_tokens(layout, tokens, "this context-parallel rank")
