@@ -269,7 +269,9 @@ class CPDocumentLayout(_Memo):
     :meth:`chunk_pieces` gives the per-document kernel calls of two such chunks (causal: a
     document's chunk sees its own earlier chunks whole and itself causally)."""
 
-    def __init__(self, cu_seqlens, cu_seqlens_padded, cp_size: int):
+    def __init__(self, cu_seqlens, cu_seqlens_padded, cp_size: int, split: str = "CP"):
+        # ``split``: whose ranks take the chunks, for the messages (CP, or METP's TP ranks in
+        # BalancedDocLayout, where there is no CP).
         lens = _ints(cu_seqlens)
         pad = _ints(cu_seqlens_padded) if cu_seqlens_padded is not None else lens
         if len(lens) < 2 or len(pad) != len(lens) or lens[0] != 0 or pad[0] != 0:
@@ -281,10 +283,12 @@ class CPDocumentLayout(_Memo):
         for i in range(len(lens) - 1):
             room, length = pad[i + 1] - pad[i], lens[i + 1] - lens[i]
             if room % (2 * cp_size) or not 0 <= length <= room:
+                where = (f"under CP {cp_size}" if split == "CP" else
+                         f"in METP's balanced layout over TP {cp_size}")
                 raise ValueError(
-                    f"packed sequences under CP {cp_size}: document {i} has {length} tokens in "
-                    f"{room} padded positions; Megatron-LM's THD split needs each padded length "
-                    f"a multiple of 2 x CP = {2 * cp_size} (cu_seqlens_padded)")
+                    f"packed sequences {where}: document {i} has {length} tokens in "
+                    f"{room} padded positions; the split needs each padded length "
+                    f"a multiple of 2 x {split} = {2 * cp_size} (cu_seqlens_padded)")
             self.sizes.append(room // (2 * cp_size))
             self.lengths.append(length)
             self.offsets.append(off)
@@ -333,8 +337,8 @@ class CPBlockLayout(_Memo):
     an earlier segment of the document, whole; a later one, nothing (causal)."""
 
     def __init__(self, cu_seqlens, cu_seqlens_padded, tp_size: int, cp_size: int,
-                 block_of=None):
-        docs = CPDocumentLayout(cu_seqlens, cu_seqlens_padded, cp_size)
+                 block_of=None, split: str = "CP"):
+        docs = CPDocumentLayout(cu_seqlens, cu_seqlens_padded, cp_size, split)
         self.docs = docs
         if block_of is None:
             if tp_size % 2:
@@ -407,7 +411,8 @@ class BalancedDocLayout(CPBlockLayout):
     back with :meth:`inverse`; :func:`balanced_packed_layout` says when a batch allows it."""
 
     def __init__(self, cu_seqlens, cu_seqlens_padded, p: int):
-        super().__init__(cu_seqlens, cu_seqlens_padded, 1, p, block_of=lambda t, c: c)
+        super().__init__(cu_seqlens, cu_seqlens_padded, 1, p, block_of=lambda t, c: c,
+                         split="TP")
         self.p = p
         self.total = 2 * p * self.docs.chunk
 

@@ -1028,3 +1028,14 @@ def test_ranks_handed_different_inputs_fail_alike_without_hanging(world, report)
     report(f"different inputs on METP p={world} ranks: every rank raised the same line within "
            f"{slowest:.2f} s; the check costs one all-reduce of 2 int64 per forward "
            f"({1e6 * cost:.0f} us on gloo/CPU here)")
+
+
+def test_balanced_layout_messages_name_tp_not_cp():
+    # Issue 35 item 5: METP's balanced layout at TP 2 (no CP) said "under CP 2 ... 2 x CP".
+    from megatron_metp.packing import BalancedDocLayout, CPDocumentLayout
+
+    with pytest.raises(ValueError, match=r"balanced layout over TP 2: .* 2 x TP = 4") as e:
+        BalancedDocLayout([0, 12, 40, 64], [0, 12, 40, 62], 2)
+    assert "CP" not in str(e.value)
+    with pytest.raises(ValueError, match=r"under CP 2: .* 2 x CP = 4"):
+        CPDocumentLayout([0, 12, 40, 64], [0, 12, 40, 62], 2)
