@@ -9,3 +9,31 @@ Sub-packages
 """
 
 __version__ = "0.2.0"
+
+
+def _warn_once(*logger_names: str) -> None:
+    """Megatron-Core warnings that every layer build repeats (``Unknown MLP type`` once per
+    layer and per model built): each distinct message once per process (issue 34 item 7)."""
+    import logging
+
+    class _Once(logging.Filter):
+        def __init__(self):
+            super().__init__()
+            self.seen = set()
+
+        def filter(self, record):
+            if record.levelno >= logging.ERROR:
+                return True
+            key = (record.levelno, record.getMessage())
+            if key in self.seen:
+                return False
+            self.seen.add(key)
+            return True
+
+    for name in logger_names:
+        log = logging.getLogger(name)
+        if not any(type(f).__name__ == "_Once" for f in log.filters):
+            log.addFilter(_Once())
+
+
+_warn_once("megatron.core.transformer.transformer_layer")
