@@ -538,6 +538,7 @@ def _save(args: Namespace, run: _ModeRun, iteration: int) -> None:
     checkpoint_io.save(args.save, iteration, [run.ddp], run.optimizer, run.scheduler,
                        fully_reshardable=bool(args.dist_ckpt_optim_fully_reshardable),
                        layout=_layout_tag(run.ns, dist.get_world_size()))
+    _print0(f"[metp] saved checkpoint at iteration {iteration} to {args.save}")
 
 
 def _layout_tag(ns: Namespace, world_size: int) -> str:
