@@ -330,8 +330,10 @@ def seq_grid(limit: int, lo: int = 4096) -> List[int]:
 
 
 def run_frontier(cfgs, ps, gpus, settings: PlanSettings, host_op_s: float, gpus_per_node: int,
-                 families=FAMILIES, log=None) -> dict:
-    """The frontier of every model and p (module docstring): the JSON document."""
+                 families=FAMILIES, log=None, seqs: Optional[List[int]] = None) -> dict:
+    """The frontier of every model and p (module docstring): the JSON document. ``seqs``:
+    the lengths to plan instead of the powers of two up to the longest (each family's longest
+    is still searched, and a family is planned only at lengths it fits)."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     t_all = time.time()
     last = [0.0]
@@ -358,16 +360,17 @@ def run_frontier(cfgs, ps, gpus, settings: PlanSettings, host_op_s: float, gpus_
                                         seq_length=pt.seq_length,
                                         flags=" ".join(v.flags(p, cfg.layers_per_device))))
             top = max(limits.values(), default=0)
-            seqs = sorted(set(seq_grid(top)) | set(limits.values()))
+            grid = (sorted(set(seq_grid(top)) | set(limits.values())) if seqs is None
+                    else sorted(seqs))
             log(f"[metp plan --frontier {time.time() - t_all:5.0f} s] {cfg.name} p={p}: longest "
                 + ", ".join(f"{f} {seq_label(s)}" for f, s in limits.items())
-                + f"; {len(seqs)} lengths to plan")
-            for j, s in enumerate(seqs):
+                + f"; {len(grid)} lengths to plan")
+            for j, s in enumerate(grid):
                 here = []
                 for fam in families:
                     if s > limits.get(fam, 0):
                         continue
-                    progress(f"{cfg.name} p={p} s={seq_label(s)} ({j + 1}/{len(seqs)}) {fam}")
+                    progress(f"{cfg.name} p={p} s={seq_label(s)} ({j + 1}/{len(grid)}) {fam}")
                     for g, (v, pt) in fr.fastest(cfg, fam, p, s).items():
                         here.append(fr.row(cfg, v, p, s, pt, g))
                 for g in gpus:

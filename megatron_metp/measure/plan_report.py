@@ -109,7 +109,7 @@ def add_arguments(parser) -> None:
            "plugin's ring attention (megatron_metp/measure/planner.py, CP_STAND_IN)")
     a("--frontier", action="store_true",
       help="the throughput-vs-length frontier: for each model, p and GPU and each s from 4k "
-           "to the longest any configuration fits, the fastest configuration that fits per "
+           "to the longest any configuration fits (or each of --seq-lengths when named), the fastest configuration that fits per "
            "family (stock: TP x CP, --tp-comm-overlap, selective and full recompute; metp; "
            "wallfacer), its Megatron-LM flags, ESTIMATED step time, tokens/s, MFU and memory "
            "(defaults: the four paper models, --p 8, --gpus H100,A100)")
@@ -389,9 +389,12 @@ def run_frontier(args) -> int:
                             fragmentation=args.fragmentation, efficiency=args.efficiency,
                             distributed_optimizer=args.use_distributed_optimizer)
     cfgs = [load_config(n.strip()) for n in args.models.split(",") if n.strip()]
+    # --seq-lengths named on the command line: those lengths instead of 4k .. the longest.
+    default = ",".join(seq_label(s) for s in DEFAULT_SEQS)
+    seqs = None if args.seq_lengths == default else _ints(args.seq_lengths)
     with quiet_megatron():
         doc = frontier.run_frontier(cfgs, ps, gpus, settings, args.host_op_us * 1e-6,
-                                    args.gpus_per_node)
+                                    args.gpus_per_node, seqs=seqs)
     md = frontier.markdown(doc)
     print(md)
     d = args.frontier_dir
