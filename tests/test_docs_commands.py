@@ -198,18 +198,46 @@ def scratch(tmp_path_factory) -> Path:
     return dst
 
 
-@pytest.mark.full
-@pytest.mark.parametrize("block", RUN, ids=[b.id for b in RUN])
-def test_block_runs_as_written(block, scratch, report):
-    script = _script(block)
-    if "pretrain_gpt" in script and not os.environ.get("MEGATRON_LM_PATH"):
-        pytest.skip("the block runs Megatron-LM's pretrain_gpt.py: set MEGATRON_LM_PATH")
+# Blocks of one process (metp plan, python -c, a dry run) run two at a time before the tests
+# read their results, one per core; blocks that start ranks (torchrun, metp train / bench,
+# run_main.sh, the test suite) run alone, in their own test.
+_MULTI = ("torchrun", "run_main.sh", "run_tests.sh", "metp bench", "metp train")
+
+
+def _solo(block: Block) -> bool:
+    return not any(m in block.text for m in _MULTI)
+
+
+def _execute(block: Block, scratch: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    proc = subprocess.run(["bash", "-c", "set -eo pipefail\n" + script], cwd=scratch, env=env,
-                          capture_output=True, text=True, timeout=900, start_new_session=True)
+    return subprocess.run(["bash", "-c", "set -eo pipefail\n" + _script(block)], cwd=scratch,
+                          env=env, capture_output=True, text=True, timeout=900,
+                          start_new_session=True)
+
+
+@pytest.fixture(scope="module")
+def solo_results(request, scratch) -> dict:
+    """The selected one-process blocks, run two at a time: {block id: CompletedProcess}."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    chosen = {item.callspec.params["block"].id for item in request.session.items
+              if item.originalname == "test_block_runs_as_written"
+              and hasattr(item, "callspec")}
+    todo = [b for b in RUN if b.id in chosen and _solo(b)]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(zip([b.id for b in todo], pool.map(lambda b: _execute(b, scratch), todo)))
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("block", RUN, ids=[b.id for b in RUN])
+def test_block_runs_as_written(block, scratch, solo_results, report):
+    script = _script(block)
+    if "pretrain_gpt" in script and not os.environ.get("MEGATRON_LM_PATH"):
+        pytest.skip("the block runs Megatron-LM's pretrain_gpt.py: set MEGATRON_LM_PATH")
+    proc = solo_results.get(block.id) or _execute(block, scratch)
     tail = (proc.stdout[-3000:], proc.stderr[-3000:])
     assert proc.returncode == block.rc, (block.id, script, *tail)
     if block.kind == "fails":
