@@ -523,12 +523,10 @@ def config_flags(name_or_path: str, *, training: bool = True) -> List[str]:
     return out
 
 
-def merge_flags(tokens: Sequence[str]) -> List[str]:
-    """A flag list in which a later ``--flag [value]`` replaces an earlier one (argparse's rule,
-    made explicit so that a printed command names each flag once). A token after ``--flag`` is
-    its value unless it starts with ``--``."""
-    order: List[str] = []
-    value: dict = {}
+def _flag_groups(tokens: Sequence[str]) -> List[tuple]:
+    """``[(flag, [values])]`` with each flag once, where a later ``--flag`` replaces an earlier
+    one (argparse's rule); a token after ``--flag`` is its value unless it starts with ``--``."""
+    groups: dict = {}
     i = 0
     while i < len(tokens):
         flag = tokens[i]
@@ -538,12 +536,25 @@ def merge_flags(tokens: Sequence[str]) -> List[str]:
         while i + 1 < len(tokens) and not tokens[i + 1].startswith("--"):
             vals.append(tokens[i + 1])
             i += 1
-        if flag in value:
-            order.remove(flag)
-        order.append(flag)
-        value[flag] = vals
+        groups.pop(flag, None)   # re-inserted last: the later position wins
+        groups[flag] = vals
         i += 1
-    return [t for f in order for t in (f, *value[f])]
+    return list(groups.items())
+
+
+def merge_flags(tokens: Sequence[str]) -> List[str]:
+    """A flag list naming each flag once, the later value winning (argparse's rule, made
+    explicit so that a printed command names each flag once)."""
+    return [t for flag, vals in _flag_groups(tokens) for t in (flag, *vals)]
+
+
+def _number(v: str):
+    for kind in (int, float):
+        try:
+            return kind(v)
+        except ValueError:
+            pass
+    return v
 
 
 def check_launch(config: str, world_size: int, tokens: Sequence[str]) -> None:
@@ -551,33 +562,16 @@ def check_launch(config: str, world_size: int, tokens: Sequence[str]) -> None:
     flags (``tokens``, Megatron-LM names) with the model shape of ``config``, for
     ``world_size`` ranks: the same one-line MetpConfigError messages, before anything is
     submitted or started."""
-    from megatron_metp.validation import team_size as _team
-
     ns = argparse.Namespace(
         tensor_parallel_mode="tp", tensor_model_parallel_size=1, context_parallel_size=1,
         pipeline_model_parallel_size=1, sequence_parallel=False, wallfacer_team_size=None,
         wallfacer_placement=None, cp_comm_type=["p2p"], world_size=world_size)
-    flags = merge_flags(list(config_flags(config, training=True)) + list(tokens))
-    i = 0
-    while i < len(flags):
-        key = flags[i][2:].replace("-", "_")
-        vals = []
-        while i + 1 < len(flags) and not flags[i + 1].startswith("--"):
-            vals.append(flags[i + 1])
-            i += 1
+    for flag, vals in _flag_groups(list(config_flags(config, training=True)) + list(tokens)):
+        key = flag[2:].replace("-", "_")
         if not vals:
             setattr(ns, key, True)
         else:
-            v = vals[0] if len(vals) == 1 else vals
-            try:
-                v = int(v)
-            except (TypeError, ValueError):
-                try:
-                    v = float(v)
-                except (TypeError, ValueError):
-                    pass
-            setattr(ns, key, v)
-        i += 1
+            setattr(ns, key, _number(vals[0]) if len(vals) == 1 else vals)
     mode = ns.tensor_parallel_mode
     if mode not in ("tp", "metp", "metp_mlp", "wallfacer"):
         raise MetpConfigError(f"--tensor-parallel-mode {mode!r} is unknown: choose one of tp, "
@@ -586,7 +580,6 @@ def check_launch(config: str, world_size: int, tokens: Sequence[str]) -> None:
             and ns.wallfacer_team_size != "auto":
         raise MetpConfigError(f"--wallfacer-team-size {ns.wallfacer_team_size!r}: an integer "
                               f"C >= 1 or auto (TEAM_SIZE=)")
-    del _team
     apply_mode_remap(ns, explicit={f for f in tokens if f.startswith("--")})
     validate_args(ns)
 
