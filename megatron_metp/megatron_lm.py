@@ -346,15 +346,26 @@ def resolve_auto(ns) -> None:
             cfg, p, ns.seq_length, micro_batch=getattr(ns, "micro_batch_size", None) or 1,
             gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", p)),
             distributed_optimizer=bool(getattr(ns, "use_distributed_optimizer", False)),
-            megatron_fsdp=bool(getattr(ns, "use_megatron_fsdp", False)))
+            megatron_fsdp=bool(getattr(ns, "use_megatron_fsdp", False)),
+            tp_comm_overlap=_can_overlap_tp_comm(ns))
     except (ConfigError, ValueError) as e:
         raise MetpConfigError(str(e) if "--tensor-parallel-mode auto" in str(e)
                               else f"--tensor-parallel-mode auto: {e}")
     _log(text)
+    ns.tensor_model_parallel_size = p
     auto.apply(ns, chosen)
-    if chosen.mode == "metp" and not getattr(ns, "sequence_parallel", False):
-        ns.sequence_parallel = True
-        _log("--tensor-parallel-mode auto chose metp: --sequence-parallel on (METP needs it)")
+
+
+def _can_overlap_tp_comm(ns) -> bool:
+    """Stock's ``--tp-comm-overlap`` is among auto's choices only where it can run: Transformer
+    Engine's userbuffers on a GPU."""
+    import importlib.util
+
+    import torch
+
+    return (getattr(ns, "transformer_impl", None) == "transformer_engine"
+            and torch.cuda.is_available()
+            and importlib.util.find_spec("transformer_engine") is not None)
 
 
 # ----------------------------------------------------------------------------- builder
@@ -557,16 +568,17 @@ def _number(v: str):
     return v
 
 
-def check_launch(config: str, world_size: int, tokens: Sequence[str]) -> None:
+def check_launch(config: Optional[str], world_size: int, tokens: Sequence[str]) -> None:
     """The checks ``metp train`` and the Megatron-LM route run at start-up, on a launch script's
-    flags (``tokens``, Megatron-LM names) with the model shape of ``config``, for
-    ``world_size`` ranks: the same one-line MetpConfigError messages, before anything is
-    submitted or started."""
+    flags (``tokens``, Megatron-LM names) with the model shape of ``config`` (None: the flags
+    carry it), for ``world_size`` ranks: the same one-line MetpConfigError messages, before
+    anything is submitted or started."""
     ns = argparse.Namespace(
         tensor_parallel_mode="tp", tensor_model_parallel_size=1, context_parallel_size=1,
         pipeline_model_parallel_size=1, sequence_parallel=False, wallfacer_team_size=None,
         wallfacer_placement=None, cp_comm_type=["p2p"], world_size=world_size)
-    for flag, vals in _flag_groups(list(config_flags(config, training=True)) + list(tokens)):
+    shape = list(config_flags(config, training=True)) if config else []
+    for flag, vals in _flag_groups(shape + list(tokens)):
         key = flag[2:].replace("-", "_")
         if not vals:
             setattr(ns, key, True)
@@ -582,6 +594,30 @@ def check_launch(config: str, world_size: int, tokens: Sequence[str]) -> None:
                               f"C >= 1 or auto (TEAM_SIZE=)")
     apply_mode_remap(ns, explicit={f for f in tokens if f.startswith("--")})
     validate_args(ns)
+    check_stock_norm(ns)
+    check_load_keys(ns)
+
+
+def torchrun(argv: Sequence[str]) -> int:
+    """``python -m megatron_metp.megatron_lm torchrun [torchrun options] SCRIPT FLAGS...``:
+    torchrun, after the plugin's start-up checks (:func:`check_launch`) on the script's flags
+    for the launch's world size. torchrun itself ends a run whose workers exit 2 with its own
+    ``ChildFailedError`` traceback and exit code 1; here a bad configuration stops before any
+    rank starts, in one line, with exit code 2. Otherwise this process becomes torchrun."""
+    from torch.distributed.run import get_args_parser
+
+    a = get_args_parser().parse_args(list(argv))
+    nodes = str(a.nnodes).split(":")[-1]
+    per_node = str(a.nproc_per_node)
+    world = (int(nodes) if nodes.isdigit() else 1) * (int(per_node) if per_node.isdigit() else 1)
+    try:
+        check_launch(None, world, a.training_script_args)
+    except ValueError as e:   # MetpConfigError
+        print(f"megatron-metp: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    sys.stdout.flush()
+    os.execv(sys.executable, [sys.executable, "-m", "torch.distributed.run", *argv])
+    return 0  # not reached
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -589,12 +625,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     config; ``vocab-size CONFIG`` prints its vocabulary size (for ``--vocab-size``); ``merge
     FLAGS...`` prints the flags with each named once (later wins); ``check CONFIG
     --world-size N -- FLAGS...`` runs the plugin's start-up checks on a launch script's flags
-    (exit 2 and one line on a bad configuration)."""
+    (exit 2 and one line on a bad configuration); ``torchrun ARGS...`` is torchrun after those
+    checks (:func:`torchrun`)."""
     import shlex
 
     from megatron_metp.models.config import load_config
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["torchrun"]:
+        return torchrun(argv[1:])
     if argv[:1] == ["merge"]:
         print(shlex.join(merge_flags(argv[1:])))
         return 0

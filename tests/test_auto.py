@@ -1,10 +1,12 @@
 """``--tensor-parallel-mode auto`` (issue 16 item 2): the choice rule, the refusal, and the two
 routes (``metp train`` on 4 CPU ranks, Megatron-LM's argument hook).
 
-The estimates themselves are the planner's (tests/test_planner.py checks its memory against
-real gloo runs); here: every candidate is listed, the chosen one fits and has the smallest
-estimated step among those that fit, the node layout moves traffic onto the slower link, and a
-sequence that fits nowhere is refused with the longest one that fits (checked by planning it).
+auto chooses from the frontier (``measure.frontier``: stock with its recompute and TP x CP
+choices, metp, wallfacer; tests/test_frontier.py checks the frontier itself, tests/test_planner.py
+the planner's memory against real gloo runs). Here: each family's fastest fitting configuration
+is listed and the fastest of them chosen, stock is kept where it wins, the winner's flags
+replace the given ones, and a sequence that fits nowhere is refused with the longest one that
+fits (checked by planning it).
 """
 
 from __future__ import annotations
@@ -26,84 +28,144 @@ def _tiny():
     return load_config("tiny-gpt")
 
 
-def test_auto_lists_every_candidate_and_picks_the_fastest_that_fits(report):
+def test_auto_lists_every_family_and_picks_the_fastest_that_fits(report):
+    """auto's table is the frontier's (``metp plan --frontier``) at this p and s: each family's
+    fastest fitting configuration, planned again here, and the chosen one is the fastest."""
     from megatron_metp.measure import auto
-    from megatron_metp.measure.planner import PlanSettings, Planner
+    from megatron_metp.measure.frontier import FAMILIES, Frontier
+    from megatron_metp.measure.planner import PlanSettings
 
     cfg = _tiny()
-    planner = Planner(PlanSettings(memory_gib=80.0))
-    one_node = auto.candidates(cfg, 4, 256, planner=planner, gpus_per_node=4)
-    two_nodes = auto.candidates(cfg, 4, 256, planner=planner, gpus_per_node=2)
-    labels = [c.label for c in one_node]
-    # p = 4: C in {1, 2} (C^2 | 4); C = 2 in both placements.
-    assert labels == ["tp", "metp", "wallfacer C=1", "wallfacer C=2 team-consecutive",
-                      "wallfacer C=2 ring-consecutive"], labels
-    assert all(c.fits for c in one_node)  # a 2-layer, 64-wide model at 256 tokens: kilobytes
-    # Across two nodes of 2 the tp ring crosses InfiniBand: its bandwidth term grows by the
-    # NVLink / IB ratio (450 / 50 GB/s on H100), the per-call latency term does not.
-    tp1, tp2 = one_node[0], two_nodes[0]
-    assert tp2.comm_s > tp1.comm_s and tp2.compute_s == tp1.compute_s
-    chosen, table, why = auto.choose(cfg, 4, 256, gpus_per_node=4, planner=planner)  # tears down
-    fastest = min((c for c in one_node if c.fits), key=lambda c: c.step_s)
-    assert chosen.label == fastest.label and chosen.step_s == pytest.approx(fastest.step_s)
-    assert f"| {chosen.label} **chosen** |" in table and all(lbl in table for lbl in labels)
+    chosen, table, why = auto.choose(cfg, 4, 256, gpus_per_node=4)
+    fr = Frontier(PlanSettings(memory_gib=80.0), gpus_per_node=4, stock_overlap=False)
+    try:
+        rows = {}
+        for fam in FAMILIES:
+            v, pt = fr.fastest(cfg, fam, 4, 256)["H100"]
+            rows[fam] = fr.row(cfg, v, 4, 256, pt, "H100")
+    finally:
+        fr.planner.world.teardown()
+    for fam, r in rows.items():  # a 2-layer, 64-wide model at 256 tokens: every family fits
+        assert r["fits"] and f"`{r['flags']}`" in table, (fam, table)
+        assert f"{r['step_ms']:,.3f}" in table
+    fastest = min(rows.values(), key=lambda r: r["step_ms"])
+    assert chosen.family == fastest["family"] and chosen.flags == fastest["flags"].split()
+    assert f"| {chosen.family} **chosen** |" in table and table.count("**chosen**") == 1
+    assert "ESTIMATE" in table and why.endswith(fastest["flags"]), why
     report(f"auto (tiny-gpt, p=4, s=256, 80 GiB, H100 ESTIMATE): {why}")
 
 
-def test_auto_plans_the_runs_sharding(report):
-    """--use-megatron-fsdp reaches auto's planner: WallFacer's model state shards over its CP
-    group (18/d B per parameter instead of 6 + 12/d), and its candidate needs less memory;
-    tp and metp (d = 1) plan the same state either way."""
+def test_where_stock_is_fastest_auto_keeps_stock_with_its_flags():
+    """tiny-llama at p = 4 (METP needs whole query groups per rank: 2 groups, 4 ranks, so no
+    metp row): stock's fastest beats WallFacer's, auto says so, keeps tp and sets stock's
+    flags, TP x CP and recompute included, in the run's arguments and command line."""
     from megatron_metp.measure import auto
-    from megatron_metp.measure.planner import PlanSettings, Planner
+    from megatron_metp.models.config import load_config
+
+    chosen, table, why = auto.choose(load_config("tiny-llama"), 4, 256)
+    assert chosen.family == "stock" and chosen.mode == "tp", why
+    assert "| metp | nothing fits |" in table and "auto keeps --tensor-parallel-mode tp" in why
+    ns = argparse.Namespace(tensor_model_parallel_size=4, context_parallel_size=1,
+                            sequence_parallel=True, recompute_granularity="full",
+                            recompute_method="uniform", recompute_num_layers=1,
+                            recompute_modules=None, cp_comm_type=["p2p"])
+    auto.apply(ns, chosen)
+    flags = chosen.flags
+    tp = int(flags[flags.index("--tensor-model-parallel-size") + 1])
+    cp = int(flags[flags.index("--context-parallel-size") + 1]) \
+        if "--context-parallel-size" in flags else 1
+    assert ns.tensor_parallel_mode == "tp" and tp * cp == 4
+    assert (ns.tensor_model_parallel_size, ns.context_parallel_size) == (tp, cp)
+    assert ns.sequence_parallel == (tp > 1)
+    # The user's full recompute is replaced by the winner's (none here unless flagged).
+    assert (ns.recompute_granularity is not None) == ("--recompute-granularity" in flags)
+
+
+def test_a_choice_replaces_the_decided_flags_on_the_command_line():
+    """metp train starts its ranks with the winner's flags: the given mode, sizes, recompute
+    and METP attention flags go (both spellings, every value of --recompute-modules), the
+    winner's follow; the rest stays as given."""
+    from megatron_metp.measure import auto
+    from megatron_metp.measure.frontier import Variant
+
+    v = Variant("stock", "tp", 2, block=1)
+    chosen = auto.Choice("stock", v.flags(4, 2), v, dict(layers=2))
+    argv = ["--config", "tiny-gpt", "--tensor-parallel-mode", "auto",
+            "--tensor-model-parallel-size=4", "--recompute-granularity", "selective",
+            "--recompute-modules", "core_attn", "mlp", "--sequence-parallel", "--seq-length",
+            "256", "--use-distributed-optimizer"]
+    out = auto.rewrite_argv(argv, chosen)
+    assert out == ["--config", "tiny-gpt", "--seq-length", "256", "--use-distributed-optimizer",
+                   "--tensor-parallel-mode", "tp", "--tensor-model-parallel-size", "2",
+                   "--sequence-parallel", "--context-parallel-size", "2", "--cp-comm-type",
+                   "p2p", "--use-distributed-optimizer", "--recompute-granularity", "full",
+                   "--recompute-method", "block", "--recompute-num-layers", "1"], out
+    ns = argparse.Namespace(tensor_model_parallel_size=4, cp_comm_type=None)
+    auto.apply(ns, chosen)
+    assert (ns.tensor_model_parallel_size, ns.context_parallel_size, ns.cp_comm_type) == \
+        (2, 2, "p2p")
+    assert (ns.recompute_granularity, ns.recompute_method, ns.recompute_num_layers) == \
+        ("full", "block", 1) and ns.use_distributed_optimizer
+
+
+def test_auto_plans_the_runs_sharding(report):
+    """--use-megatron-fsdp reaches auto's planner (the settings it plans with), and there
+    WallFacer's model state shards over its CP group (18/d B per parameter instead of 6 +
+    12/d): its configuration needs less memory."""
+    from megatron_metp.measure import auto
+    from megatron_metp.measure.frontier import Frontier
 
     cfg = _tiny()
-    need = {}
-    for fsdp in (False, True):
-        planner = Planner(PlanSettings(memory_gib=80.0, megatron_fsdp=fsdp))
-        try:
-            need[fsdp] = {c.label: c.needed_gib for c in auto.candidates(cfg, 4, 256,
-                                                                         planner=planner)}
-        finally:
-            planner.world.teardown()
-    assert need[True]["wallfacer C=1"] < need[False]["wallfacer C=1"], need
-    assert need[True]["metp"] == need[False]["metp"] and need[True]["tp"] == need[False]["tp"]
-    seen = []
+    seen, need = [], {}
     real_choose = auto.choose
 
-    def spy(*args, planner=None, **kwargs):
-        seen.append(planner.settings)
-        return real_choose(*args, planner=planner, **kwargs)
+    def spy(*args, settings=None, **kwargs):
+        seen.append(settings)
+        return real_choose(*args, settings=settings, **kwargs)
 
     auto.choose = spy
     try:
-        _, text = auto.decide(cfg, 4, 256, memory_gib=80.0, gpu="H100", megatron_fsdp=True)
+        for fsdp in (False, True):
+            _, text = auto.decide(cfg, 4, 256, memory_gib=80.0, gpu="H100",
+                                  distributed_optimizer=True, megatron_fsdp=fsdp)
     finally:
         auto.choose = real_choose
-    assert seen and seen[0].megatron_fsdp and "Megatron-FSDP" in text
-    report(f"auto (tiny-gpt, p=4, s=256): wallfacer C=1 needs {need[False]['wallfacer C=1']:.4f}"
-           f" GiB, {need[True]['wallfacer C=1']:.4f} GiB with Megatron-FSDP")
+    assert [st.megatron_fsdp for st in seen] == [False, True] and "Megatron-FSDP" in text
+    for st in seen:
+        fr = Frontier(st)
+        try:
+            need[st.megatron_fsdp] = fr.fastest(cfg, "wallfacer", 4, 256)["H100"][1].needed_bytes
+        finally:
+            fr.planner.world.teardown()
+    assert need[True] < need[False], need
+    report(f"auto (tiny-gpt, p=4, s=256): wallfacer needs {need[False] / 2**20:.2f} MiB with "
+           f"the distributed optimizer, {need[True] / 2**20:.2f} MiB with Megatron-FSDP")
 
 
 def test_auto_refuses_what_fits_nowhere_and_names_the_longest_that_fits():
     from megatron_metp.measure import auto
-    from megatron_metp.measure.planner import PlanSettings, Planner
+    from megatron_metp.measure.frontier import FAMILIES, Frontier
+    from megatron_metp.measure.planner import PlanSettings
 
     cfg = _tiny()
     budget = 4.012  # 4 GiB reserve + 12 MiB: tiny-gpt fits some thousands of tokens, not 2M
-    planner = Planner(PlanSettings(memory_gib=budget))
-    chosen, table, why = auto.choose(cfg, 4, 2**21, gpus_per_node=4, planner=planner)
-    assert chosen is None and "**chosen**" not in table
-    assert "the longest that fits is" in why, why
-    mode = why.split("the longest that fits is ")[1].split(" ")[0]
-    longest = int(why.split("(--seq-length ")[1].rstrip(")"))
-    # The named sequence fits and one granule (1024 tokens) more does not (planned points are
-    # cached, so this re-reads the bisection's own answers); the other modes stop earlier.
-    assert planner.plan(cfg, mode, 4, longest).fits
-    assert not planner.plan(cfg, mode, 4, longest + 1024).fits
-    for m in {"tp", "metp", "wallfacer"} - {mode}:
-        assert (planner.longest_sequence(cfg, m, 4) or planner.plan(cfg, m, 4, 4096)).seq_length <= longest
-    planner.world.teardown()
+    fr = Frontier(PlanSettings(memory_gib=budget), gpus_per_node=4, stock_overlap=False)
+    try:
+        chosen, table, why = auto.choose(cfg, 4, 2**21, gpus_per_node=4, frontier=fr)
+        assert chosen is None and "**chosen**" not in table and table.count("nothing fits") == 3
+        assert "the longest that fits is" in why, why
+        fam = why.split("the longest that fits is ")[1].split(" ")[0]
+        longest = int(why.split("(--seq-length ")[1].split(")")[0])
+        # Each family's longest (the frontier's cached bisections): the named one is the
+        # longest of all, and it fits with the named flags while one granule (1024 tokens)
+        # more does not (planned again here).
+        got = {f: fr.longest(cfg, f, 4) for f in FAMILIES}
+        v, pt = got[fam]
+        assert pt.seq_length == longest and why.endswith(" ".join(v.flags(4, 2)))
+        assert all(g[1].seq_length <= longest for g in got.values() if g)
+        assert fr.plan(cfg, v, 4, longest).fits and not fr.plan(cfg, v, 4, longest + 1024).fits
+    finally:
+        fr.planner.world.teardown()
 
 
 def _train(*args, timeout=300):
@@ -125,7 +187,7 @@ def test_metp_train_auto_prints_its_choice_and_trains(report):
     out = r.stdout
     assert "ESTIMATE" in out and "**chosen**" in out and "[metp] auto chose " in out, out[:3000]
     chosen = out.split("[metp] auto chose ")[1].split(":")[0]
-    mode = chosen.split()[0]
+    mode = {"stock": "tp"}.get(chosen.split()[0], chosen.split()[0])
     # The ranks start with the chosen mode (printed once, by the launcher), and train.
     launch = next(ln for ln in out.splitlines() if ln.startswith("[metp] launching"))
     assert f"--tensor-parallel-mode {mode}" in launch and " auto" not in launch, launch
@@ -142,7 +204,7 @@ def test_metp_train_auto_refuses_at_start_up_in_one_line():
                "4096", "--nproc-per-node", "4")
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1, r.stdout[-2000:] + r.stderr[-3000:]
-    assert "--tensor-parallel-mode auto" in lines[0] and "no mode fits" in lines[0], lines
+    assert "--tensor-parallel-mode auto" in lines[0] and "no configuration fits" in lines[0], lines
     assert "[metp] launching" not in r.stdout  # no rank started
 
 

@@ -343,3 +343,35 @@ def test_stock_tp_sequence_parallel_needs_a_norm_that_allows_it():
                    dict(tensor_model_parallel_size=1), dict(tensor_parallel_mode="metp")):
         mlm.check_stock_norm(argparse.Namespace(**{**vars(ns), **change}),
                              have_apex_norm=lambda: False)
+
+
+def test_plugin_torchrun_refuses_before_any_rank_and_otherwise_is_torchrun(tmp_path):
+    """``python -m megatron_metp.megatron_lm torchrun``: a bad configuration stops in one line
+    with exit code 2 and no rank started (torchrun alone ends it with ChildFailedError and 1);
+    good flags run torchrun with the same arguments."""
+    script = tmp_path / "script.py"
+    script.write_text("import os\nprint('rank', os.environ['RANK'], 'of', "
+                      "os.environ['WORLD_SIZE'], 'started')\n")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    root = Path(__file__).resolve().parents[1]
+    base = [sys.executable, "-m", "megatron_metp.megatron_lm", "torchrun", "--nproc-per-node",
+            "2", "--standalone", str(script), "--num-layers", "2", "--hidden-size", "64",
+            "--seq-length", "64", "--tensor-parallel-mode", "metp",
+            "--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    bad = subprocess.run(base + ["--num-attention-heads", "6"], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "started" not in bad.stdout, (bad.stdout, bad.stderr)
+    assert bad.stderr.strip().splitlines() == [
+        "megatron-metp: error: --hidden-size 64 is not divisible by --num-attention-heads 6 "
+        "(and --kv-channels is not set): choose heads dividing the hidden size"], bad.stderr
+    # The world size is the launch's: 2 ranks cannot hold TP 4.
+    small = subprocess.run(base + ["--num-attention-heads", "4", "--tensor-model-parallel-size",
+                                   "4"], cwd=root, env=env, capture_output=True, text=True,
+                           timeout=120)
+    assert small.returncode == 2 and "--tensor-model-parallel-size" in small.stderr, small.stderr
+    good = subprocess.run(base + ["--num-attention-heads", "4"], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert good.returncode == 0, good.stderr[-2000:]
+    assert sorted(ln for ln in good.stdout.splitlines() if "started" in ln) == [
+        "rank 0 of 2 started", "rank 1 of 2 started"], good.stdout

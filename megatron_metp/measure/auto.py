@@ -1,132 +1,133 @@
-"""``--tensor-parallel-mode auto``: among tp, metp and wallfacer (each team size C and placement)
-what fits the GPU memory at this sequence length, the fastest by the planner's **estimate**.
+"""``--tensor-parallel-mode auto``: the fastest configuration that fits, chosen from the same
+frontier as ``metp plan --frontier`` (:mod:`megatron_metp.measure.frontier`), stock's own
+choices included.
 
-Inputs: the model config, the parallel size p (``--tensor-model-parallel-size``), sequence
-length, micro batch, GPU memory and the node layout (GPUs per node). For every candidate:
+At the run's parallel size p (``--tensor-model-parallel-size``), sequence length, micro batch,
+GPU memory, GPU kind and node layout, each family's fastest configuration that fits:
 
-* memory: :class:`~megatron_metp.measure.planner.Planner` runs one layer (and the head) under
-  FakeTensorMode at full scale, as ``metp plan`` does (state + activations, x 1.05 + 4 GiB
-  reserve, against the budget). WallFacer is planned at C = 1; a team of C holds C - 1 more
-  query/key/value shards at the attention peak (paper Eq. 7 - Eq. 6), added here.
-* time (an ESTIMATE, never a measurement): the planner's compute time (Megatron-LM's model FLOPs
-  at a stated fraction of the GPU's bf16 peak) and communication from the bytes each rank sends
-  over the links it crosses: NVLink inside a node, InfiniBand between nodes
-  (:data:`INTER_NODE_GBS`). WallFacer's attention traffic per C is counted exactly
-  (``wallfacer.formulas.forward_elements`` / ``backward_elements``): team collectives on one
-  link, the sub-ring on another, which the placement decides. tp exposes its communication
-  (compute + comm); metp and wallfacer overlap it (max(compute, comm) + comm / p), the
-  planner's rule.
+* ``stock``: Megatron-Core's own modules with every TP x CP split of p the head counts allow
+  (CP > 1: ``--cp-comm-type p2p`` and the distributed optimizer), each selective recompute and
+  full recompute of the fewest layers that fit; ``--tp-comm-overlap`` only where the route can
+  run it (Megatron-LM's loop with Transformer Engine on a GPU);
+* ``metp``: each METP attention choice, no recompute, the norms' or full recompute of the
+  fewest layers that fit;
+* ``wallfacer``: CP = p, team size 1 (the size the timeline models), distributed optimizer.
 
-The choice is the fastest candidate that fits; ties go to the order tp, metp, wallfacer (the
-simpler layout). When nothing fits, :func:`choose` says which mode reaches the longest sequence.
+Memory is the planner's (FakeTensorMode, as ``metp plan``); every time is the timeline model's
+ESTIMATE (``measure.timeline``), the one estimator ``metp plan`` prints. The choice is the
+fastest; ties go to stock, then metp. Where stock wins, auto says so and keeps
+``--tensor-parallel-mode tp`` with stock's flags. The winner's Megatron-LM flags are printed and
+set in the run's arguments (:func:`apply`), replacing the parallel, recompute and METP
+attention flags given. When nothing fits, :func:`choose` names each family's longest sequence.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
-from megatron_metp.measure.planner import (
-    ALPHA_S, BUS_EFFICIENCY, GIB, GPUS, PlanSettings, Planner, quiet_megatron, seq_label,
-    step_time, team_shard_bytes)
+from megatron_metp.measure.planner import GIB, PlanSettings, quiet_megatron, seq_label
 
-# Per-GPU InfiniBand bandwidth per direction (GB/s): DGX H100 has one 400 Gb/s NDR ConnectX-7
-# per GPU, DGX A100 one 200 Gb/s HDR ConnectX-6 per GPU (NVIDIA's DGX data sheets).
-INTER_NODE_GBS = {"H100": 50.0, "A100": 25.0}
-PLACEMENTS = ("team-consecutive", "ring-consecutive")
+FAMILY_MODE = {"stock": "tp", "metp": "metp", "wallfacer": "wallfacer"}
 
 
 @dataclass
-class Candidate:
-    mode: str
-    team_size: int = 1
-    placement: Optional[str] = None
-    needed_gib: float = 0.0
-    fits: bool = False
-    compute_s: float = 0.0
-    comm_s: float = 0.0
-    step_s: float = 0.0            # ESTIMATE
+class Choice:
+    family: str                    # stock | metp | wallfacer
+    flags: List[str]               # Megatron-LM's flags of the configuration
+    variant: object = None         # frontier.Variant
+    row: Optional[dict] = None     # frontier.Frontier.row (ESTIMATED step, memory)
+
+    @property
+    def mode(self) -> str:
+        return FAMILY_MODE[self.family]
 
     @property
     def label(self) -> str:
-        if self.mode != "wallfacer":
-            return self.mode
-        return f"wallfacer C={self.team_size}" + (f" {self.placement}" if self.placement else "")
+        return self.family
 
 
-def _link_gbs(gpu: str, inside_node: bool) -> float:
-    return (GPUS[gpu]["link_gbs"] if inside_node else INTER_NODE_GBS[gpu]) * BUS_EFFICIENCY
+def _frontier(settings: PlanSettings, gpu: str, gpus_per_node: int, tp_comm_overlap: bool):
+    from megatron_metp.measure.frontier import Frontier
+
+    return Frontier(settings, gpus=(gpu,), gpus_per_node=gpus_per_node,
+                    stock_overlap=tp_comm_overlap)
 
 
-def _wallfacer_attention_bytes(cfg, p: int, s: int, b: int, C: int) -> Tuple[float, float]:
-    """(team-collective bytes, sub-ring bytes) one rank sends per layer, forward + backward,
-    bf16 (the fp32 accumulators counted at 2 bytes too: an estimate, slightly low)."""
-    from megatron_metp.wallfacer.formulas import backward_elements, forward_elements
-
-    args = (b, s, cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels, p, C, False)
-    f, g = forward_elements(*args), backward_elements(*args)
-    coll = sum(x[k] for x in (f, g) for k in ("all_gather", "reduce_scatter"))
-    return 2.0 * coll, 2.0 * (f["send"] + g["send"])
-
-
-def candidates(cfg, p: int, s: int, *, planner: Planner, gpu: str = "H100",
-               gpus_per_node: int = 8) -> List[Candidate]:
-    """Every mode (and WallFacer C, placement) at (p, s): memory, fit and ESTIMATED step time."""
-    from megatron_metp.wallfacer.config_generator import valid_team_sizes
-
-    st, b, L = planner.settings, planner.settings.micro_batch, cfg.layers_per_device
-    one_node = p <= gpus_per_node
-    out = []
-    for mode in ("tp", "metp"):
-        pt = planner.plan(cfg, mode, p, s)
-        comp = pt.est_time_s[f"{gpu}_compute"]
-        comm = pt.sent_bytes / (_link_gbs(gpu, one_node) * 1e9) + pt.comm_calls * ALPHA_S
-        out.append(Candidate(mode, needed_gib=pt.needed_bytes / GIB, fits=pt.fits,
-                             compute_s=comp, comm_s=comm, step_s=step_time(mode, comp, comm, p)))
-    base = planner.plan(cfg, "wallfacer", p, s)          # C = 1, one ring of p
-    comp = base.est_time_s[f"{gpu}_compute"]
-    ring_coll, ring_p2p = _wallfacer_attention_bytes(cfg, p, s, b, 1)
-    other = base.sent_bytes - L * (ring_coll + ring_p2p)  # the weights' gradient collectives
-    for C in valid_team_sizes(p):
-        G = p // (C * C)                                  # sub-ring length
-        coll, p2p = _wallfacer_attention_bytes(cfg, p, s, b, C)
-        extra = team_shard_bytes(cfg, p, s, b, C) * (1 + st.fragmentation)
-        needed = base.needed_bytes + extra
-        for placement in (PLACEMENTS if C > 1 else (None,)):
-            # team-consecutive: a team's C ranks are neighbours, its sub-ring strides over the
-            # teams; ring-consecutive: the other way round.
-            team_span = C if placement != "ring-consecutive" else C * G
-            ring_span = p if placement != "ring-consecutive" else G
-            comm = (L * coll / (_link_gbs(gpu, team_span <= gpus_per_node) * 1e9)
-                    + L * p2p / (_link_gbs(gpu, ring_span <= gpus_per_node) * 1e9)
-                    + other / (_link_gbs(gpu, one_node) * 1e9) + base.comm_calls * ALPHA_S)
-            out.append(Candidate("wallfacer", C, placement, needed / GIB,
-                                 needed <= st.memory_gib * GIB, comp, comm,
-                                 step_time("wallfacer", comp, comm, p)))
-    return out
+def table(rows: Dict[str, Optional[dict]], chosen: Optional[Choice], gpu: str) -> str:
+    out = [f"| family | fastest configuration that fits (Megatron-LM flags) | needs GiB | "
+           f"step ms ({gpu} ESTIMATE) | tokens/s |", "|---|---|---:|---:|---:|"]
+    for fam, r in rows.items():
+        if r is None:
+            out.append(f"| {fam} | nothing fits | - | - | - |")
+            continue
+        mark = " **chosen**" if chosen is not None and chosen.family == fam else ""
+        out.append(f"| {fam}{mark} | `{r['flags']}` | {r['memory_gib']:.1f} | "
+                   f"{r['step_ms']:,.3f} | {r['tokens_per_s']:,.0f} |")
+    return "\n".join(out)
 
 
-def table(cands: List[Candidate], chosen: Optional[Candidate], gpu: str) -> str:
-    rows = [f"| candidate | needs GiB | fits | compute ms | comm ms | step ms ({gpu} "
-            f"ESTIMATE) |", "|---|---:|:---:|---:|---:|---:|"]
-    for c in cands:
-        mark = " **chosen**" if c is chosen else ""
-        rows.append(f"| {c.label}{mark} | {c.needed_gib:.1f} | {'yes' if c.fits else 'no'} | "
-                    f"{1e3 * c.compute_s:.3f} | {1e3 * c.comm_s:.3f} | {1e3 * c.step_s:.3f} |")
-    return "\n".join(rows)
+def choose(cfg, p: int, s: int, *, micro_batch: int = 1, memory_gib: float = 80.0,
+           gpu: str = "H100", gpus_per_node: int = 8, settings: Optional[PlanSettings] = None,
+           tp_comm_overlap: bool = False, frontier=None) -> Tuple[Optional[Choice], str, str]:
+    """(the chosen configuration or None, the table it was chosen from, a one-line reason).
+    ``frontier``: a :class:`~megatron_metp.measure.frontier.Frontier` to plan with (its cache
+    kept, its world left up); by default a new one, torn down."""
+    from megatron_metp.measure.frontier import FAMILIES
+
+    settings = frontier.settings if frontier else (
+        settings or PlanSettings(memory_gib=memory_gib, micro_batch=micro_batch))
+    fr = frontier or _frontier(settings, gpu, gpus_per_node, tp_comm_overlap)
+    L = cfg.layers_per_device
+    try:
+        with quiet_megatron():   # Megatron's spec notes would bury the table and the refusal
+            rows, choices = {}, {}
+            for fam in FAMILIES:
+                got = fr.fastest(cfg, fam, p, s).get(gpu)
+                rows[fam] = fr.row(cfg, got[0], p, s, got[1], gpu) if got else None
+                if got:
+                    choices[fam] = Choice(fam, got[0].flags(p, L), got[0], rows[fam])
+            if choices:  # min keeps the first of equals: stock, metp, wallfacer
+                chosen = min(choices.values(), key=lambda c: c.row["step_ms"])
+                rest = ", ".join(f"{c.family} {c.row['step_ms']:,.3f} ms" for c in
+                                 choices.values() if c is not chosen)
+                keeps = (" (stock Megatron-Core is fastest here: auto keeps "
+                         "--tensor-parallel-mode tp)" if chosen.family == "stock" else "")
+                why = (f"{chosen.family}{keeps}: the fastest estimate, {chosen.row['step_ms']:,.3f}"
+                       f" ms per micro-batch step on {gpu}{' against ' + rest if rest else ''}, "
+                       f"at --seq-length {s} in {settings.memory_gib:g} GiB; its flags: "
+                       f"{' '.join(chosen.flags)}")
+                return chosen, table(rows, chosen, gpu), why
+            best = None
+            for fam in FAMILIES:
+                got = fr.longest(cfg, fam, p)
+                if got and (best is None or got[1].seq_length > best[2].seq_length):
+                    best = (fam, got[0], got[1])
+    finally:
+        if frontier is None:
+            fr.planner.world.teardown()
+    if best is None:
+        why = (f"no configuration fits {settings.memory_gib:g} GiB even at 4k tokens with p = "
+               f"{p}: use more ranks (--tensor-model-parallel-size) or a smaller model")
+    else:
+        fam, v, pt = best
+        why = (f"no configuration fits --seq-length {s} in {settings.memory_gib:g} GiB with p = "
+               f"{p}; the longest that fits is {fam} at {seq_label(pt.seq_length)} (--seq-length "
+               f"{pt.seq_length}) with {' '.join(v.flags(p, L))}")
+    return None, table(rows, None, gpu), why
 
 
 def decide(cfg, p: int, s: int, *, micro_batch: int = 1, memory_gib: Optional[float] = None,
            gpu: Optional[str] = None, gpus_per_node: int = 8, distributed_optimizer: bool = False,
-           megatron_fsdp: bool = False) -> Tuple[Candidate, str]:
+           megatron_fsdp: bool = False, tp_comm_overlap: bool = False) -> Tuple[Choice, str]:
     """What both routes (``metp train``, Megatron-LM's argument hook) run: the GPU's memory and
     kind where there is one (else 80 GiB, H100), p = 1 -> tp, else :func:`choose`. Returns the
     choice and the text to print; nothing fits: a ValueError naming the longest that would.
     ``distributed_optimizer`` / ``megatron_fsdp``: the run's sharding, planned as ``metp plan``
-    plans it (it changes WallFacer, whose CP group of p ranks shares the weights)."""
+    plans it. ``tp_comm_overlap``: whether stock's ``--tp-comm-overlap`` can run here."""
     if p == 1:
-        return Candidate("tp", fits=True), "--tensor-model-parallel-size 1 leaves nothing to " \
-                                            "choose: tp"
+        return Choice("stock", ["--tensor-model-parallel-size", "1"]), \
+            "--tensor-model-parallel-size 1 leaves nothing to choose: tp"
     import torch
 
     cuda = torch.cuda.is_available()
@@ -134,60 +135,78 @@ def decide(cfg, p: int, s: int, *, micro_batch: int = 1, memory_gib: Optional[fl
         memory_gib = torch.cuda.get_device_properties(0).total_memory / GIB if cuda else 80.0
     if gpu is None:
         gpu = "A100" if cuda and "A100" in torch.cuda.get_device_name(0) else "H100"
-    planner = Planner(PlanSettings(memory_gib=memory_gib, micro_batch=micro_batch,
-                                   distributed_optimizer=distributed_optimizer,
-                                   megatron_fsdp=megatron_fsdp))
-    chosen, tbl, why = choose(cfg, p, s, micro_batch=micro_batch, memory_gib=memory_gib, gpu=gpu,
-                              gpus_per_node=gpus_per_node, planner=planner)
+    settings = PlanSettings(memory_gib=memory_gib, micro_batch=micro_batch,
+                            distributed_optimizer=distributed_optimizer,
+                            megatron_fsdp=megatron_fsdp)
+    chosen, tbl, why = choose(cfg, p, s, gpu=gpu, gpus_per_node=gpus_per_node,
+                              settings=settings, tp_comm_overlap=tp_comm_overlap)
     if chosen is None:
         raise ValueError(f"--tensor-parallel-mode auto: {why}")
     sharding = ("Megatron-FSDP, " if megatron_fsdp else
                 "distributed optimizer, " if distributed_optimizer else "")
     return chosen, (f"--tensor-parallel-mode auto at p = {p}, --seq-length {s}, micro batch "
                     f"{micro_batch}, {memory_gib:g} GiB, {sharding}{gpus_per_node} ranks per "
-                    f"node (times are ESTIMATES for {gpu}, not measurements):\n{tbl}\n"
-                    f"auto chose {why}")
+                    f"node: each family's fastest configuration that fits (memory planned under "
+                    f"fake tensors; times are ESTIMATES of the timeline model for {gpu}, not "
+                    f"measurements):\n{tbl}\nauto chose {why}")
 
 
-def apply(ns, chosen: Candidate, team_size_type=int) -> None:
-    """The choice into an argument namespace (Megatron-LM's names)."""
+# The flags a choice decides: given ones are replaced by the winner's.
+DECIDED = ("--tensor-parallel-mode", "--tensor-model-parallel-size", "--context-parallel-size",
+           "--sequence-parallel",
+           "--cp-comm-type", "--recompute-granularity", "--recompute-method",
+           "--recompute-num-layers", "--recompute-modules", "--metp-ring-pass",
+           "--metp-qkv-backward", "--wallfacer-team-size", "--wallfacer-placement")
+
+
+def apply(ns, chosen: Choice, team_size_type=int) -> None:
+    """The choice into an argument namespace (Megatron-LM's attribute names, which ``metp
+    train`` shares): mode, TP x CP, recompute, METP attention, WallFacer's team."""
+    v = chosen.variant
     ns.tensor_parallel_mode = chosen.mode
-    if chosen.mode == "wallfacer":
-        ns.wallfacer_team_size = team_size_type(chosen.team_size)
-        ns.wallfacer_placement = chosen.placement or PLACEMENTS[0]
+    if v is None:  # p = 1
+        return
+    p = ns.tensor_model_parallel_size
+    L = chosen.row["layers"] if chosen.row else None
+    cp = v.cp if v.mode == "tp" else 1
+    ns.tensor_model_parallel_size = p // cp
+    ns.context_parallel_size = cp
+    if cp > 1:
+        ns.cp_comm_type = ["p2p"] if isinstance(getattr(ns, "cp_comm_type", None), list) \
+            else "p2p"
+    if chosen.family != "wallfacer":  # WallFacer's remap leaves TP = 1
+        ns.sequence_parallel = "--sequence-parallel" in chosen.flags
+    if "--use-distributed-optimizer" in chosen.flags:
+        ns.use_distributed_optimizer = True
+    if v.overlap:
+        ns.tp_comm_overlap = True
+    ns.recompute_granularity = ns.recompute_method = None
+    ns.recompute_num_layers = ns.recompute_modules = None
+    if v.block:
+        ns.recompute_granularity = "full"
+        ns.recompute_method, ns.recompute_num_layers = (
+            ("uniform", 1) if L is not None and v.block >= L else ("block", v.block))
+    elif v.selective:
+        ns.recompute_granularity, ns.recompute_modules = "selective", list(v.selective)
+    if v.mode == "metp":
+        ns.metp_ring_pass, ns.metp_qkv_backward = v.ring_pass, v.qkv
+    if v.mode == "wallfacer":
+        ns.wallfacer_team_size = team_size_type(1)
+        ns.wallfacer_placement = "team-consecutive"
 
 
-def choose(cfg, p: int, s: int, *, micro_batch: int = 1, memory_gib: float = 80.0,
-           gpu: str = "H100", gpus_per_node: int = 8,
-           planner: Optional[Planner] = None) -> Tuple[Optional[Candidate], str, str]:
-    """(the chosen candidate or None, the table it was chosen from, a one-line reason)."""
-    planner = planner or Planner(PlanSettings(memory_gib=memory_gib, micro_batch=micro_batch))
-    try:
-        with quiet_megatron():   # Megatron's spec notes would bury the table and the refusal
-            return _choose(cfg, p, s, planner, memory_gib, gpu, gpus_per_node)
-    finally:
-        planner.world.teardown()
-
-
-def _choose(cfg, p, s, planner, memory_gib, gpu, gpus_per_node):
-    cands = candidates(cfg, p, s, planner=planner, gpu=gpu, gpus_per_node=gpus_per_node)
-    fitting = [c for c in cands if c.fits]
-    chosen = min(fitting, key=lambda c: c.step_s) if fitting else None
-    if chosen is not None:
-        why = (f"{chosen.label}: the fastest estimate ({1e3 * chosen.step_s:.3f} ms per "
-               f"micro-batch step on {gpu}) of {len(fitting)} of {len(cands)} candidates that "
-               f"fit {memory_gib:g} GiB at --seq-length {s}")
-        return chosen, table(cands, chosen, gpu), why
-    best = None
-    for mode in ("tp", "metp", "wallfacer"):
-        pt = planner.longest_sequence(cfg, mode, p, lo=min(4096, s))
-        if pt is not None and (best is None or pt.seq_length > best.seq_length):
-            best = pt
-    if best is None:
-        why = (f"no mode fits {memory_gib:g} GiB even at 4k tokens with p = {p}: use more "
-               f"ranks (--tensor-model-parallel-size) or a smaller model")
-    else:
-        why = (f"no mode fits --seq-length {s} in {memory_gib:g} GiB with p = {p}; the longest "
-               f"that fits is {best.mode} at {seq_label(best.seq_length)} (--seq-length "
-               f"{best.seq_length})")
-    return None, table(cands, None, gpu), why
+def rewrite_argv(argv: List[str], chosen: Choice) -> List[str]:
+    """A command line with the decided flags (:data:`DECIDED`) replaced by the winner's (both
+    ``--flag value...`` and ``--flag=value`` spellings)."""
+    out, skip = [], False
+    for a in argv:
+        name = a.split("=", 1)[0]
+        if name in DECIDED:
+            skip = "=" not in a
+            continue
+        if skip and not a.startswith("--"):
+            continue
+        skip = False
+        out.append(a)
+    flags = chosen.flags[2:] if chosen.flags[:1] == ["--tensor-parallel-mode"] else chosen.flags
+    return out + ["--tensor-parallel-mode", chosen.mode] + flags

@@ -129,7 +129,8 @@ class Frontier:
     """Plans and times configurations (memory and time cached per probe)."""
 
     def __init__(self, settings: Optional[PlanSettings] = None, gpus=("H100",),
-                 host_op_s: float = 10e-6, gpus_per_node: int = 8, progress=None):
+                 host_op_s: float = 10e-6, gpus_per_node: int = 8, progress=None,
+                 stock_overlap: bool = True):
         self.settings = settings or PlanSettings()
         self.planner = Planner(self.settings)
         self.gpus = tuple(gpus)
@@ -139,6 +140,7 @@ class Frontier:
         self._times: Dict[tuple, Dict[str, Dict[str, float]]] = {}
         self.progress = progress or (lambda msg: None)
         self.probes = 0
+        self.stock_overlap = stock_overlap  # stock's --tp-comm-overlap among its choices
 
     # ---- the configurations -------------------------------------------------------------
 
@@ -154,7 +156,7 @@ class Frontier:
                     if "mlp" in sel and cfg.add_bias_linear:
                         continue  # MLP_RECOMPUTE_WITH_BIAS
                     out.append(Variant("stock", "tp", cp, sel))
-                    if tp > 1:
+                    if tp > 1 and self.stock_overlap:
                         out.append(Variant("stock", "tp", cp, sel, overlap=True))
             return out
         if family == "metp":

@@ -43,16 +43,11 @@ EXIT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
 
 
 def _replace_auto(argv: List[str], args: argparse.Namespace) -> None:
-    """``--tensor-parallel-mode auto`` -> the resolved mode (and WallFacer's C, placement), in
-    place in ``argv`` (both ``--flag value`` and ``--flag=value`` spellings)."""
-    for i, a in enumerate(list(argv)):
-        if a == "--tensor-parallel-mode=auto":
-            argv[i] = f"--tensor-parallel-mode={args.tensor_parallel_mode}"
-        elif a == "auto" and i and argv[i - 1] == "--tensor-parallel-mode":
-            argv[i] = args.tensor_parallel_mode
-    if args.tensor_parallel_mode == "wallfacer":
-        argv += ["--wallfacer-team-size", str(args.wallfacer_team_size),
-                 "--wallfacer-placement", args.wallfacer_placement]
+    """``--tensor-parallel-mode auto`` -> the chosen configuration's flags, in place in
+    ``argv`` (``measure.auto.rewrite_argv``): the ranks start with them."""
+    from megatron_metp.measure.auto import rewrite_argv
+
+    argv[:] = rewrite_argv(argv, args.auto_choice)
 
 
 @subcommand("train", "train a GPT model with Megatron-Core under tp, metp or wallfacer")

@@ -128,10 +128,12 @@ def resolve_auto(args: Namespace, cfg: ModelConfig, world_size: int, *,
         cfg, p, ns.seq_length, micro_batch=ns.micro_batch_size, memory_gib=args.auto_memory_gib,
         gpu=args.auto_gpu, gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
         distributed_optimizer=bool(args.use_distributed_optimizer),
-        megatron_fsdp=bool(args.use_megatron_fsdp))
+        megatron_fsdp=bool(args.use_megatron_fsdp))  # no --tp-comm-overlap in metp train
     if announce:
         print("[metp] " + text.replace("\nauto chose", "\n[metp] auto chose"), flush=True)
+    args.tensor_model_parallel_size = p
     auto.apply(args, chosen, team_size_type=str)  # metp train's flag holds a string
+    args.auto_choice = chosen
 
 
 def resolve_metp_attention(args: Namespace, cfg: ModelConfig, world_size: int, *,
