@@ -226,7 +226,9 @@ class _OneLineParser(argparse.ArgumentParser):
 def build_parser(command: Optional[str] = None
                  ) -> Tuple[argparse.ArgumentParser, Dict[str, Callable]]:
     """The ``metp`` parser. With ``command``, only that subcommand's flags are built (the others
-    import measurement code that a training run, or its error message, does not need)."""
+    import measurement code that a training run, or its error message, does not need); with
+    ``""`` (``metp --help``, no subcommand named), none: the names and one-line help need no
+    imports; with None, every subcommand's."""
     parser = _OneLineParser(prog="metp", description=__doc__.split("\n")[0])
     subs = parser.add_subparsers(dest="command", required=True)
     runners = {}
@@ -260,7 +262,7 @@ def explicit_flags(argv: List[str]) -> set:
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
-    parser, runners = build_parser(command if command in _SUBCOMMANDS else None)
+    parser, runners = build_parser(command if command in _SUBCOMMANDS else "")
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         print(f"metp {args.command}: error: unrecognized arguments: {' '.join(unknown)}"
