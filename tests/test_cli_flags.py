@@ -104,7 +104,8 @@ TRAIN_BAD = [
     ("metp-seq", ["--seq-length", "31"], "--seq-length", "tokens"),
     ("gbs-not-multiple", ["--global-batch-size", "6", "--micro-batch-size", "4"],
      "--global-batch-size", "multiple of 8"),
-    ("warmup-too-long", ["--train-iters", "3"], "--lr-warmup-iters", "shorten the warm-up"),
+    ("warmup-too-long", ["--train-iters", "3", "--lr-warmup-iters", "5"], "--lr-warmup-iters",
+     "shorten the warm-up"),
     ("seq-beyond-positions", ["--config", "{file_cfg}", "--seq-length", "128"], "--seq-length",
      "--max-position-embeddings"),
     ("vocab-below-corpus", ["--vocab-size", "100"], "--vocab-size", "258"),
@@ -224,3 +225,20 @@ def test_bench_plot_without_matplotlib_is_refused(tmp_path, capsys, monkeypatch,
     rc = _run_main(["bench", "--plot", str(tmp_path / "b.png")])
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert rc == 2 and len(err) == 1 and "--plot" in err[0] and "[plot]" in err[0], (rc, err)
+
+
+def test_the_configs_warm_up_does_not_stop_a_short_run():
+    """tiny-gpt's config warms up for 5 iterations: `metp train --train-iters 2` (the quickest
+    smoke test) warms up for 1 instead of being refused; a --lr-warmup-iters given is kept
+    (and refused above when too long)."""
+    from megatron_metp.models.config import load_config
+    from megatron_metp.training import cli, train
+
+    parser, _ = cli.build_parser()
+    cfg = load_config("tiny-gpt")
+    assert cfg.train["lr_warmup_iters"] == 5
+    for argv, want in ((["--train-iters", "2"], 1), (["--train-iters", "20"], 5),
+                       (["--train-iters", "20", "--lr-decay-iters", "4"], 3),
+                       (["--train-iters", "2", "--lr-warmup-iters", "7"], 7)):
+        args = parser.parse_args(["train", *argv])
+        assert train.resolve_namespace(args, cfg, "tp", 4).lr_warmup_iters == want, argv

@@ -67,6 +67,11 @@ def resolve_namespace(args: Namespace, cfg: ModelConfig, mode: str,
         setattr(ns, key, flag if flag is not None else cfg.train.get(key, default))
     ns.tensor_parallel_mode = mode
     ns.world_size = world_size or int(os.environ["WORLD_SIZE"])
+    decay = ns.lr_decay_iters or ns.train_iters
+    if args.lr_warmup_iters is None and decay and ns.lr_warmup_iters >= decay:
+        # The config's warm-up does not stop a short run (`--train-iters 2`): it ends one
+        # iteration before the decay does. A --lr-warmup-iters given is checked as given.
+        ns.lr_warmup_iters = decay - 1
     if args.compare:  # same numerics in every mode: dropout off
         ns.hidden_dropout = ns.attention_dropout = 0.0
     if ns.max_position_embeddings is None:
