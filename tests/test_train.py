@@ -272,25 +272,27 @@ def test_composition_matches_the_smaller_layout(tmp_path, report):
         assert w <= 1e-4, (name, w)
 
 
+def _three_recompute_runs():
+    return {name: _train_task("--train-iters", "4", *extra) for name, extra in (
+        ("none", []),
+        ("uniform-1", ["--recompute-granularity", "full"]),
+        ("block-1", ["--recompute-granularity", "full", "--recompute-method", "block",
+                     "--recompute-num-layers", "1"]))}
+
+
 def test_full_recompute_trains_the_same_losses(report):
     """``metp train --recompute-granularity full`` (issue 32 item 2): the default job (METP,
     TP 2 x DP 2, hidden dropout 0.1) for 4 iterations without recompute, with every layer
     checkpointed (uniform 1) and with only the first (block 1). Megatron's CheckpointFunction
     restores the RNG streams before it runs the forward again, so the dropout masks, the rings'
     order and every kernel repeat exactly: the losses must be equal bit for bit."""
-    runs = {}
-    for name, extra in (("none", []),
-                        ("uniform-1", ["--recompute-granularity", "full"]),
-                        ("block-1", ["--recompute-granularity", "full", "--recompute-method",
-                                     "block", "--recompute-num-layers", "1"])):
-        # Fresh workers for each run: in one default-tier run (fresh clone, 2026-11-25) both
-        # recomputed runs differed from the plain one from iteration 1 on, after the shared
-        # 4-rank workers had served earlier tests; alone, or after test_train.py's or
-        # test_packed.py's tests, they are equal. Some state a previous task leaves in a
-        # worker (not found yet) reaches the recompute path; fresh workers keep this test
-        # about recompute.
-        runs[name] = run_in_own_workers(4, _train_task, "--train-iters", "4", *extra,
-                                        timeout=300)[0]
+    # One set of fresh workers for the three runs: in one default-tier run (fresh clone,
+    # 2026-11-25) both recomputed runs differed from the plain one from iteration 1 on, after
+    # the shared 4-rank workers had served earlier tests; alone, or after test_train.py's or
+    # test_packed.py's tests, they are equal. Some state a previous test leaves in a worker
+    # (not found yet) reaches the recompute path; fresh workers keep this test about
+    # recompute (the three runs one after another in them are equal: checked 2026-11-25).
+    runs = run_in_own_workers(4, _three_recompute_runs, timeout=300)[0]
     report(f"metp train full recompute (TP 2 x DP 2, dropout 0.1): losses {runs}")
     assert len(runs["none"]) == 4
     assert runs["uniform-1"] == runs["none"] and runs["block-1"] == runs["none"]

@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from megatron_metp.kernels import acc_dtype
 from megatron_metp.metp.weight_ring import (
+    _add_mm,
     _ring_size,
     circulate_for_backward,
     circulate_for_forward,
@@ -122,10 +123,7 @@ def metp_ce_backward(x: torch.Tensor, w: torch.Tensor, labels: torch.Tensor,
             d_lp = d.to(x.dtype)
             del d
             grad_x[a:a + chunk].addmm_(d_lp, w_r)
-            if dw.dtype == d_lp.dtype:
-                dw.addmm_(d_lp.t(), x_c)
-            else:
-                dw.add_(torch.mm(d_lp.t(), x_c))
+            _add_mm(dw, d_lp.t(), x_c)  # dw: an accumulator or a Pending contribution
         return None
 
     (grad_w,) = circulate_for_backward([w], group, step)
