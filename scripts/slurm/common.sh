@@ -77,6 +77,8 @@ case "$CLUSTER" in
     cpu)
         NPROC_PER_NODE=${NPROC_PER_NODE:-2}
         export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+        # Megatron-LM's argument check asserts it whenever TP or CP > 1, on a CPU too.
+        export CUDA_DEVICE_MAX_CONNECTIONS=1
         ;;
     *) echo "CLUSTER=$CLUSTER: choose h100, a100 or cpu" >&2; exit 2 ;;
 esac
