@@ -207,7 +207,7 @@ def initialize_parallel(
     *,
     mode: str = "tp",
     order: str = "tp-cp-ep-dp-pp",
-    distributed_timeout_minutes: int = 30,
+    distributed_timeout_minutes: float = 30,
     wallfacer_team_size: Union[int, str] = 1,
     wallfacer_placement: Optional[str] = None,
     wallfacer_shape: Optional[dict] = None,

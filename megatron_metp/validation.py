@@ -193,7 +193,7 @@ _VALUE_RULES = [
     ("exit_interval", "--exit-interval", _AT_LEAST_1, "iterations after which to save and exit"),
     ("exit_duration_in_mins", "--exit-duration-in-mins", ((lambda v: v > 0), "above 0"),
      "minutes after which to save and exit"),
-    ("distributed_timeout_minutes", "--distributed-timeout-minutes", _AT_LEAST_1,
+    ("distributed_timeout_minutes", "--distributed-timeout-minutes", ((lambda v: v > 0), "above 0"),
      "minutes a collective may wait for a peer"),
     ("num_layers", "--num-layers", _AT_LEAST_1, "transformer layers"),
     ("hidden_size", "--hidden-size", _AT_LEAST_1, "the model width"),

@@ -77,7 +77,7 @@ TRAIN_BAD = [
     ("clip-grad-negative", ["--clip-grad", "-1"], "--clip-grad", ">= 0"),
     ("seed-negative", ["--seed", "-1"], "--seed", ">= 0"),
     ("timeout-0", ["--distributed-timeout-minutes", "0"], "--distributed-timeout-minutes",
-     ">= 1"),
+     "above 0"),
     ("tp-0", ["--tensor-model-parallel-size", "0"], "--tensor-model-parallel-size", ">= 1"),
     ("cp-0", ["--context-parallel-size", "0"], "--context-parallel-size", ">= 1"),
     ("pp-negative", ["--pipeline-model-parallel-size", "-1"], "--pipeline-model-parallel-size",

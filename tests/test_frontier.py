@@ -121,13 +121,12 @@ for name, kw in (("norms", dict(recompute_granularity="selective",
     nxt = pl.plan(cfg, "tp", 8, pt.seq_length + 1024, **kw)
     out[name] = dict(s=pt.seq_length, fits=pt.fits, next_fits=nxt.fits,
                      recompute=pt.recompute)
-# METP with full recompute, its most frugal attention (the frontier's METP limit).
+# METP with full recompute, its most frugal attention (the frontier's METP limit), at 1.5x
+# stock's best (one probe: each costs ~11 s at this length; the frontier bisects it, 1449k).
 kw = dict(recompute_granularity="full", metp_ring_pass="head-group",
           metp_qkv_backward="recompute")
-pt = pl.longest_sequence(cfg, "metp", 8, **kw)
-out["metp-full"] = dict(s=pt.seq_length, fits=pt.fits,
-                        next_fits=pl.plan(cfg, "metp", 8, pt.seq_length + 1024, **kw).fits,
-                        recompute=pt.recompute)
+pt = pl.plan(cfg, "metp", 8, 1304 * 1024, **kw)
+out["metp-full"] = dict(s=pt.seq_length, fits=pt.fits, next_fits=False, recompute=pt.recompute)
 pl.world.teardown()
 print("RESULT", json.dumps(out))
 """
@@ -148,11 +147,12 @@ def test_stock_full_recompute_matches_the_independent_figure(report):
     assert res["full"]["recompute"].startswith("--recompute-granularity full")
     # METP with full recompute leads stock's best by the issue's 1.5x bar (stock's longest over
     # every TP x CP split is 869k, 2.5 % above TP 8's: 1.5 x 869k = 1,304k).
-    assert res["metp-full"]["s"] >= 1.5 * 869 * 1024, res["metp-full"]
+    assert res["metp-full"]["s"] >= 1.5 * 869 * 1024 and res["metp-full"]["fits"], \
+        res["metp-full"]
     report(f"LLaMA-7B p=8 longest: stock norms {res['norms']['s'] // 1024}k, stock full "
            f"recompute {res['full']['s'] // 1024}k (independent 848k: "
-           f"{res['full']['s'] / independent - 1:+.1%}), METP full recompute "
-           f"{res['metp-full']['s'] // 1024}k")
+           f"{res['full']['s'] / independent - 1:+.1%}), METP full recompute fits "
+           f"{res['metp-full']['s'] // 1024}k (1.5x stock's best, 869k)")
 
 
 # ------------------------------------------------------------------------------------------

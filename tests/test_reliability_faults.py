@@ -2,7 +2,7 @@
 
 A real ``metp train`` run (the console command's own launcher: ``python -m megatron_metp.training.cli
 train`` starts ``torchrun`` with 4 gloo ranks, METP TP 2 x DP 2, ``--distributed-timeout-minutes
-1``) saves every 5 iterations; once iteration 7 is logged, rank 1 is killed (SIGKILL: no
+0.5``) saves every 5 iterations; once iteration 7 is logged, rank 1 is killed (SIGKILL: no
 exception handler, no atexit, as an OOM kill or a lost node). Asserted:
 
 - every process of the run has exited within 120 s of the kill: the launcher, torchrun, the 4
@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DEADLINE_S = 120.0
 TINY = ["--tensor-parallel-mode", "metp", "--tensor-model-parallel-size", "2",
         "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4",
-        "--hidden-dropout", "0", "--no-progress", "--distributed-timeout-minutes", "1"]
+        "--hidden-dropout", "0", "--no-progress", "--distributed-timeout-minutes", "0.5"]
 
 
 def _children(pid: int) -> List[int]:
@@ -178,7 +178,7 @@ def _check_fault(tmp_path, sig: int, report, what: str) -> None:
     assert start % 5 == 0 and 5 <= start < logged, (start, logged)
     assert len(losses) == 1 and np.isfinite(losses[0])
     assert losses[0] == recs[start + 1], (losses, recs)
-    report(f"fault test ({what} rank 1 of 4, metp train, --distributed-timeout-minutes 1): all "
+    report(f"fault test ({what} rank 1 of 4, metp train, --distributed-timeout-minutes 0.5): all "
            f"{len(running)} processes of the run ({helpers} of them the ranks' helpers) gone "
            f"{waited:.1f} s after the signal, exit status {proc.returncode}; last "
            f"logged iteration {logged}, resumed from checkpoint {start}, loss {losses[0]:.4f}")
@@ -194,7 +194,7 @@ def test_killed_rank_ends_the_run_and_checkpoint_loads(tmp_path, report):
 @pytest.mark.full
 def test_hung_rank_times_out(tmp_path, report):
     """A rank that stops (SIGSTOP: alive to torchrun, silent to its peers) must be ended by the
-    gloo timeout of --distributed-timeout-minutes 1: a survivor's collective raises after 60 s,
+    gloo timeout of --distributed-timeout-minutes 0.5: a survivor's collective raises after 30 s,
     it exits non-zero, and torchrun then stops the rest (SIGTERM, then SIGKILL after its 30 s
     grace, which a stopped process needs). The timeout must reach every process group the
     ranks wait on: the world group, Megatron's TP/DP/CP groups and the plugin's own groups."""

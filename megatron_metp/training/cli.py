@@ -156,7 +156,9 @@ def _train_parser(p: argparse.ArgumentParser) -> Callable:
     a("--exit-signal", choices=EXIT_SIGNALS, default="SIGTERM",
       help="the signal --exit-signal-handler takes (default SIGTERM, what SLURM and torchrun "
            "send before killing)")
-    a("--distributed-timeout-minutes", type=int, default=None)
+    a("--distributed-timeout-minutes", type=float, default=None,
+      help="minutes a collective waits for a peer before the run fails (default 10; "
+           "fractions allowed, where Megatron-LM takes whole minutes)")
     a("--log-json", default=None, metavar="PATH",
       help="write one JSON object per iteration (iteration, loss, tokens/s, ...)")
     a("--no-progress", action="store_true", help="plain lines instead of a progress bar")
