@@ -37,3 +37,19 @@ def _warn_once(*logger_names: str) -> None:
 
 
 _warn_once("megatron.core.transformer.transformer_layer")
+
+
+def _fallback_notes_once() -> None:
+    """Megatron-Core's import-time notes that Transformer Engine / Apex / absl are missing (one per
+    module that imports them: a dozen per process on a CPU machine, in every rank): the first
+    one per process on rank 0, none on the other ranks (issue 34 item 7). Only these messages."""
+    import os
+    import warnings
+
+    action = "once" if os.environ.get("RANK", "0") == "0" else "ignore"
+    for message in (r"Transformer Engine and Apex are not installed",
+                    r"Apex is not installed", r"absl.logging is not installed"):
+        warnings.filterwarnings(action, message=message)
+
+
+_fallback_notes_once()

@@ -119,8 +119,14 @@ def chain_providers(*providers: Optional[Provider]) -> Provider:
 
 
 # ----------------------------------------------------------------------------- remap
+_LOGGED: set = set()
+
+
 def _log(msg: str) -> None:
-    if int(os.environ.get("RANK", "0")) == 0:
+    """Rank 0 prints each message once per process (Megatron-LM may parse its arguments more
+    than once)."""
+    if int(os.environ.get("RANK", "0")) == 0 and msg not in _LOGGED:
+        _LOGGED.add(msg)
         print(f"[megatron-metp] {msg}", flush=True)
 
 
