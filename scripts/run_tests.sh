@@ -2,7 +2,7 @@
 # The test commands. Each creates the venv it needs (scripts/setup_env.sh).
 #
 #   bash scripts/run_tests.sh          the default tier: Python 3.11, megatron-core 0.16.1, every
-#                                      test not marked `full` (~8 minutes on 2 cores)
+#                                      test not marked `full` (~10 minutes on 2 cores)
 #   bash scripts/run_tests.sh --full   the full tier, what CI runs (.ci/run): every test on
 #                                      megatron-core 0.16.1 (Megatron-LM's own loop, real SLURM
 #                                      jobs, the 8-rank and bisection cases included), then the
