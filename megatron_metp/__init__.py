@@ -49,7 +49,8 @@ def _fallback_notes_once() -> None:
     action = "once" if os.environ.get("RANK", "0") == "0" else "ignore"
     for message in (r"Transformer Engine and Apex are not installed",
                     r"Apex is not installed", r"absl.logging is not installed"):
-        warnings.filterwarnings(action, message=message)
+        # Appended: a filter the user set (-W, PYTHONWARNINGS, their own code) comes first.
+        warnings.filterwarnings(action, message=message, append=True)
 
 
 _fallback_notes_once()
