@@ -42,10 +42,6 @@ class Choice:
     def mode(self) -> str:
         return FAMILY_MODE[self.family]
 
-    @property
-    def label(self) -> str:
-        return self.family
-
 
 def _frontier(settings: PlanSettings, gpu: str, gpus_per_node: int, tp_comm_overlap: bool):
     from megatron_metp.measure.frontier import Frontier
@@ -191,8 +187,10 @@ def apply(ns, chosen: Choice, team_size_type=int) -> None:
     if v.mode == "metp":
         ns.metp_ring_pass, ns.metp_qkv_backward = v.ring_pass, v.qkv
     if v.mode == "wallfacer":
+        from megatron_metp.validation import PLACEMENTS
+
         ns.wallfacer_team_size = team_size_type(1)
-        ns.wallfacer_placement = "team-consecutive"
+        ns.wallfacer_placement = PLACEMENTS[0]
 
 
 def rewrite_argv(argv: List[str], chosen: Choice) -> List[str]:
