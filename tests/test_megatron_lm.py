@@ -349,9 +349,14 @@ def test_plugin_torchrun_refuses_before_any_rank_and_otherwise_is_torchrun(tmp_p
     """``python -m megatron_metp.megatron_lm torchrun``: a bad configuration stops in one line
     with exit code 2 and no rank started (torchrun alone ends it with ChildFailedError and 1);
     good flags run torchrun with the same arguments."""
+    # Each rank leaves a file: two ranks printing to one pipe can interleave mid-line
+    # (CI saw "rankrank 0 of 2 started" once), so stdout is not the witness.
+    started = tmp_path / "started"
+    started.mkdir()
     script = tmp_path / "script.py"
-    script.write_text("import os\nprint('rank', os.environ['RANK'], 'of', "
-                      "os.environ['WORLD_SIZE'], 'started')\n")
+    script.write_text("import os, pathlib\n"
+                      f"pathlib.Path({str(started)!r}, os.environ['RANK']).write_text("
+                      "os.environ['WORLD_SIZE'])\n")
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     root = Path(__file__).resolve().parents[1]
@@ -361,7 +366,7 @@ def test_plugin_torchrun_refuses_before_any_rank_and_otherwise_is_torchrun(tmp_p
             "--tensor-model-parallel-size", "2", "--sequence-parallel"]
     bad = subprocess.run(base + ["--num-attention-heads", "6"], cwd=root, env=env,
                          capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "started" not in bad.stdout, (bad.stdout, bad.stderr)
+    assert bad.returncode == 2 and not list(started.iterdir()), (bad.stdout, bad.stderr)
     assert bad.stderr.strip().splitlines() == [
         "megatron-metp: error: --hidden-size 64 is not divisible by --num-attention-heads 6 "
         "(and --kv-channels is not set): choose heads dividing the hidden size"], bad.stderr
@@ -369,9 +374,9 @@ def test_plugin_torchrun_refuses_before_any_rank_and_otherwise_is_torchrun(tmp_p
     small = subprocess.run(base + ["--num-attention-heads", "4", "--tensor-model-parallel-size",
                                    "4"], cwd=root, env=env, capture_output=True, text=True,
                            timeout=120)
-    assert small.returncode == 2 and "--tensor-model-parallel-size" in small.stderr, small.stderr
+    assert (small.returncode == 2 and not list(started.iterdir())
+            and "--tensor-model-parallel-size" in small.stderr), small.stderr
     good = subprocess.run(base + ["--num-attention-heads", "4"], cwd=root, env=env,
                           capture_output=True, text=True, timeout=120)
     assert good.returncode == 0, good.stderr[-2000:]
-    assert sorted(ln for ln in good.stdout.splitlines() if "started" in ln) == [
-        "rank 0 of 2 started", "rank 1 of 2 started"], good.stdout
+    assert sorted((f.name, f.read_text()) for f in started.iterdir()) == [("0", "2"), ("1", "2")]
