@@ -105,7 +105,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, List
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -545,21 +545,74 @@ class _WgradAccum:
 _CHUNKS = 16
 
 
-def _in_token_chunks(fn, token_args):
+def _chunked(fn, token_args, args):
+    n = args[token_args[0]].shape[0]
+    step = -(-n // _CHUNKS)
+    out = None
+    for i in range(0, n, step):
+        part = fn(*(a[i:i + step] if k in token_args else a for k, a in enumerate(args)))
+        if out is None:
+            out = part.new_empty((n, *part.shape[1:]))
+        out[i:i + step] = part
+    return out
+
+
+def _like(k):
+    return lambda ts: tuple(ts[k].shape)
+
+
+def _half_of(k):
+    return lambda ts: (*ts[k].shape[:-1], ts[k].shape[-1] // 2)
+
+
+# Megatron-Core's fused activations: (module, function, positions of the token-shaped
+# arguments, the output's shape from the arguments'). swiglu's y is [.., 2f], its output [.., f].
+_FUSED = (("fused_bias_gelu", "bias_gelu", (1,), _like(1)),                # (bias, y)
+          ("fused_bias_gelu", "bias_gelu_back", (0, 2), _like(2)),         # (g, bias, y)
+          ("fused_bias_swiglu", "swiglu", (0,), _half_of(0)),              # (y)
+          ("fused_bias_swiglu", "bias_swiglu", (0,), _half_of(0)),         # (y, bias)
+          ("fused_bias_swiglu", "swiglu_back", (0, 1), _like(1)),          # (g, y)
+          ("fused_bias_swiglu", "bias_swiglu_back", (0, 1), _like(1)))     # (g, y, bias)
+_ONE_KERNEL = {}
+
+
+def _one_kernel_op(module: str, name: str, fn, token_args, out_shape):
+    """``fn`` as one op, ``megatron_metp_cpu::<name>``, for fake tensors: what a planner's op
+    trace and memory tracker see of one fused GPU kernel (one launch, reads its inputs, writes
+    its output, no intermediates). Its fake kernel makes the output; its CPU kernel is the
+    chunked loop, never reached by the plugin (real tensors take the loop directly)."""
+    key = f"{module}.{name}"
+    if key not in _ONE_KERNEL:
+        def real(tensors: List[torch.Tensor]) -> torch.Tensor:
+            return _chunked(fn, token_args, tensors)
+
+        op = torch.library.custom_op(f"megatron_metp_cpu::{name}", real, mutates_args=())
+
+        @op.register_fake
+        def _(tensors):
+            dtype = functools.reduce(torch.promote_types, (t.dtype for t in tensors))
+            return tensors[token_args[0]].new_empty(out_shape(tensors), dtype=dtype)
+
+        _ONE_KERNEL[key] = op
+    return _ONE_KERNEL[key]
+
+
+def _in_token_chunks(fn, token_args, op=None):
     """``fn`` (elementwise over dim 0 of the arguments at ``token_args``; the others broadcast)
-    run on 1/_CHUNKS of the tokens at a time into one output, as a fused kernel would run."""
+    run on 1/_CHUNKS of the tokens at a time into one output, as a fused kernel would run
+    (its transients are 1/_CHUNKS of the unfused chain's). On fake tensors (the planner, the
+    timeline) it runs as ``op``, one op: chunking there would trace _CHUNKS x the ops of one
+    GPU kernel and charge stock's fused activations 16 launches each."""
+    from torch._subclasses.fake_tensor import FakeTensor
 
     @functools.wraps(fn)
     def run(*args):
-        n = args[token_args[0]].shape[0]
-        step = -(-n // _CHUNKS)
-        out = None
-        for i in range(0, n, step):
-            part = fn(*(a[i:i + step] if k in token_args else a for k, a in enumerate(args)))
-            if out is None:
-                out = part.new_empty((n, *part.shape[1:]))
-            out[i:i + step] = part
-        return out
+        if (op is not None and isinstance(args[token_args[0]], FakeTensor)
+                and not (torch.is_grad_enabled()
+                         and any(isinstance(a, torch.Tensor) and a.requires_grad
+                                 for a in args))):
+            return op(list(args))
+        return _chunked(fn, token_args, args)
 
     run.__metp_chunked__ = True
     return run
@@ -593,18 +646,14 @@ def _install_fusion_kernels() -> None:
     if not layers._grad_accum_fusion_available:
         layers.fused_weight_gradient_mlp_cuda = _WgradAccum
         layers._grad_accum_fusion_available = True
-    from megatron.core.fusions import fused_bias_gelu, fused_bias_swiglu
+    import importlib
 
-    # (module, function, positions of the token-shaped arguments)
-    for mod, name, tokens in ((fused_bias_gelu, "bias_gelu", (1,)),
-                              (fused_bias_gelu, "bias_gelu_back", (0, 2)),
-                              (fused_bias_swiglu, "swiglu", (0,)),
-                              (fused_bias_swiglu, "bias_swiglu", (0,)),
-                              (fused_bias_swiglu, "swiglu_back", (0, 1)),
-                              (fused_bias_swiglu, "bias_swiglu_back", (0, 1))):
+    for module, name, tokens, out_shape in _FUSED:
+        mod = importlib.import_module(f"megatron.core.fusions.{module}")
         fn = getattr(mod, name)
         if not getattr(fn, "__metp_chunked__", False):
-            setattr(mod, name, _in_token_chunks(fn, tokens))
+            setattr(mod, name, _in_token_chunks(
+                fn, tokens, _one_kernel_op(module, name, fn, tokens, out_shape)))
 
 
 def _mcore_release() -> tuple:

@@ -443,3 +443,51 @@ def test_fused_activations_in_chunks_are_exact(kind):
     for a, r in zip(grads, refs):
         torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5)
     assert getattr(fused_bias_gelu.bias_gelu, "__metp_chunked__", False)
+
+
+@pytest.mark.parametrize("kind", ["gelu", "swiglu"])
+def test_fused_activations_are_one_op_each_way_on_fake_tensors(kind):
+    """Under fake tensors (the planner and the timeline) each fused activation is one op forward
+    and one backward, as the GPU's fused kernel is one launch, with the real run's output and
+    gradient shapes and dtypes; the real run's chunks would trace 16 x the ops."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from megatron.core.fusions import fused_bias_gelu, fused_bias_swiglu
+
+    from megatron_metp import cpu_compat
+
+    cpu_compat.apply()
+
+    class Names(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    def run():
+        s, f = 37, 10
+        y = torch.randn(s, 2, 2 * f if kind == "swiglu" else f, dtype=torch.bfloat16,
+                        requires_grad=True)
+        bias = torch.randn(y.shape[-1], dtype=torch.bfloat16, requires_grad=True)
+        impl = fused_bias_gelu.bias_gelu_impl if kind == "gelu" else \
+            fused_bias_swiglu.bias_swiglu_impl
+        out = impl(y, bias)
+        with Names() as names:
+            dy, db = torch.autograd.grad(out, (y, bias), torch.ones_like(out))
+        return out, dy, db, names.names
+
+    real = run()
+    with FakeTensorMode():
+        fake = run()
+    for r, k in zip(real[:3], fake[:3]):
+        assert (k.shape, k.dtype) == (r.shape, r.dtype)
+    back = {"gelu": "bias_gelu_back", "swiglu": "bias_swiglu_back"}[kind]
+    assert fake[3].count(back) == 1 and real[3].count(back) == 0  # the real run: chunked aten ops
+    # Backward's ops besides the kernel: the bias gradient's sum and views ("device" is a fake
+    # tensor's device query, not an op a GPU runs).
+    assert [n for n in fake[3] if n not in ("device", "view", "ones_like")] == [back, "sum"]
+    assert sum(n in ("mul", "sigmoid", "tanh") for n in real[3]) >= 16  # one+ per chunk
