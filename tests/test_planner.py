@@ -6,6 +6,7 @@ process); real runs on 2 gloo ranks of the shared pool.
 """
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -581,3 +582,28 @@ def test_planner_saves_qkv_when_memory_allows(report):
            f" {1e3 * a['h100']:.1f} ms, save {b['needed'] / 2**30:.1f} GiB {1e3 * b['h100']:.1f}"
            f" ms (ESTIMATE); s=256k save needs {res['262144/save']['needed'] / 2**30:.1f} GiB"
            f" of 80: recompute")
+
+
+def test_planning_leaves_no_rank_prefix_on_tracebacks(tmp_path):
+    """A rank that plans before its process group starts (auto, the METP attention choice) runs
+    fake groups as fake ranks; torch prefixes tracebacks with "[rank<r>]: " per
+    init_process_group, so without care a rank 3 printed "[rank3]: [rank0]: [rank0]: ...".
+    After planning and a real group, a traceback carries the real rank's prefix once."""
+    script = tmp_path / "s.py"
+    script.write_text(
+        "import torch.distributed as dist\n"
+        "from megatron_metp.measure.planner import FakeWorld\n"
+        "w = FakeWorld(rank=1)\n"
+        "w.setup('tp', 2)\n"
+        "w.setup('metp', 2)\n"
+        "w.teardown()\n"
+        f"dist.init_process_group('gloo', init_method='file://{tmp_path / 'store'}', rank=0, "
+        "world_size=1)\n"
+        "raise RuntimeError('boom')\n")
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 1
+    lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
+    assert lines[-1] == "[rank0]: RuntimeError: boom", out.stderr[-2000:]
+    assert not any("[rank1]" in ln or ln.count("[rank") > 1 for ln in lines), out.stderr[-2000:]

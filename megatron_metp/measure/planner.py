@@ -77,6 +77,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import sys
 import warnings
 from dataclasses import asdict, dataclass, field, replace
 from typing import Dict, List, Optional
@@ -251,7 +252,12 @@ class FakeWorld:
             return
         cpu_compat.apply()
         self.teardown()
+        # init_process_group wraps sys.excepthook to prefix tracebacks with "[rank<r>]: ", once
+        # per call: a fake rank's prefix would sit inside the process's real one ("[rank3]:
+        # [rank0]: ...", as a launcher plans before its group starts).
+        hook = sys.excepthook
         dist.init_process_group("fake", rank=rank, world_size=p, store=FakeStore())
+        sys.excepthook = hook
         if mode == "wallfacer":
             # WallFacer with team size C = 1 (its ring-attention case) over Megatron's CP group
             # (TP = 1). The groups are built directly: initialize_wallfacer's all_gather_object
