@@ -232,7 +232,7 @@ def run(args, ints, default_models, default_seqs) -> int:
     import warnings
 
     from megatron_metp.models.config import load_config
-    from megatron_metp.measure.planner import seq_label
+    from megatron_metp.measure.planner import quiet_megatron, seq_label
 
     check(args, ints)
     warnings.filterwarnings("ignore")
@@ -259,11 +259,12 @@ def run(args, ints, default_models, default_seqs) -> int:
                          f"{seq_label(trace_s)} to --seq-lengths)")
     keep: Dict = {}
     t0 = time.time()
-    rows = timeline_rows([load_config(m) for m in models], ps, modes, seqs, gpus,
-                         args.efficiency, args.gpus_per_node, keep,
-                         host_op_s=args.host_op_us * 1e-6,
-                         ring_pass=getattr(args, "metp_ring_pass", "auto"),
-                         qkv_backward=getattr(args, "metp_qkv_backward", "auto"))
+    with quiet_megatron():  # Megatron-Core's spec notes ("Unknown MLP type") once per layer
+        rows = timeline_rows([load_config(m) for m in models], ps, modes, seqs, gpus,
+                             args.efficiency, args.gpus_per_node, keep,
+                             host_op_s=args.host_op_us * 1e-6,
+                             ring_pass=getattr(args, "metp_ring_pass", "auto"),
+                             qkv_backward=getattr(args, "metp_qkv_backward", "auto"))
     md = markdown(rows)
     print(md)
     print(f"\n(traced and simulated in {time.time() - t0:.0f} s)")
