@@ -62,8 +62,20 @@ def _measure_here(style: str, mode: str, fake: bool):
 
 
 def _real_all():
-    return {f"{style}/{mode}": _measure_here(style, mode, fake=False)
-            for style in TINY for mode in MODES}
+    # The planner traces Megatron's fused bias-GeLU/SwiGLU as one kernel with no intermediates,
+    # as on a GPU; their CPU twin runs 16 token chunks and holds one chunk's intermediates (a
+    # full-tier run measured 36 KiB over the plan for a tiny LLaMA tp layer). Here the twin runs
+    # one token per chunk, so its intermediates are a [1, ffn] row each and the real run
+    # measures what the kernel holds.
+    from megatron_metp import cpu_compat
+
+    chunks = cpu_compat._CHUNKS
+    cpu_compat._CHUNKS = SEQ
+    try:
+        return {f"{style}/{mode}": _measure_here(style, mode, fake=False)
+                for style in TINY for mode in MODES}
+    finally:
+        cpu_compat._CHUNKS = chunks
 
 
 _FAKE_SCRIPT = textwrap.dedent(
@@ -146,7 +158,10 @@ def test_fake_planner_agrees_with_real_gloo_run(report):
             # nothing for handles; the largest single send bounds what one could hold.
             planned = f_peak
             assert abs(planned - r_peak) <= 0.05 * r_peak, (key, rank, planned, r_peak)
-            assert r_peak <= f_peak + f_handle
+            # The twin's one-token chunk (see _real_all) holds a few [1, 2 ffn] fp32 rows the
+            # kernel does not: 1,152 bytes measured for LLaMA tp; 4 rows allowed.
+            twin_rows = 4 * 2 * TINY[key.split("/")[0]]["ffn_hidden_size"] * 4
+            assert r_peak <= f_peak + f_handle + twin_rows, (key, rank, r_peak, f_peak)
             # What a layer keeps: the real gloo run can read up to one [s, b, h] bf16 buffer more
             # (seen only for tp, on either rank, in about 1 run of 3): the size of Megatron's SP
             # all-gather output, most likely still referenced by gloo's Work object when the
