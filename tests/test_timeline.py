@@ -236,3 +236,21 @@ def test_trace_length_follows_the_sequence_lengths(tmp_path):
     bad = subprocess.run(base + ["--trace-seq-length", "64k"], capture_output=True, text=True,
                          timeout=300, cwd=str(root))
     assert bad.returncode == 2 and "pass one of them" in bad.stderr, bad.stderr[-2000:]
+
+
+def test_timeline_prints_no_megatron_spec_notes(tmp_path):
+    """``metp plan --timeline`` traces METP's layer, whose MLP Megatron-Core does not know: its
+    "Unknown MLP type" note printed once per trace before the tracing ran under the planner's
+    quiet_megatron, as ``metp plan`` and auto do (issue 34 item 11)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-m", "megatron_metp.training.cli", "plan", "--timeline",
+                          "--models", "tiny-llama", "--p", "2", "--seq-lengths", "4k",
+                          "--modes", "metp", "--gpus", "H100", "--timeline-dir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300, cwd=str(root))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "| tiny-llama | 2 | H100 | 4k | metp |" in out.stdout, out.stdout[-2000:]
+    assert "Unknown MLP type" not in out.stdout + out.stderr, out.stderr[-2000:]
