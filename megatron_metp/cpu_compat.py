@@ -597,7 +597,7 @@ def _one_kernel_op(module: str, name: str, fn, token_args, out_shape):
     return _ONE_KERNEL[key]
 
 
-def _in_token_chunks(fn, token_args, op=None):
+def _in_token_chunks(fn, token_args, op):
     """``fn`` (elementwise over dim 0 of the arguments at ``token_args``; the others broadcast)
     run on 1/_CHUNKS of the tokens at a time into one output, as a fused kernel would run
     (its transients are 1/_CHUNKS of the unfused chain's). On fake tensors (the planner, the
@@ -607,7 +607,7 @@ def _in_token_chunks(fn, token_args, op=None):
 
     @functools.wraps(fn)
     def run(*args):
-        if (op is not None and isinstance(args[token_args[0]], FakeTensor)
+        if (isinstance(args[token_args[0]], FakeTensor)
                 and not (torch.is_grad_enabled()
                          and any(isinstance(a, torch.Tensor) and a.requires_grad
                                  for a in args))):

@@ -63,8 +63,8 @@ def _measure_here(style: str, mode: str, fake: bool):
 
 def _real_all():
     # The planner traces Megatron's fused bias-GeLU/SwiGLU as one kernel with no intermediates,
-    # as on a GPU; their CPU twin runs 16 token chunks and holds one chunk's intermediates (a
-    # full-tier run measured 36 KiB over the plan for a tiny LLaMA tp layer). Here the twin runs
+    # as on a GPU; their CPU twin runs 16 token chunks and holds one chunk's intermediates,
+    # which the kernel does not. Here the twin runs
     # one token per chunk, so its intermediates are a [1, ffn] row each and the real run
     # measures what the kernel holds.
     from megatron_metp import cpu_compat
