@@ -183,6 +183,28 @@ def test_calibration_path_runs_one_rank_with_comm_stubbed(report):
            + f" against {res[1]['estimate_s'] * 1e3:.2f} ms estimated on {res[1]['machine']}")
 
 
+def test_calibration_of_stock_tp_and_its_profile():
+    # Stock tp's calibration traces its layer, then runs it for real on the same groups. The
+    # trace used to leave its fake tensors in Megatron's SP all-gather scratch, and the real run
+    # gathered into one ("Please convert all Tensors to FakeTensors first"). --calibrate-profile
+    # sums one more step's kernels (here: aten ops) by name and class.
+    import warnings
+
+    from megatron_metp.measure.calibrate import calibrate
+    from megatron_metp.models.config import load_config
+
+    warnings.filterwarnings("ignore")
+    out = calibrate(load_config("tiny-llama"), "tp", 2, 1, 256, torch.device("cpu"), iters=1,
+                    warmup=0, profile=True)
+    assert out["measured_s"] > 0 and out["compute_ops"] > 0
+    k = out["kernels"]
+    # Stock's layer: qkv, proj, fc1, fc2 forward, and two GEMMs each in backward.
+    assert k["by_kind"]["gemm"]["count"] >= 12 and k["by_kind"]["attention"]["count"] >= 2
+    assert sum(v["count"] for v in k["by_kind"].values()) == k["count"]
+    assert sum(v["time_s"] for v in k["by_kind"].values()) == pytest.approx(k["time_s"])
+    assert k["top"] == sorted(k["top"], key=lambda r: -r["time_s"])
+
+
 @pytest.mark.parametrize("argv,flag", [
     (["bench", "--calibrate", "--calibrate-p", "4", "--calibrate-rank", "4"], "--calibrate-rank"),
     (["bench", "--calibrate", "--calibrate-p", "4", "--seq-lengths", "100"], "--seq-lengths"),

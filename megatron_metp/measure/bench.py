@@ -116,6 +116,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the data sheet the estimate uses on a GPU")
     c.add_argument("--calibrate-host-op-us", type=float, default=10.0,
                    help="host time per op in the GPU estimate, microseconds")
+    c.add_argument("--calibrate-profile", action="store_true",
+                   help="profile one more step (torch.profiler): its kernels by name and class "
+                        "(GEMM, attention, other) go into the JSON")
 
 
 def preflight(args: argparse.Namespace, world: int) -> None:

@@ -44,9 +44,11 @@ def machine_for(device: torch.device, gpu: str, efficiency: float, host_op_us: f
 
 def calibrate(cfg, mode: str, p: int, rank: int, seq_length: int, device: torch.device, *,
               iters: int = 5, warmup: int = 2, gpu: str = "H100", efficiency: float = 0.5,
-              host_op_us: float = 10.0, ring_pass: str = "auto") -> Dict:
+              host_op_us: float = 10.0, ring_pass: str = "auto", profile: bool = False) -> Dict:
     """Measure rank ``rank``'s share of one layer of ``cfg`` (a model config) at ``p`` ranks and
-    ``seq_length`` on ``device`` (fwd + bwd, best of ``iters``), and estimate it; returns both."""
+    ``seq_length`` on ``device`` (fwd + bwd, best of ``iters``), and estimate it; returns both.
+    ``profile``: one more step under ``torch.profiler``, its kernels summed by name
+    (:func:`_profile`)."""
     from megatron_metp.measure import layer_probe
     from megatron_metp.measure.comm_modes import sync
     from megatron_metp.measure.op_trace import summary, trace_layer
@@ -79,6 +81,7 @@ def calibrate(cfg, mode: str, p: int, rank: int, seq_length: int, device: torch.
             sync(device)
             if i >= warmup:
                 samples.append(time.perf_counter() - t0)
+        kernels = _profile(lambda: fwd(x).backward(grad), device) if profile else None
         del layer, x, grad
     finally:
         world.teardown()
@@ -90,8 +93,60 @@ def calibrate(cfg, mode: str, p: int, rank: int, seq_length: int, device: torch.
             "estimate_s": estimate, "estimate_compute_s": est.compute,
             "estimate_host_s": est.host, "compute_ops": summary(compute_ops)["compute_ops"],
             "measured_over_estimate": measured / estimate,
+            **({"kernels": kernels} if kernels is not None else {}),
             "label": "estimate: simulated (megatron_metp/measure/timeline.py); measured: this "
                      "device, communication stubbed"}
+
+
+def _kind(name: str) -> str:
+    """A kernel's class, by its name: GEMM, attention, or the rest (elementwise, reductions,
+    copies)."""
+    low = name.lower()
+    if "flash" in low or "fmha" in low or "attention" in low:
+        return "attention"
+    if any(k in low for k in ("gemm", "cutlass", "nvjet", "sm90_xmma", "aten::mm", "aten::addmm",
+                              "aten::bmm", "aten::matmul")):
+        return "gemm"
+    return "other"
+
+
+def _profile(step, device: torch.device, top: int = 25) -> Dict:
+    """One ``step()`` under ``torch.profiler``: device kernels (on a CPU, aten ops' self time)
+    summed by name, the ``top`` longest listed, and totals per class (:func:`_kind`)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from megatron_metp.measure.comm_modes import sync
+
+    cuda = device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sync(device)
+    with profile(activities=acts) as prof:
+        step()
+        sync(device)
+    by_name: Dict[str, list] = {}
+    for evt in prof.events():
+        if cuda:
+            if evt.device_type != DeviceType.CUDA:
+                continue
+            t = evt.device_time
+        else:
+            if not evt.name.startswith("aten::"):
+                continue
+            t = evt.self_cpu_time_total
+        entry = by_name.setdefault(evt.name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += t * 1e-6
+    rows = sorted(({"name": n[:160], "kind": _kind(n), "count": c, "time_s": t}
+                   for n, (c, t) in by_name.items()), key=lambda r: -r["time_s"])
+    totals: Dict[str, Dict[str, float]] = {}
+    for r in rows:
+        k = totals.setdefault(r["kind"], {"count": 0, "time_s": 0.0})
+        k["count"] += r["count"]
+        k["time_s"] += r["time_s"]
+    return {"source": "CUDA kernels" if cuda else "aten ops (self CPU time)",
+            "count": sum(r["count"] for r in rows), "time_s": sum(r["time_s"] for r in rows),
+            "by_kind": totals, "top": rows[:top]}
 
 
 def markdown(res: Dict) -> str:
@@ -122,10 +177,16 @@ def run(args) -> int:
                          args.calibrate_p - 1 if args.calibrate_rank is None
                          else args.calibrate_rank, s, device, iters=args.iters,
                          warmup=args.warmup, gpu=args.calibrate_gpu,
-                         host_op_us=args.calibrate_host_op_us)
+                         host_op_us=args.calibrate_host_op_us,
+                         profile=args.calibrate_profile)
                for s in args.seq_lengths]
     for res in results:
         print(markdown(res))
+        if "kernels" in res:
+            k = res["kernels"]
+            print(f"  profiled step: {k['count']} {k['source']}, {k['time_s'] * 1e3:,.2f} ms; "
+                  + ", ".join(f"{kind} {v['count']} in {v['time_s'] * 1e3:,.2f} ms"
+                              for kind, v in sorted(k["by_kind"].items())))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"calibration": results}, f, indent=1)

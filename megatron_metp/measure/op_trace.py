@@ -208,6 +208,12 @@ def trace_layer(cfg, mode: str, p: int, s: int, world=None, micro_batch: int = 1
     ``tcfg``: a ready ``TransformerConfig`` instead of ``cfg``'s (e.g. ``metp bench``'s).
     ``cp``: stock tp's context-parallel size (``planner.probe_mode``); ``full_recompute``: the
     layer inside Megatron's CheckpointFunction, its recomputed forward traced in backward."""
+    return _trace_layer(cfg, mode, p, s, world, micro_batch, recompute_modules, tcfg,
+                        ring_pass, qkv_backward, cp, full_recompute)
+
+
+def _trace_layer(cfg, mode, p, s, world, micro_batch, recompute_modules, tcfg, ring_pass,
+                 qkv_backward, cp, full_recompute) -> List[TraceOp]:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from megatron_metp.measure import layer_probe
@@ -222,19 +228,26 @@ def trace_layer(cfg, mode: str, p: int, s: int, world=None, micro_batch: int = 1
     causal = getattr(cfg, "causal", True) if cfg is not None else True
     rope = (cfg is not None and cfg.position_embedding_type == "rope"
             and tcfg.context_parallel_size == 1)
-    with FakeTensorMode():
+    gbuf = layer_probe._global_buffer()
+    if gbuf is not None:  # may hold tensors of an earlier FakeTensorMode
+        gbuf.buffer.clear()
+    try:
+        with FakeTensorMode():
+            layer, x, _extra, fwd = layer_probe._layer_step(
+                tcfg, mode, s, micro_batch, causal, rope,
+                getattr(cfg, "rotary_base", 10000), None, None)
+            layer_probe.give_main_grads(layer)
+            grad = torch.empty_like(x)
+            with OpRecorder() as rec:
+                out = fwd(x)
+                rec.phase = "bwd"
+                out.backward(grad)
+    finally:
+        # Megatron's SP all-gather scratch now holds this trace's fake tensors: a real run on the
+        # same groups afterwards (metp bench --calibrate's tp) would gather into one of them.
         gbuf = layer_probe._global_buffer()
-        if gbuf is not None:  # may hold tensors of an earlier FakeTensorMode
+        if gbuf is not None:
             gbuf.buffer.clear()
-        layer, x, _extra, fwd = layer_probe._layer_step(
-            tcfg, mode, s, micro_batch, causal, rope,
-            getattr(cfg, "rotary_base", 10000), None, None)
-        layer_probe.give_main_grads(layer)
-        grad = torch.empty_like(x)
-        with OpRecorder() as rec:
-            out = fwd(x)
-            rec.phase = "bwd"
-            out.backward(grad)
     roles = group_roles()
     for op in rec.ops:
         if op.kind == "comm":
