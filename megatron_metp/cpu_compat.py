@@ -656,6 +656,87 @@ def _install_fusion_kernels() -> None:
                 fn, tokens, _one_kernel_op(module, name, fn, tokens, out_shape)))
 
 
+_MISSING = object()
+
+
+def _with_current_device(fn: Callable, current_device: Callable) -> Callable:
+    """``fn`` run with ``torch.cuda.current_device`` as ``current_device`` (the GPU's index)."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        inside = torch.cuda.current_device
+        torch.cuda.current_device = current_device
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.cuda.current_device = inside
+
+    return run
+
+
+def _planning_fork(self, name: str = "model-parallel-rng"):
+    """``CudaRNGStatesTracker.fork`` inside :func:`planning` on a GPU node: fake tensors draw no
+    random numbers, so no generator state is swapped."""
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def planning():
+    """The stand-ins a plan on fake tensors needs, on any machine (``op_trace.trace_layer``,
+    the planner's probes). A plan's layers are fake *CPU* tensors, whatever the machine has.
+
+    Without CUDA, :func:`apply` installs the stand-ins for good. With CUDA, ``apply`` does
+    nothing, yet a GPU node plans too: ``--tensor-parallel-mode auto`` and the METP attention
+    choice before the rank's group starts, ``metp plan`` there, ``metp bench --calibrate``.
+    Stock's fake layer would then meet Megatron's ``torch.cuda.current_device()`` allocations
+    (the SP all-gather scratch: "found two different devices cuda:0, cpu"), Transformer Engine's
+    RoPE and apex's wgrad kernels, and the compiled fused activations. For the plan's duration
+    only, they are swapped for the CPU twins (items 1, 3 and 6), which keep the GPU kernels'
+    saved tensors and trace as one op each. Everything is restored on exit, so a real run on the
+    GPU afterwards keeps its kernels. Nested uses are fine."""
+    if not torch.cuda.is_available():
+        apply()
+        yield
+        return
+    import importlib
+
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.tensor_parallel import layers
+    from megatron.core.tensor_parallel import random as mrandom
+
+    gpu_index = torch.cuda.current_device
+    swaps = [(torch.cuda, "current_device", _cpu_current_device),
+             # Megatron's RNG code indexes torch.cuda.default_generators by current_device():
+             # it keeps the GPU's index and generators (seeding the fake world's tracker, a
+             # recompute's saved state). A fake layer draws nothing: its forks swap no state.
+             (mrandom, "_get_cuda_rng_state",
+              _with_current_device(mrandom._get_cuda_rng_state, gpu_index)),
+             (mrandom, "_set_cuda_rng_state",
+              _with_current_device(mrandom._set_cuda_rng_state, gpu_index)),
+             (mrandom.CudaRNGStatesTracker, "fork", _planning_fork),
+             (rope_utils, "fused_apply_rotary_pos_emb", fused_apply_rotary_pos_emb_cpu),
+             (layers, "fused_weight_gradient_mlp_cuda", _WgradAccum),
+             (layers, "_grad_accum_fusion_available", True)]
+    for module, name, tokens, out_shape in _FUSED:
+        mod = importlib.import_module(f"megatron.core.fusions.{module}")
+        fn = getattr(mod, name)
+        if not getattr(fn, "__metp_chunked__", False):
+            swaps.append((mod, name, _in_token_chunks(
+                fn, tokens, _one_kernel_op(module, name, fn, tokens, out_shape))))
+    saved = [(obj, name, getattr(obj, name, _MISSING)) for obj, name, _ in swaps]
+    try:
+        for obj, name, value in swaps:
+            setattr(obj, name, value)
+        _install_recompute_fix()
+        yield
+    finally:
+        for obj, name, value in reversed(saved):
+            if value is _MISSING:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, value)
+
+
 def _mcore_release() -> tuple:
     """(major, minor) of the installed megatron-core (its distribution's version)."""
     from importlib.metadata import version

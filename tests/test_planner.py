@@ -626,3 +626,93 @@ def test_planning_leaves_no_rank_prefix_on_tracebacks(tmp_path):
     lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
     assert lines[-1] == "[rank0]: RuntimeError: boom", out.stderr[-2000:]
     assert not any("[rank1]" in ln or ln.count("[rank") > 1 for ln in lines), out.stderr[-2000:]
+
+
+_GPU_NODE = '''
+import json, sys
+import torch
+from megatron.core.tensor_parallel import random as mrandom
+
+# What a GPU node looks like to the planner, on a CPU: CUDA is available (so cpu_compat.apply
+# installs nothing), current_device() is the GPU's index, and the CUDA generators hold 16-byte
+# Philox states, which a CPU generator refuses.
+# (A generator's state is read and written outside the dispatcher: no mode sees it.)
+unset_fake_temporarily = torch._C._DisableTorchDispatch
+class Philox:
+    state = torch.zeros(16, dtype=torch.uint8)
+    def get_state(self):
+        with unset_fake_temporarily():
+            return self.state.clone()
+    def set_state(self, s):
+        assert s.numel() == 16, "a CPU generator state reached the GPU's generator"
+        with unset_fake_temporarily():
+            self.state = s.clone()
+    def manual_seed(self, seed):
+        with unset_fake_temporarily():
+            self.state = torch.full((16,), seed % 256, dtype=torch.uint8)
+gen = Philox()
+torch.cuda.is_available = lambda: True
+torch.cuda.current_device = lambda: 0
+torch.cuda.get_rng_state = lambda device="cuda": gen.get_state()
+torch.cuda.set_rng_state = lambda state, device="cuda": gen.set_state(state)
+torch.cuda.manual_seed = lambda seed: gen.manual_seed(seed)
+def get_state(device="cuda", clone=False, graph_safe=False):
+    assert torch.cuda.current_device() == 0
+    return gen.get_state()
+def set_state(state, device=-1, graph_safe=False):
+    assert torch.cuda.current_device() == 0
+    gen.set_state(state)
+mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state = get_state, set_state
+swapped = (torch.cuda.current_device, mrandom.CudaRNGStatesTracker.fork)
+
+from megatron_metp import cpu_compat
+from megatron_metp.measure.op_trace import summary, trace_layer
+from megatron_metp.measure.planner import FakeWorld, Planner, PlanSettings
+from megatron_metp.models.config import parse_config
+
+cfg = parse_config(json.loads(sys.argv[1]))
+out = {}
+for mode in ("tp", "metp"):
+    world = FakeWorld(rank=1)
+    out[mode] = summary(trace_layer(cfg, mode, 2, 64, world=world))
+    world.teardown()
+    out[mode + "/full"] = summary(trace_layer(cfg, mode, 2, 64, world=FakeWorld(),
+                                              full_recompute=True))
+    FakeWorld().teardown()
+point = Planner(PlanSettings()).plan(cfg, "tp", 2, 64)
+out["plan_tp_bytes"] = point.needed_bytes
+assert not cpu_compat._APPLIED
+assert (torch.cuda.current_device, mrandom.CudaRNGStatesTracker.fork) == swapped
+assert mrandom._set_cuda_rng_state is set_state and mrandom._get_cuda_rng_state is get_state
+print(json.dumps(out))
+'''
+
+
+def test_a_gpu_node_plans_like_a_cpu(tmp_path):
+    """A GPU node plans too (``--tensor-parallel-mode auto`` and the METP attention choice
+    before its group starts, ``metp plan`` there, ``metp bench --calibrate``). On an H200 the
+    stock trace failed ("found two different devices cuda:0, cpu": Megatron's SP all-gather
+    scratch went to current_device()). ``cpu_compat.planning`` gives the plan the CPU stand-ins
+    for its duration only. Here a subprocess sees a GPU node's torch.cuda (stood in for, above);
+    its traces and plan must equal this CPU process's exactly, and everything it swapped must be
+    back afterwards."""
+    from megatron_metp.measure.op_trace import summary, trace_layer
+    from megatron_metp.measure.planner import FakeWorld, Planner, PlanSettings
+
+    cfg = parse_config(TINY["llama"])
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, "-c", _GPU_NODE, json.dumps(TINY["llama"])],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    gpu = json.loads(proc.stdout.splitlines()[-1])
+    for mode in ("tp", "metp"):
+        world = FakeWorld(rank=1)
+        want = summary(trace_layer(cfg, mode, 2, 64, world=world))
+        world.teardown()
+        assert gpu[mode] == want, (mode, gpu[mode], want)
+        want = summary(trace_layer(cfg, mode, 2, 64, world=FakeWorld(), full_recompute=True))
+        FakeWorld().teardown()
+        assert gpu[mode + "/full"] == want, (mode, gpu[mode + "/full"], want)
+    planner = Planner(PlanSettings())
+    assert gpu["plan_tp_bytes"] == planner.plan(cfg, "tp", 2, 64).needed_bytes
+    planner.world.teardown()

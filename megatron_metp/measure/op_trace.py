@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.flop_counter import flop_registry
 
+from megatron_metp import cpu_compat
 from megatron_metp.measure.comm_counter import CommCounter
 
 __all__ = ["TraceOp", "OpRecorder", "attention_flops", "trace_layer", "group_roles"]
@@ -208,8 +209,9 @@ def trace_layer(cfg, mode: str, p: int, s: int, world=None, micro_batch: int = 1
     ``tcfg``: a ready ``TransformerConfig`` instead of ``cfg``'s (e.g. ``metp bench``'s).
     ``cp``: stock tp's context-parallel size (``planner.probe_mode``); ``full_recompute``: the
     layer inside Megatron's CheckpointFunction, its recomputed forward traced in backward."""
-    return _trace_layer(cfg, mode, p, s, world, micro_batch, recompute_modules, tcfg,
-                        ring_pass, qkv_backward, cp, full_recompute)
+    with cpu_compat.planning():
+        return _trace_layer(cfg, mode, p, s, world, micro_batch, recompute_modules, tcfg,
+                            ring_pass, qkv_backward, cp, full_recompute)
 
 
 def _trace_layer(cfg, mode, p, s, world, micro_batch, recompute_modules, tcfg, ring_pass,

@@ -84,6 +84,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from megatron_metp import cpu_compat
 from megatron_metp.measure import layer_probe
 
 GIB = 2**30
@@ -324,6 +325,9 @@ def transformer_config(cfg, p: int, mode: str, recompute_modules: Optional[List[
         params_dtype=torch.bfloat16,
         # Initialisation of fake weights costs time and means nothing.
         perform_initialization=False, metp_ring_pass=ring_pass, metp_qkv_backward=qkv_backward,
+        # A plan's layers are fake CPU tensors (cpu_compat.planning): Megatron's local modules
+        # stand in for Transformer Engine's wherever TE is installed, as on a machine without it.
+        transformer_impl="local",
         stock=True)  # Megatron-LM's default fusions: tp is the stock baseline
 
 
@@ -433,10 +437,11 @@ class Planner:
         if key not in self._layer:
             probe = probe_mode(mode, cp)
             self.world.setup(probe, p, cp)
-            tcfg = transformer_config(cfg, p, probe, modules, ring_pass, qkv, cp=cp,
-                                      full_recompute=full)
             b = self.settings.micro_batch
-            with FakeTensorMode():
+            with cpu_compat.planning():
+                tcfg = transformer_config(cfg, p, probe, modules, ring_pass, qkv, cp=cp,
+                                          full_recompute=full)
+            with cpu_compat.planning(), FakeTensorMode():
                 # RoPE under context parallelism slices the table with a pinned CUDA tensor
                 # (Megatron's get_pos_emb_on_this_cp_rank): CP plans run without it (its
                 # fused kernel saves one [s, 1, 1, d] fp32 table, external to the layers).
@@ -460,10 +465,11 @@ class Planner:
         probe = probe_mode(mode, cp)
         self.world.setup(probe, p, cp)
         ring_pass, qkv = self.metp_choices(cfg, mode, p, s)[-1]
-        tcfg = transformer_config(cfg, p, probe, self.settings.recompute_modules,
-                                  ring_pass or self.settings.metp_ring_pass, qkv or "recompute",
-                                  cp=cp)
-        with FakeTensorMode():
+        with cpu_compat.planning():
+            tcfg = transformer_config(cfg, p, probe, self.settings.recompute_modules,
+                                      ring_pass or self.settings.metp_ring_pass,
+                                      qkv or "recompute", cp=cp)
+        with cpu_compat.planning(), FakeTensorMode():
             return layer_probe.itemise_layer(
                 tcfg, probe, s, self.settings.micro_batch, causal=cfg.causal,
                 rope=cfg.position_embedding_type == "rope" and cp == 1,
