@@ -25,6 +25,9 @@ Backends, chosen per call by :func:`select_backend`:
 ==================  ===========================================  ===========================
 name                kernel                                       used when
 ==================  ===========================================  ===========================
+``torch_cudnn``     cuDNN's fused attention,                     CUDA sm90+ (Hopper and
+                    ``aten._scaled_dot_product_cudnn_attention``   newer), fp16/bf16,
+                    (+ ``_backward``), log-sum-exp returned      d % 8 == 0, d <= 128, cuDNN
 ``flash_attn``      flash-attn 2 (2.7 <= version < 3),            CUDA, fp16/bf16, d % 8 == 0,
                     ``_flash_attn_forward/_backward``            d <= 256, package importable
 ``torch_flash_cuda`` ``aten._scaled_dot_product_flash_attention``  CUDA, fp16/bf16, d % 8 == 0,
@@ -35,8 +38,12 @@ name                kernel                                       used when
                     fp64), scores materialised                   CUDA), or when forced
 ==================  ===========================================  ===========================
 
-flash-attn 3 (the Hopper build) is not wired: its private forward/backward signatures changed
-across its beta releases, so on H100 the torch flash op is used unless flash-attn 2 is present.
+On Hopper, cuDNN's kernel is the one PyTorch's SDPA (stock's core attention) runs, and what
+Transformer Engine's fused attention runs for stock Megatron-LM. FlashAttention-2 (PyTorch's
+op or the flash-attn package) ran METP's attention at half its FLOP rate on an H200
+(``docs/calibration/README.md``), so sm90+ takes ``torch_cudnn`` first. flash-attn 3 (the
+Hopper build) is not wired: its private forward/backward signatures changed across its beta
+releases.
 ``backend=`` names a backend for one call (tests use it to run the math path); callers
 above (the rings, the attention modules) take it as a parameter too, so no switch is read
 inside autograd. The two CUDA
@@ -56,7 +63,7 @@ from typing import Optional, Tuple
 
 import torch
 
-BACKENDS = ("flash_attn", "torch_flash_cuda", "torch_flash_cpu", "math")
+BACKENDS = ("torch_cudnn", "flash_attn", "torch_flash_cuda", "torch_flash_cpu", "math")
 
 _FLASH_ATTN = None  # False once an import/version check failed; the module once it passed.
 
@@ -99,6 +106,9 @@ def select_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         # Both also need an Ampere or newer GPU (sm80+); older ones take the math path.
         if (q.dtype in (torch.float16, torch.bfloat16) and d <= 256 and d % 8 == 0
                 and torch.cuda.get_device_capability(q.device) >= (8, 0)):
+            if (d <= 128 and torch.cuda.get_device_capability(q.device) >= (9, 0)
+                    and torch.backends.cudnn.is_available()):
+                return "torch_cudnn"
             if _flash_attn_module() is not None:
                 return "flash_attn"
             return "torch_flash_cuda"
@@ -220,6 +230,12 @@ def attention_forward(
             q, k, v, 0.0, causal, scale=scale
         )
         return out, lse.to(stat)
+    if backend == "torch_cudnn":
+        # Its log-sum-exp comes as [b, n, s, 1] fp32 (cuDNN's softmax statistics).
+        res = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, _expand_kv(k, rep), _expand_kv(v, rep), None, True, 0.0, causal, False,
+            scale=scale)
+        return res[0], res[1].reshape(q.shape[:3]).to(stat)
     if backend == "torch_flash_cuda":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
             q, _expand_kv(k, rep), _expand_kv(v, rep), 0.0, causal, False, scale=scale
@@ -321,6 +337,18 @@ def attention_backward(
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse_k, 0.0, causal, scale=scale
         )
+    if backend == "torch_cudnn":
+        # Dense inputs: no bias and no cumulative sequence lengths (None: undefined tensors);
+        # with dropout 0 the philox seed/offset are never read. One layout for every operand
+        # (cuDNN's backward wants dout laid out as out).
+        s_q, s_k = q.shape[2], k.shape[2]
+        seed = torch.zeros((), dtype=torch.int64, device=q.device)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            dout.contiguous(), q.contiguous(), _expand_kv(k, rep).contiguous(),
+            _expand_kv(v, rep).contiguous(), out.contiguous(),
+            lse.float().reshape(*q.shape[:3], 1).contiguous(), seed, seed, None, None, None,
+            s_q, s_k, 0.0, causal, scale=scale)
+        return dq, _reduce_kv(dk, rep), _reduce_kv(dv, rep)
     if backend == "torch_flash_cuda":
         # Dense (not nested) inputs: no cumulative sequence lengths (the forward returns None
         # for them); with dropout 0 the philox seed/offset are never read, so placeholders do.

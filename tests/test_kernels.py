@@ -144,7 +144,57 @@ def _cuda_backends():
     names = ["torch_flash_cuda"]
     if kernels._flash_attn_module() is not None:
         names.append("flash_attn")
+    if (torch.cuda.get_device_capability() >= (9, 0) and torch.backends.cudnn.is_available()):
+        names.append("torch_cudnn")
     return names
+
+
+def _ring_of_two_blocks(backend, q, k, v, dout, causal):
+    """What METP's ring asks of a kernel, on one device: the keys in two blocks (under
+    ``causal``, the second half of the queries against a fully visible block and a diagonal
+    one), each block's forward merged into the row's (out, lse), and each block's backward given
+    the *merged* out and lse. Returns out, lse, dq (summed over blocks), dk, dv."""
+    half = q.shape[2] // 2
+    qb, db = (q[:, :, half:], dout[:, :, half:]) if causal else (q, dout)
+    blocks = ((slice(0, half), False), (slice(half, None), causal))
+    out = lse = None
+    for sl, c in blocks:
+        o, l = kernels.attention_forward(qb, k[:, :, sl], v[:, :, sl], causal=c, backend=backend)
+        out, lse = kernels.merge_partial(out, lse, o, l)
+    out = out.to(q.dtype)
+    dq, dks, dvs = 0, [], []
+    for sl, c in blocks:
+        g = kernels.attention_backward(db, qb, k[:, :, sl], v[:, :, sl], out, lse, causal=c,
+                                       backend=backend)
+        dq = dq + g[0].float()
+        dks.append(g[1])
+        dvs.append(g[2])
+    return out, lse, dq, torch.cat(dks, 2), torch.cat(dvs, 2)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("backend", ["torch_flash_cpu", "math", *_cuda_backends()])
+def test_two_block_ring_with_merged_statistics_matches_fp64(backend, causal, report):
+    """Each backend as the ring uses it (above), in bf16, against fp64 attention over all keys
+    (under ``causal``: the second half's rows of causal attention, whose gradients reach every
+    key). Tolerance as test_cuda_backends_match_fp64's GQA bound, 3.5e-2 of max|ref|: bf16
+    inputs and outputs (2^-8), with one more bf16 rounding of the merged output."""
+    dev = "cuda" if backend in _cuda_backends() else "cpu"
+    q, k, v, dout = (t.to(dev) for t in _inputs(torch.bfloat16, n_kv=2, s=16, d=64))
+    half = q.shape[2] // 2
+    got = _ring_of_two_blocks(backend, q, k, v, dout, causal)
+    if causal:
+        dout = dout.clone()
+        dout[:, :, :half] = 0  # only the second half's rows are the ring's
+    ref = R.attention_grads(q.cpu(), k.cpu(), v.cpu(), dout.cpu(), scale=0.125, causal=causal)
+    rows = slice(half, None) if causal else slice(None)
+    want = (ref[0][:, :, rows], ref[1][:, :, rows], ref[2][:, :, rows], ref[3], ref[4])
+    for name, g, r in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+        r = r.detach()
+        torch.testing.assert_close(g.cpu().double(), r, rtol=3.5e-2,
+                                   atol=3.5e-2 * r.abs().max().item(),
+                                   msg=lambda m: f"{backend} {name}: {m}")
+    report(f"kernels {backend} two-block ring, merged statistics, bf16 causal={causal}: ok")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU tier: needs CUDA")
