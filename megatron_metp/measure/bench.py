@@ -114,8 +114,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--calibrate-rank", type=int, default=None, help="default p - 1")
     c.add_argument("--calibrate-gpu", choices=("H100", "A100"), default="H100",
                    help="the data sheet the estimate uses on a GPU")
-    c.add_argument("--calibrate-host-op-us", type=float, default=10.0,
-                   help="host time per op in the GPU estimate, microseconds")
+    c.add_argument("--calibrate-host-op-us", type=float, default=None,
+                   help="host time per op in the GPU estimate, microseconds (default: the "
+                        "timeline's, 30)")
     c.add_argument("--calibrate-profile", action="store_true",
                    help="profile one more step (torch.profiler): its kernels by name and class "
                         "(GEMM, attention, other) go into the JSON")

@@ -11,10 +11,11 @@ the numbers are not (none are checked).
 
 The estimate is the same layer traced under FakeTensorMode for the same rank (``op_trace``),
 its communication and waits removed, replayed by ``timeline.simulate`` on the device's machine
-model: a GPU's data sheet (``timeline.GPUS``, ``--efficiency``, ``--host-op-us``), or on a CPU
+model: a GPU's data sheet (``timeline.GPUS``, its fitted efficiencies and host cost), or on a CPU
 this machine's measured matmul FLOP/s, copy bandwidth and per-op time (``timeline_validate``;
 efficiencies 1). ``measured / estimate`` calibrates the timeline: on a GPU it says how far the
-roofline, the 50 % efficiency and the host cost are from that GPU.
+roofline, the fitted efficiencies and the host cost are from that GPU
+(``docs/calibration/README.md`` holds the one run on record, which fitted them).
 """
 
 from __future__ import annotations
@@ -38,13 +39,14 @@ def machine_for(device: torch.device, gpu: str, efficiency: float, host_op_us: f
     threads = torch.get_num_threads()
     none = Link("none", 1e18, 0.0, efficiency=1.0)   # no communication in this replay
     return Machine(f"this CPU ({threads} threads)", matmul_flops(dtype=torch.bfloat16),
-                   copy_bandwidth(threads), none, none, efficiency=1.0, mem_efficiency=1.0,
-                   op_overhead=op_overhead())
+                   copy_bandwidth(threads), none, none, efficiency=1.0,
+                   attention_efficiency=1.0, mem_efficiency=1.0, op_overhead=op_overhead())
 
 
 def calibrate(cfg, mode: str, p: int, rank: int, seq_length: int, device: torch.device, *,
-              iters: int = 5, warmup: int = 2, gpu: str = "H100", efficiency: float = 0.5,
-              host_op_us: float = 10.0, ring_pass: str = "auto", profile: bool = False) -> Dict:
+              iters: int = 5, warmup: int = 2, gpu: str = "H100",
+              efficiency: Optional[float] = None, host_op_us: Optional[float] = None,
+              ring_pass: str = "auto", profile: bool = False) -> Dict:
     """Measure rank ``rank``'s share of one layer of ``cfg`` (a model config) at ``p`` ranks and
     ``seq_length`` on ``device`` (fwd + bwd, best of ``iters``), and estimate it; returns both.
     ``profile``: one more step under ``torch.profiler``, its kernels summed by name
@@ -53,7 +55,7 @@ def calibrate(cfg, mode: str, p: int, rank: int, seq_length: int, device: torch.
     from megatron_metp.measure.comm_modes import sync
     from megatron_metp.measure.op_trace import summary, trace_layer
     from megatron_metp.measure.planner import FakeWorld, transformer_config
-    from megatron_metp.measure.timeline import simulate
+    from megatron_metp.measure.timeline import GEMM_EFFICIENCY, HOST_OP_US, simulate
 
     if not 0 <= rank < p:
         raise ValueError(f"--calibrate-rank {rank}: must be in 0..{p - 1}")
@@ -61,7 +63,8 @@ def calibrate(cfg, mode: str, p: int, rank: int, seq_length: int, device: torch.
     try:
         ops = trace_layer(cfg, mode, p, seq_length, world=world, ring_pass=ring_pass)
         compute_ops = [op for op in ops if op.kind == "compute"]
-        machine = machine_for(device, gpu, efficiency, host_op_us)
+        machine = machine_for(device, gpu, GEMM_EFFICIENCY if efficiency is None else efficiency,
+                              HOST_OP_US if host_op_us is None else host_op_us)
         est = simulate(compute_ops, machine)
         tcfg = transformer_config(cfg, p, mode, None, ring_pass)
         causal = getattr(cfg, "causal", True)

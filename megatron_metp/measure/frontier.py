@@ -47,7 +47,8 @@ from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Tuple
 
 from megatron_metp.measure.planner import GIB, Planner, PlanSettings, seq_label
-from megatron_metp.measure.timeline import ESTIMATE, GPUS, comm_time, simulate, tp_comm_overlap
+from megatron_metp.measure.timeline import (ESTIMATE, GPUS, HOST_OP_US, comm_time, simulate,
+                                            tp_comm_overlap)
 
 FAMILIES = ("stock", "metp", "wallfacer")
 SELECTIVE = ((), ("layernorm",), ("layernorm", "mlp"), ("layernorm", "core_attn"),
@@ -129,12 +130,13 @@ class Frontier:
     """Plans and times configurations (memory and time cached per probe)."""
 
     def __init__(self, settings: Optional[PlanSettings] = None, gpus=("H100",),
-                 host_op_s: float = 10e-6, gpus_per_node: int = 8, progress=None,
+                 host_op_s: float = HOST_OP_US * 1e-6, gpus_per_node: int = 8, progress=None,
                  stock_overlap: bool = True):
         self.settings = settings or PlanSettings()
         self.planner = Planner(self.settings)
         self.gpus = tuple(gpus)
         self.machines = {g: replace(GPUS[g], efficiency=self.settings.efficiency,
+                                    attention_efficiency=self.settings.attention_efficiency,
                                     gpus_per_node=gpus_per_node, host_op_s=host_op_s)
                          for g in self.gpus}
         self._times: Dict[tuple, Dict[str, Dict[str, float]]] = {}
@@ -387,6 +389,7 @@ def run_frontier(cfgs, ps, gpus, settings: PlanSettings, host_op_s: float, gpus_
                                               reserve_gib=settings.reserve_gib,
                                               fragmentation=settings.fragmentation,
                                               efficiency=settings.efficiency,
+                                              attention_efficiency=settings.attention_efficiency,
                                               host_op_us=host_op_s * 1e6),
                 frontier=rows, longest=longest, seconds=time.time() - t_all)
 

@@ -58,6 +58,12 @@ class TraceOp:
                 or k in ("kind", "name")}
 
 
+def is_attention_kernel(name: str) -> bool:
+    """Whether a traced compute op (its aten name) is a fused attention kernel (the SDPA flash,
+    memory-efficient and cuDNN ops, forward or backward)."""
+    return "attention" in name and any(k in name for k in ("flash", "efficient", "cudnn"))
+
+
 def attention_flops(name: str, q: torch.Tensor, k: torch.Tensor, causal: bool) -> float:
     """FLOPs of one SDPA-style kernel call (q [b, n_q, s_q, d], k [b, n_kv, s_k, d]).
 
@@ -155,7 +161,7 @@ class OpRecorder(CommCounter):
         if view or name.startswith(("empty", "new_empty")) or name in ("detach", "lift_fresh"):
             return
         flops = 0.0
-        if "attention" in name and ("flash" in name or "efficient" in name):
+        if is_attention_kernel(name):
             bound = {a.name: v for a, v in zip(schema.arguments, args)}
             bound.update(kwargs)
             q = bound.get("query")

@@ -26,6 +26,7 @@ from megatron_metp.measure.planner import (
     recompute_flags,
     seq_label,
 )
+from megatron_metp.measure.timeline import ATTENTION_EFFICIENCY, GEMM_EFFICIENCY
 
 DEFAULT_MODELS = ("bert-large", "llama-7b", "llama-70b", "gpt-175b")
 DEFAULT_SEQS = tuple(2**k * 1024 for k in range(2, 10))  # 4k .. 512k
@@ -70,8 +71,12 @@ def add_arguments(parser) -> None:
     a("--wallfacer-team-size", type=int, default=1, metavar="C",
       help="plan WallFacer with teams of C (C^2 divides p; default 1): C - 1 more "
            "query/key/value shards at the attention peak")
-    a("--efficiency", type=float, default=0.5,
-      help="fraction of bf16 peak FLOP/s assumed by the time ESTIMATES (default 0.5)")
+    a("--efficiency", type=float, default=GEMM_EFFICIENCY,
+      help="fraction of bf16 peak FLOP/s for GEMMs in the time ESTIMATES (default 0.75, fitted "
+           "to one H200 calibration: docs/calibration/README.md)")
+    a("--attention-efficiency", type=float, default=ATTENTION_EFFICIENCY,
+      help="fraction of bf16 peak FLOP/s for fused attention kernels in the time ESTIMATES "
+           "(default 0.66: cuDNN's Hopper kernel, measured in the same calibration)")
     a("--time-seq-length", default="128k", help="sequence of the comm/time table")
     a("--count-send-buffers", action="store_true",
       help="add the largest P2P send per layer, as if a live request held it (upper bound)")
@@ -149,6 +154,9 @@ def _check(args) -> None:
     if not 0 <= args.fragmentation < 1:
         raise ValueError(f"--fragmentation {args.fragmentation}: must be in [0, 1) (a fraction "
                          f"of the tensor bytes, e.g. 0.05)")
+    if not 0 < args.attention_efficiency <= 1:
+        raise ValueError(f"--attention-efficiency {args.attention_efficiency}: must be in (0, 1] "
+                         "(a fraction of the bf16 peak)")
     if not 0 < args.efficiency <= 1:
         raise ValueError(f"--efficiency {args.efficiency}: must be in (0, 1] (a fraction of the "
                          f"peak FLOP/s, e.g. 0.5)")
@@ -213,6 +221,7 @@ def run(args) -> int:
                             fragmentation=args.fragmentation,
                             distributed_optimizer=args.use_distributed_optimizer,
                             efficiency=args.efficiency,
+                            attention_efficiency=args.attention_efficiency,
                             count_send_buffers=args.count_send_buffers,
                             **_recompute(args),
                             context_parallel=args.context_parallel_size,
@@ -387,6 +396,7 @@ def run_frontier(args) -> int:
     ps = [8] if args.p == "2,4,8" else _ints(args.p)
     settings = PlanSettings(memory_gib=args.memory_gb, reserve_gib=args.reserve_gb,
                             fragmentation=args.fragmentation, efficiency=args.efficiency,
+                            attention_efficiency=args.attention_efficiency,
                             distributed_optimizer=args.use_distributed_optimizer)
     cfgs = [load_config(n.strip()) for n in args.models.split(",") if n.strip()]
     # --seq-lengths named on the command line: those lengths instead of 4k .. the longest.

@@ -86,6 +86,7 @@ import torch
 
 from megatron_metp import cpu_compat
 from megatron_metp.measure import layer_probe
+from megatron_metp.measure.fitted import ATTENTION_EFFICIENCY, GEMM_EFFICIENCY
 
 GIB = 2**30
 SEQ_GRANULE = 1024
@@ -104,7 +105,8 @@ class PlanSettings:
     fragmentation: float = 0.05
     micro_batch: int = 1
     distributed_optimizer: bool = False
-    efficiency: float = 0.5
+    efficiency: float = GEMM_EFFICIENCY                  # the timeline's fitted defaults
+    attention_efficiency: float = ATTENTION_EFFICIENCY
     count_send_buffers: bool = False
     # Megatron's selective recompute for every mode, e.g. ["layernorm"]; None: none.
     recompute_modules: Optional[List[str]] = None

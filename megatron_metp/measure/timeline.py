@@ -36,15 +36,24 @@ DGX reaches about 80 % of the NVLink per-direction figure for large messages (~2
 300 on A100, ~360-370 GB/s of 450 on H100 without NVLink SHARP); the same fraction is assumed for
 InfiniBand. Alpha (per call): 10 us on NVLink, 20 us over InfiniBand: the order of NCCL-tests'
 small-message (8 B-64 KiB) times inside a DGX and across two; assumptions, not measured here.
-Compute efficiency defaults to 0.5 of peak (``--efficiency``, as ``metp plan``), HBM to 0.8.
+Compute efficiency (fitted to the one GPU calibration on record, ``docs/calibration/README.md``:
+one H200, LLaMA-7B rank 7 of 8 at 4k, 32k and 128k, stock tp and METP, communication stubbed):
+GEMMs at 0.75 of bf16 peak (``--efficiency``; measured 0.85-0.87 for stock's GEMMs and 0.63-0.70
+for METP's ring-sliced ones: a single figure is ~10 % optimistic for METP's and pessimistic for
+stock's), fused attention kernels at 0.66 (``--attention-efficiency``; cuDNN's Hopper kernel,
+which stock's SDPA and, since the calibration, METP's ring both run: 0.64-0.66 measured), HBM at
+0.8 (the elementwise rest: 35-39 ms measured against 41 estimated for METP at 128k, 16 against 17
+for stock). Until that calibration the model assumed 0.5 for every kernel; it over-estimated
+stock's step by 1.3x and under-estimated METP's by up to 1.26x.
 
 Host: one CPU thread issues the ops in program order, ``host_op_s`` each (compute and comm
 alike; a wait costs nothing on the host: ``Work.wait()`` on NCCL only orders streams). No op starts
 on the GPU before the host has issued it, so a layer of many small ops becomes host-bound: its
-step is then set by the host's issue time, not by the GPU's. ``metp plan --timeline`` defaults
-to 10 us per op (``--host-op-us``): the order of PyTorch eager's per-op dispatch plus a CUDA
-launch (~5-10 us for an aten op, ~5 us for cudaLaunchKernel) and of an NCCL call's host time;
-an assumption, not measured here (no GPU). A row is flagged host-bound when the host's issue
+step is then set by the host's issue time, not by the GPU's. The default is 30 us per traced op
+(``--host-op-us``), measured: at 4k, where both families are host-bound, the calibration's H200
+machine took 35 us per traced op for stock's layer (125 ops in 4.4 ms) and 33 us for METP's (553
+ops in 18.5 ms): PyTorch eager dispatch, autograd and the modules' Python, not only the CUDA
+launch (an earlier default assumed 10 us). A row is flagged host-bound when the host's issue
 time is at least the compute stream's busy time.
 """
 
@@ -54,9 +63,11 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional
 
-from megatron_metp.measure.op_trace import GEMMS, TraceOp
+from megatron_metp.measure.fitted import ATTENTION_EFFICIENCY, GEMM_EFFICIENCY, HOST_OP_US
+from megatron_metp.measure.op_trace import GEMMS, TraceOp, is_attention_kernel
 
 __all__ = ["Link", "Machine", "GPUS", "simulate", "Schedule", "tp_comm_overlap", "comm_time",
+           "GEMM_EFFICIENCY", "ATTENTION_EFFICIENCY", "HOST_OP_US",
            "chrome_trace"]
 
 ESTIMATE = "ESTIMATE (simulated, not measured on a GPU)"
@@ -81,14 +92,16 @@ class Machine:
     hbm_bandwidth: float
     intra: Link
     inter: Link
-    efficiency: float = 0.5       # fraction of peak FLOP/s
+    efficiency: float = GEMM_EFFICIENCY   # fraction of peak FLOP/s (all but attention)
     mem_efficiency: float = 0.8   # fraction of HBM bandwidth
     gpus_per_node: int = 8
     op_overhead: float = 0.0      # seconds per compute op (GPUs: 0, launches are queued ahead)
     host_op_s: float = 0.0        # host seconds to issue one op (module docstring)
+    attention_efficiency: float = ATTENTION_EFFICIENCY   # fraction of peak, attention kernels
 
     def compute_time(self, op: TraceOp) -> float:
-        return self.op_overhead + max(op.flops / (self.peak_flops * self.efficiency),
+        eff = self.attention_efficiency if is_attention_kernel(op.name) else self.efficiency
+        return self.op_overhead + max(op.flops / (self.peak_flops * eff),
                                       op.bytes / (self.hbm_bandwidth * self.mem_efficiency))
 
     def link(self, group_size: int) -> Link:

@@ -19,9 +19,10 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Dict
+from typing import Dict, Optional
 
-from megatron_metp.measure.timeline import ESTIMATE, GPUS, chrome_trace, simulate
+from megatron_metp.measure.timeline import (ATTENTION_EFFICIENCY, ESTIMATE, GPUS, HOST_OP_US,
+                                            chrome_trace, simulate)
 
 TIMELINE_MODELS = ("llama-7b", "gpt-175b")
 TIMELINE_SEQS = "32k,128k,512k,1024k"
@@ -41,9 +42,9 @@ def add_arguments(parser) -> None:
     a("--trace-seq-length", default=TRACE_DEFAULT,
       help="sequence of the Chrome trace (--timeline; one of --seq-lengths; by default 128k, "
            "or the longest of --seq-lengths up to 128k when 128k is not one of them)")
-    a("--host-op-us", type=float, default=10.0, metavar="US",
-      help="host time to issue one op, compute or communication, in microseconds (--timeline; "
-           "default 10: PyTorch eager dispatch + a CUDA launch; an assumption, see "
+    a("--host-op-us", type=float, default=HOST_OP_US, metavar="US",
+      help="host time to issue one traced op, compute or communication, in microseconds "
+           "(default 30: measured per traced op on one H200 machine, docs/calibration; see "
            "megatron_metp/measure/timeline.py); 0 leaves the host out")
     a("--gpus-per-node", type=int, default=8,
       help="groups up to this size run on NVLink, larger ones on InfiniBand (--timeline)")
@@ -98,12 +99,14 @@ PER_RANK_MODES = ("metp",)
 
 
 def timeline_rows(cfgs, ps, modes, seqs, gpus, efficiency, gpus_per_node, keep=None,
-                  host_op_s: float = 0.0, ring_pass: str = "auto", qkv_backward: str = "auto"):
+                  host_op_s: float = 0.0, ring_pass: str = "auto", qkv_backward: str = "auto",
+                  attention_efficiency: Optional[float] = None):
     """Every (model, p, s, scenario, GPU) row; ``keep`` collects schedules for the trace:
     ``{(model, s): {label: Schedule}}``. ``host_op_s``: host seconds per issued op.
     ``ring_pass`` / ``qkv_backward``: METP's --metp-ring-pass / --metp-qkv-backward; "auto" is
     resolved per row by the planner at 80 GiB (``planner.resolve_metp_attention``), as a
-    launcher resolves it on an 80 GiB GPU."""
+    launcher resolves it on an 80 GiB GPU. ``attention_efficiency``: fused attention kernels'
+    fraction of peak (None: the timeline's fitted default)."""
     from dataclasses import replace
 
     from megatron_metp.models.flops import training_flops
@@ -134,6 +137,9 @@ def timeline_rows(cfgs, ps, modes, seqs, gpus, efficiency, gpus_per_node, keep=N
                     for scen in SCENARIOS[mode]:
                         for g in gpus:
                             m = replace(GPUS[g], efficiency=efficiency,
+                                        attention_efficiency=(
+                                            ATTENTION_EFFICIENCY if attention_efficiency is None
+                                            else attention_efficiency),
                                         gpus_per_node=gpus_per_node, host_op_s=host_op_s)
                             runs = []
                             for ops in traces:
@@ -264,7 +270,8 @@ def run(args, ints, default_models, default_seqs) -> int:
                              args.efficiency, args.gpus_per_node, keep,
                              host_op_s=args.host_op_us * 1e-6,
                              ring_pass=getattr(args, "metp_ring_pass", "auto"),
-                             qkv_backward=getattr(args, "metp_qkv_backward", "auto"))
+                             qkv_backward=getattr(args, "metp_qkv_backward", "auto"),
+                             attention_efficiency=args.attention_efficiency)
     md = markdown(rows)
     print(md)
     print(f"\n(traced and simulated in {time.time() - t0:.0f} s)")
@@ -272,7 +279,9 @@ def run(args, ints, default_models, default_seqs) -> int:
     with open(os.path.join(d, "timeline.md"), "w") as f:
         f.write(md + "\n")
     with open(os.path.join(d, "timeline.json"), "w") as f:
-        json.dump(dict(label=ESTIMATE, efficiency=args.efficiency, host_op_us=args.host_op_us,
+        json.dump(dict(label=ESTIMATE, efficiency=args.efficiency,
+                       attention_efficiency=args.attention_efficiency,
+                       host_op_us=args.host_op_us,
                        gpus={g: {"name": GPUS[g].name, "peak_flops": GPUS[g].peak_flops,
                                  "hbm_bandwidth": GPUS[g].hbm_bandwidth,
                                  "intra": vars(GPUS[g].intra), "inter": vars(GPUS[g].inter)}
