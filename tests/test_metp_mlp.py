@@ -304,9 +304,13 @@ MEM_H, MEM_S, MEM_B = 16, 256, 1
 def _memory(p):
     from megatron.core.transformer.mlp import MLP
 
+    from megatron_metp.metp import weight_ring
     from megatron_metp.metp.mlp import MetpMLP
     from megatron_metp.model import initialize_parallel
 
+    # Table 1's regime: token chunks, which the ring runs where memory is short (from ~190k
+    # tokens for LLaMA-7B); these small shapes would otherwise run whole (weight_ring.MLP_WHOLE_BYTES).
+    weight_ring.MLP_WHOLE_BYTES = 0
     initialize_parallel(tensor_model_parallel_size=p, seed=1)
     h, s, b, ffn = MEM_H, MEM_S, MEM_B, 4 * MEM_H
     res = {}
@@ -328,16 +332,36 @@ def _memory(p):
     return res
 
 
-def test_chunked_ring_step_equals_one_pass_fp64():
+def test_token_chunks_only_where_memory_is_short():
+    # LLaMA-7B at p = 8 (F'/p = 2 x 11008 / 8 = 2752, h = 4096, bf16): a ring step runs its
+    # tokens whole while the [n, F'/p] temporary is at most 128 MiB (n <= 24,385: s <= 195k),
+    # saving each chunk's op sequence (4 forward, ~12 backward per step: 552 -> 404 compute
+    # ops per layer at 4k, 1,408 -> 1,124 at 128k); from there the memory rule chunks them.
+    from megatron_metp.metp.weight_ring import MLP_WHOLE_BYTES, token_chunks
+
+    f, h = 2752, 4096
+    assert MLP_WHOLE_BYTES // (f * 2) == 24385
+    for s, k in ((4096, 1), (32768, 1), (131072, 1), (196608, 3), (262144, 3)):
+        sl = token_chunks(s // 8, f, h, 2)
+        assert len(sl) == k, (s, sl)
+        assert sl[0].start == 0 and sl[-1].stop == s // 8
+        assert all(a.stop == b.start for a, b in zip(sl, sl[1:]))
+
+
+def test_chunked_ring_step_equals_one_pass_fp64(monkeypatch):
     """The token-chunked ring step (weight_ring.token_chunks) against autograd on the whole
     MLP in fp64, one rank (no ring): 4 chunks of 256 tokens. fp64, same per-token math and only
     the weight-gradient sums regrouped: agreement to ~1e-15 relative; 1e-12 leaves margin while
     a missed or doubled chunk is an O(1) error."""
+    from megatron_metp.metp import weight_ring
     from megatron_metp.metp.weight_ring import metp_mlp_backward, metp_mlp_forward, token_chunks
 
     g = torch.Generator().manual_seed(0)
     n, h, f = 1024, 16, 64
-    assert len(token_chunks(n, f, h)) == 4
+    # Small enough to run whole (weight_ring.MLP_WHOLE_BYTES); chunked as at long sequences.
+    assert len(token_chunks(n, f, h, 8)) == 1
+    monkeypatch.setattr(weight_ring, "MLP_WHOLE_BYTES", 0)
+    assert len(token_chunks(n, f, h, 8)) == 4
     x, w_in, b_in, w_out, dy = (torch.randn(*sh, generator=g, dtype=torch.float64)
                                 for sh in ((n, h), (f, h), (f,), (h, f), (n, h)))
     act = torch.nn.functional.gelu
@@ -468,7 +492,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 dist.init_process_group("fake", rank=0, world_size=8, store=FakeStore())
 from megatron_metp import cpu_compat
+from megatron_metp.metp import weight_ring
 cpu_compat.apply()
+weight_ring.MLP_WHOLE_BYTES = 0  # the chunked path (the test's docstring)
 from megatron.core import parallel_state as mpu
 mpu.initialize_model_parallel(tensor_model_parallel_size=8, create_gloo_process_groups=False)
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear

@@ -122,9 +122,11 @@ def _fc1(x: torch.Tensor, w_in: torch.Tensor, b_in: Optional[torch.Tensor]) -> t
 
 
 MLP_MIN_ROWS = 256
+# A step whose [n, F'/p] temporary is at most this many bytes runs its tokens whole.
+MLP_WHOLE_BYTES = 128 * 2**20
 
 
-def token_chunks(n: int, f_cols: int, h: int) -> List[slice]:
+def token_chunks(n: int, f_cols: int, h: int, itemsize: int = 2) -> List[slice]:
     """Row slices of this rank's ``n`` tokens for one ring step's MLP work.
 
     A step's temporaries are ``[rows, F'/p]`` (fc1's output, the activation and, in backward,
@@ -133,7 +135,16 @@ def token_chunks(n: int, f_cols: int, h: int) -> List[slice]:
     ``F'/(p h)`` times it: for LLaMA-70B at p = 8 (``F'/p = 7168``, ``h = 8192``) 4 chunks, which
     take the MLP backward's working set from 3.5 to about 0.9 ``bsh/p``. The GEMMs stay large
     (n/4 rows) and every result is the same per-token computation.
+
+    Chunks cost launches: each adds the step's whole op sequence again (about 4 ops forward and
+    12 backward, per ring step), and a GPU's host issues every op (~30 us each, measured:
+    ``docs/calibration/README.md``). So a step whose ``[n, F'/p]`` temporary (``itemsize``
+    bytes per element) is at most ``MLP_WHOLE_BYTES`` runs whole: LLaMA-7B at p = 8 up to
+    ~190k tokens, where its five temporaries are under 0.7 GB. Longer sequences, where the
+    activation bytes decide what fits, keep the chunks.
     """
+    if n * f_cols * itemsize <= MLP_WHOLE_BYTES:
+        return [slice(0, n)]
     # At least MLP_MIN_ROWS tokens per chunk: short inputs run whole (their temporaries are
     # small), which keeps the GEMMs large and the Python overhead of tiny runs unchanged.
     k = max(1, min(-(-4 * f_cols // max(1, h)), n // MLP_MIN_ROWS))
@@ -197,7 +208,8 @@ def metp_mlp_forward(
 
     def step(_: int, cur: List[torch.Tensor]) -> None:
         w_in_r, b_in_r, w_out_r = _unpack(cur, has_bias)
-        for rows in token_chunks(x_shard_s.shape[0], w_in_r.shape[0], x_shard_s.shape[1]):
+        for rows in token_chunks(x_shard_s.shape[0], w_in_r.shape[0], x_shard_s.shape[1],
+                                 x_shard_s.element_size()):
             # D_ij = f(T_ij) [rows, F/p]; T_ij freed here
             d = act(_fc1(x_shard_s[rows], w_in_r, b_in_r))
             _add_mm(out[rows], d, w_out_r.t())
@@ -319,7 +331,8 @@ def metp_mlp_backward(
 
     def step(_: int, cur: List[torch.Tensor], target: List[torch.Tensor]):
         w = _unpack(cur, has_bias)
-        chunks = token_chunks(x_shard_s.shape[0], w[0].shape[0], x_shard_s.shape[1])
+        chunks = token_chunks(x_shard_s.shape[0], w[0].shape[0], x_shard_s.shape[1],
+                              x_shard_s.element_size())
         for rows in chunks[:-1]:
             dt = _grad_step(x_shard_s[rows], grad_out_shard_s[rows], w, act, target)
             _add_mm(grad_x[rows], dt, w[0])  # dX_i += dT_ij W_in_r
