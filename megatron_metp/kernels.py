@@ -46,9 +46,10 @@ Hopper build) is not wired: its private forward/backward signatures changed acro
 releases.
 ``backend=`` names a backend for one call (tests use it to run the math path); callers
 above (the rings, the attention modules) take it as a parameter too, so no switch is read
-inside autograd. The two CUDA
-backends are written against the documented op schemas and flash-attn 2.7/2.8's interface but
-are not exercised by the CPU test suite; ``tests/test_kernels.py`` is the check to run on a GPU.
+inside autograd. The CUDA backends are written against the documented op schemas and
+flash-attn 2.7/2.8's interface and are not exercised by the CPU test suite;
+``tests/test_kernels.py`` is the check to run on a GPU. ``torch_cudnn`` and ``torch_flash_cuda``
+passed it on an H200 (torch 2.11, cuDNN 9.19); flash-attn was not installed there.
 
 The backward of a block takes the *merged* output and lse of the whole row (not the block's
 own): the kernels recompute P = exp(S - lse) and D = rowsum(dout * out), which with the global
