@@ -1,6 +1,7 @@
 """ESTIMATE: a discrete-event model of one GPU running one layer's op trace (``op_trace``).
 
-Nothing here is measured on a GPU. The model (every number below is an input, stated):
+Nothing here is measured; the compute efficiencies and the host cost are fitted to the one GPU
+measurement on record (below). The model (every number below is an input, stated):
 
 * One compute stream. A compute op takes ``max(flops / (peak x efficiency), bytes / (HBM x
   mem_efficiency))`` (a roofline), in program order.
