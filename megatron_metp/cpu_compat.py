@@ -637,6 +637,21 @@ def _install_recompute_fix() -> None:
     cls.__init__ = init
 
 
+def _fused_activation_twins() -> list:
+    """``(module, name, twin)`` for each of Megatron's fused activations not yet replaced: the
+    token-chunked twin, one op on fake tensors (:func:`_in_token_chunks`)."""
+    import importlib
+
+    out = []
+    for module, name, tokens, out_shape in _FUSED:
+        mod = importlib.import_module(f"megatron.core.fusions.{module}")
+        fn = getattr(mod, name)
+        if not getattr(fn, "__metp_chunked__", False):
+            out.append((mod, name, _in_token_chunks(
+                fn, tokens, _one_kernel_op(module, name, fn, tokens, out_shape))))
+    return out
+
+
 def _install_fusion_kernels() -> None:
     from megatron.core.models.common.embeddings import rope_utils
     from megatron.core.tensor_parallel import layers
@@ -646,14 +661,8 @@ def _install_fusion_kernels() -> None:
     if not layers._grad_accum_fusion_available:
         layers.fused_weight_gradient_mlp_cuda = _WgradAccum
         layers._grad_accum_fusion_available = True
-    import importlib
-
-    for module, name, tokens, out_shape in _FUSED:
-        mod = importlib.import_module(f"megatron.core.fusions.{module}")
-        fn = getattr(mod, name)
-        if not getattr(fn, "__metp_chunked__", False):
-            setattr(mod, name, _in_token_chunks(
-                fn, tokens, _one_kernel_op(module, name, fn, tokens, out_shape)))
+    for mod, name, twin in _fused_activation_twins():
+        setattr(mod, name, twin)
 
 
 _MISSING = object()
@@ -698,8 +707,6 @@ def planning():
         apply()
         yield
         return
-    import importlib
-
     from megatron.core.models.common.embeddings import rope_utils
     from megatron.core.tensor_parallel import layers
     from megatron.core.tensor_parallel import random as mrandom
@@ -716,13 +723,8 @@ def planning():
              (mrandom.CudaRNGStatesTracker, "fork", _planning_fork),
              (rope_utils, "fused_apply_rotary_pos_emb", fused_apply_rotary_pos_emb_cpu),
              (layers, "fused_weight_gradient_mlp_cuda", _WgradAccum),
-             (layers, "_grad_accum_fusion_available", True)]
-    for module, name, tokens, out_shape in _FUSED:
-        mod = importlib.import_module(f"megatron.core.fusions.{module}")
-        fn = getattr(mod, name)
-        if not getattr(fn, "__metp_chunked__", False):
-            swaps.append((mod, name, _in_token_chunks(
-                fn, tokens, _one_kernel_op(module, name, fn, tokens, out_shape))))
+             (layers, "_grad_accum_fusion_available", True),
+             *_fused_activation_twins()]
     saved = [(obj, name, getattr(obj, name, _MISSING)) for obj, name, _ in swaps]
     try:
         for obj, name, value in swaps:

@@ -637,18 +637,18 @@ from megatron.core.tensor_parallel import random as mrandom
 # installs nothing), current_device() is the GPU's index, and the CUDA generators hold 16-byte
 # Philox states, which a CPU generator refuses.
 # (A generator's state is read and written outside the dispatcher: no mode sees it.)
-unset_fake_temporarily = torch._C._DisableTorchDispatch
+no_dispatch = torch._C._DisableTorchDispatch
 class Philox:
     state = torch.zeros(16, dtype=torch.uint8)
     def get_state(self):
-        with unset_fake_temporarily():
+        with no_dispatch():
             return self.state.clone()
     def set_state(self, s):
         assert s.numel() == 16, "a CPU generator state reached the GPU's generator"
-        with unset_fake_temporarily():
+        with no_dispatch():
             self.state = s.clone()
     def manual_seed(self, seed):
-        with unset_fake_temporarily():
+        with no_dispatch():
             self.state = torch.full((16,), seed % 256, dtype=torch.uint8)
 gen = Philox()
 torch.cuda.is_available = lambda: True

@@ -220,6 +220,15 @@ def trace_layer(cfg, mode: str, p: int, s: int, world=None, micro_batch: int = 1
                             ring_pass, qkv_backward, cp, full_recompute)
 
 
+def _clear_sp_scratch() -> None:
+    """Empty Megatron's ``GlobalMemoryBuffer`` (the SP all-gather scratch), if it exists."""
+    from megatron_metp.measure import layer_probe
+
+    gbuf = layer_probe._global_buffer()
+    if gbuf is not None:
+        gbuf.buffer.clear()
+
+
 def _trace_layer(cfg, mode, p, s, world, micro_batch, recompute_modules, tcfg, ring_pass,
                  qkv_backward, cp, full_recompute) -> List[TraceOp]:
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -236,9 +245,7 @@ def _trace_layer(cfg, mode, p, s, world, micro_batch, recompute_modules, tcfg, r
     causal = getattr(cfg, "causal", True) if cfg is not None else True
     rope = (cfg is not None and cfg.position_embedding_type == "rope"
             and tcfg.context_parallel_size == 1)
-    gbuf = layer_probe._global_buffer()
-    if gbuf is not None:  # may hold tensors of an earlier FakeTensorMode
-        gbuf.buffer.clear()
+    _clear_sp_scratch()  # may hold tensors of an earlier FakeTensorMode
     try:
         with FakeTensorMode():
             layer, x, _extra, fwd = layer_probe._layer_step(
@@ -253,9 +260,7 @@ def _trace_layer(cfg, mode, p, s, world, micro_batch, recompute_modules, tcfg, r
     finally:
         # Megatron's SP all-gather scratch now holds this trace's fake tensors: a real run on the
         # same groups afterwards (metp bench --calibrate's tp) would gather into one of them.
-        gbuf = layer_probe._global_buffer()
-        if gbuf is not None:
-            gbuf.buffer.clear()
+        _clear_sp_scratch()
     roles = group_roles()
     for op in rec.ops:
         if op.kind == "comm":

@@ -443,19 +443,20 @@ class Planner:
             with cpu_compat.planning():
                 tcfg = transformer_config(cfg, p, probe, modules, ring_pass, qkv, cp=cp,
                                           full_recompute=full)
-            with cpu_compat.planning(), FakeTensorMode():
-                # RoPE under context parallelism slices the table with a pinned CUDA tensor
-                # (Megatron's get_pos_emb_on_this_cp_rank): CP plans run without it (its
-                # fused kernel saves one [s, 1, 1, d] fp32 table, external to the layers).
-                rope = cfg.position_embedding_type == "rope" and cp == 1
-                self._layer[key] = layer_probe.measure_layer(
-                    tcfg, probe, s, b, causal=cfg.causal, rope=rope, rotary_base=cfg.rotary_base)
-                # The head (final norm, logits or METP's ring loss) is the same whatever the
-                # layers recompute or which attention pass they take: once per point.
-                hkey = (cfg.name, probe, p, s, cp)
-                if holds_all_layers(cfg) and hkey not in self._head:
-                    self._head[hkey] = layer_probe.measure_head(
-                        tcfg, padded_vocab(cfg, p // cp), s, b, mode=probe)
+                with FakeTensorMode():
+                    # RoPE under context parallelism slices the table with a pinned CUDA tensor
+                    # (Megatron's get_pos_emb_on_this_cp_rank): CP plans run without it (its
+                    # fused kernel saves one [s, 1, 1, d] fp32 table, external to the layers).
+                    rope = cfg.position_embedding_type == "rope" and cp == 1
+                    self._layer[key] = layer_probe.measure_layer(
+                        tcfg, probe, s, b, causal=cfg.causal, rope=rope,
+                        rotary_base=cfg.rotary_base)
+                    # The head (final norm, logits or METP's ring loss) is the same whatever the
+                    # layers recompute or which attention pass they take: once per point.
+                    hkey = (cfg.name, probe, p, s, cp)
+                    if holds_all_layers(cfg) and hkey not in self._head:
+                        self._head[hkey] = layer_probe.measure_head(
+                            tcfg, padded_vocab(cfg, p // cp), s, b, mode=probe)
         return self._layer[key], self._head.get((cfg.name, probe_mode(mode, cp), p, s, cp))
 
     def saved_tensors(self, cfg, mode: str, p: int, s: int) -> list:
@@ -471,11 +472,11 @@ class Planner:
             tcfg = transformer_config(cfg, p, probe, self.settings.recompute_modules,
                                       ring_pass or self.settings.metp_ring_pass,
                                       qkv or "recompute", cp=cp)
-        with cpu_compat.planning(), FakeTensorMode():
-            return layer_probe.itemise_layer(
-                tcfg, probe, s, self.settings.micro_batch, causal=cfg.causal,
-                rope=cfg.position_embedding_type == "rope" and cp == 1,
-                rotary_base=cfg.rotary_base)
+            with FakeTensorMode():
+                return layer_probe.itemise_layer(
+                    tcfg, probe, s, self.settings.micro_batch, causal=cfg.causal,
+                    rope=cfg.position_embedding_type == "rope" and cp == 1,
+                    rotary_base=cfg.rotary_base)
 
     def metp_choices(self, cfg, mode: str, p: int, s: int) -> List[tuple]:
         """METP attention's (ring pass, Q/K/V backward) pairs to plan at this point, fastest
