@@ -77,6 +77,8 @@ METP_SELF_ATTENTION = ("megatron_metp.metp.attention", "MetpSelfAttention")
 WALLFACER_CORE_ATTENTION = ("megatron_metp.wallfacer.core_attention", "WallFacerCoreAttention")
 # Megatron's SelfAttention with a packed-batch check before its THD RoPE (same parameters).
 WALLFACER_SELF_ATTENTION = ("megatron_metp.wallfacer.core_attention", "WallFacerSelfAttention")
+# Stock TP x CP with --cp-comm-type a2a, as the planner runs it on CPU (megatron_metp.ulysses).
+ULYSSES_CORE_ATTENTION = ("megatron_metp.ulysses.core_attention", "UlyssesCoreAttention")
 
 _Module = Union[type, Tuple[str, str]]
 
@@ -127,14 +129,17 @@ def _layer(mlp: ModuleSpec, self_attention: ModuleSpec, backend: Backend) -> Mod
 
 
 def get_gpt_layer_spec(mode: str, *, qk_layernorm: bool = False,
-                       backend: Backend = LOCAL, wallfacer_groups=None) -> ModuleSpec:
+                       backend: Backend = LOCAL, wallfacer_groups=None,
+                       cp_a2a_group=None) -> ModuleSpec:
     """A fresh ``TransformerLayer`` spec for ``mode`` in ``MODES`` (see the module docstring).
 
     ``qk_layernorm`` adds Megatron's per-head query/key norm (``--qk-layernorm``), of the type
     ``config.normalization`` names. ``backend`` (``megatron_metp.te_backend``) supplies the norm
     and linear classes: the local ones by default, Transformer Engine's where a config asks.
     ``wallfacer_groups`` (``wallfacer`` mode) go to ``WallFacerCoreAttention``'s constructor;
-    by default the ones ``initialize_wallfacer`` registered, if it has run.
+    by default the ones ``initialize_wallfacer`` registered, if it has run. ``cp_a2a_group``
+    (``tp`` mode): Megatron's context-parallel group, for stock TP x CP with ``--cp-comm-type
+    a2a`` whose core attention is the CPU stand-in ``UlyssesCoreAttention``.
     """
     if mode not in MODES:
         raise ValueError(
@@ -151,6 +156,10 @@ def get_gpt_layer_spec(mode: str, *, qk_layernorm: bool = False,
         if wallfacer_groups is None and ps.wallfacer_is_initialized():
             wallfacer_groups = ps.get_wallfacer_groups()
         core_params = {"wallfacer_groups": wallfacer_groups}
+    elif cp_a2a_group is not None:
+        if mode != "tp":
+            raise ValueError(f"cp_a2a_group is stock tp's a2a context parallelism, not {mode}'s")
+        core, core_params = ULYSSES_CORE_ATTENTION, {"cp_group": cp_a2a_group}
     return _layer(_mlp(mlp_module, backend),
                   _self_attention(attn_module, core, qk_layernorm, backend, core_params), backend)
 

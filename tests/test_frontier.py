@@ -180,8 +180,10 @@ for s in (8192, 16384):
     row = fr.row(cfg, v, 2, s, pt, "H100")
     out[s] = dict(fits=pt.fits, flags=row["flags"], recompute=row["recompute"], row=row,
                   plain_fits=plain.fits,
-                  every=[(w.selective, w.block, w.cp, w.overlap) for w in
-                         fr.base_variants(cfg, "stock", 2)])
+                  every=[(w.selective, w.block, w.cp, w.overlap, w.cp_comm) for w in
+                         fr.base_variants(cfg, "stock", 2)],
+                  saved={c: fr.plan(cfg, F.Variant("stock", "tp", 2, (), cp_comm=c), 2,
+                                    s).layer_retained for c in ("p2p", "a2a")})
     m, mp = fr.fastest(cfg, "metp", 2, s)["H100"]
     out[s]["metp"] = fr.row(cfg, m, 2, s, mp, "H100")
 fr.planner.world.teardown()
@@ -197,8 +199,14 @@ def test_frontier_picks_the_fastest_fitting_stock_configuration(report):
     # Long: the plain configuration does not fit; stock's answer recomputes and fits.
     assert long_["fits"] and not long_["plain_fits"]
     assert long_["recompute"].startswith("--recompute-granularity"), long_
-    # Every TP x CP split is searched (p = 2: TP 2, TP 1 x CP 2), with and without overlap.
-    assert {tuple(e[2:]) for e in short["every"]} == {(1, False), (1, True), (2, False)}
+    # Every TP x CP split is searched (p = 2: TP 2, TP 1 x CP 2), with and without overlap, and
+    # CP with both --cp-comm-type p2p and a2a (4 heads, 2 query groups split over CP 2).
+    assert {tuple(e[2:]) for e in short["every"]} == {
+        (1, False, "p2p"), (1, True, "p2p"), (2, False, "p2p"), (2, False, "a2a")}
+    # a2a keeps the whole sequence of half the heads where p2p keeps half the sequence of all
+    # heads: the same bytes (planner.CP_A2A_STAND_IN), measured here on both stand-ins.
+    for r in (short, long_):
+        assert r["saved"]["a2a"] == r["saved"]["p2p"] > 0, r["saved"]
     for r in (short["row"], long_["row"], short["metp"], long_["metp"]):
         assert set(r) >= {"model", "p", "gpu", "seq_length", "family", "flags", "fits",
                           "step_ms", "tokens_per_s", "mfu", "memory_gib", "fastest"}
@@ -216,6 +224,9 @@ def test_frontier_picks_the_fastest_fitting_stock_configuration(report):
     (["--recompute-method", "block"], "need --recompute-granularity full"),
     (["--recompute-granularity", "full", "--recompute-modules", "mlp"], "for --recompute"),
     (["--context-parallel-size", "3", "--p", "8"], "must divide"),
+    # LLaMA-70B's 8 query groups over TP 8: one per rank, nothing for a2a to split over CP 2.
+    (["--models", "llama-70b", "--p", "16", "--context-parallel-size", "2", "--cp-comm-type",
+      "a2a"], "do not split over --context-parallel-size 2"),
 ])
 def test_plan_refuses_bad_recompute_and_frontier_flags(argv, match):
     proc = subprocess.run([sys.executable, "-m", "megatron_metp.training.cli", "plan", *argv],

@@ -6,7 +6,8 @@ At the run's parallel size p (``--tensor-model-parallel-size``), sequence length
 GPU memory, GPU kind and node layout, each family's fastest configuration that fits:
 
 * ``stock``: Megatron-Core's own modules with every TP x CP split of p the head counts allow
-  (CP > 1: ``--cp-comm-type p2p`` and the distributed optimizer), each selective recompute and
+  (CP > 1: ``--cp-comm-type p2p``, or ``a2a`` where the heads split over CP, and the
+  distributed optimizer), each selective recompute and
   full recompute of the fewest layers that fit; ``--tp-comm-overlap`` only where the route can
   run it (Megatron-LM's loop with Transformer Engine on a GPU);
 * ``metp``: each METP attention choice, no recompute, the norms' or full recompute of the
@@ -168,8 +169,9 @@ def apply(ns, chosen: Choice, team_size_type=int) -> None:
     ns.tensor_model_parallel_size = p // cp
     ns.context_parallel_size = cp
     if cp > 1:
-        ns.cp_comm_type = ["p2p"] if isinstance(getattr(ns, "cp_comm_type", None), list) \
-            else "p2p"
+        comm = getattr(v, "cp_comm", "p2p")
+        ns.cp_comm_type = [comm] if isinstance(getattr(ns, "cp_comm_type", None), list) \
+            else comm
     if chosen.family != "wallfacer":  # WallFacer's remap leaves TP = 1
         ns.sequence_parallel = "--sequence-parallel" in chosen.flags
     if "--use-distributed-optimizer" in chosen.flags:

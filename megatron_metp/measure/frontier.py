@@ -6,9 +6,11 @@ Families and the configurations searched (each a set of Megatron-LM flags; p GPU
 
 ==========  =====================================================================================
 stock       Megatron-Core's own modules and Megatron-LM's defaults, TP x CP = p with every split
-            the head counts allow (CP > 1: ``--cp-comm-type p2p``, the distributed optimizer
-            sharding the state over CP, Transformer Engine's CP attention stood in for by the
-            plugin's ring, ``planner.CP_STAND_IN``), with and without ``--tp-comm-overlap``, and
+            the head counts allow (CP > 1: ``--cp-comm-type p2p``, and ``a2a`` where the heads
+            per TP rank split over CP; the distributed optimizer sharding the state over CP;
+            Transformer Engine's CP attention stood in for by the plugin's ring,
+            ``planner.CP_STAND_IN``, or its all-to-all, ``planner.CP_A2A_STAND_IN``), with and
+            without ``--tp-comm-overlap``, and
             each recompute: none, selective (``layernorm``, ``layernorm mlp``, ``layernorm
             core_attn``, ``layernorm core_attn mlp``), and full (``--recompute-method block
             --recompute-num-layers k``, the fewest layers k that fit; k = every layer is written
@@ -46,7 +48,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Tuple
 
-from megatron_metp.measure.planner import GIB, Planner, PlanSettings, seq_label
+from megatron_metp.measure.planner import GIB, Planner, PlanSettings, a2a_heads_split, seq_label
 from megatron_metp.measure.timeline import (ESTIMATE, GPUS, HOST_OP_US, comm_time, simulate,
                                             tp_comm_overlap)
 
@@ -74,6 +76,7 @@ class Variant:
     ring_pass: str = ""             # METP attention
     qkv: str = ""
     overlap: bool = False           # --tp-comm-overlap
+    cp_comm: str = "p2p"            # stock CP > 1: --cp-comm-type p2p | a2a
 
     def recompute_flags(self, layers: int) -> List[str]:
         if self.block >= layers:
@@ -102,7 +105,7 @@ class Variant:
             if tp > 1:
                 out.append("--sequence-parallel")
             if self.cp > 1:
-                out += ["--context-parallel-size", str(self.cp), "--cp-comm-type", "p2p",
+                out += ["--context-parallel-size", str(self.cp), "--cp-comm-type", self.cp_comm,
                         "--use-distributed-optimizer"]
             if self.overlap:
                 out.append("--tp-comm-overlap")
@@ -110,7 +113,7 @@ class Variant:
 
     def settings(self, layers: int) -> dict:
         """PlanSettings fields of this configuration (``Planner.plan`` overrides)."""
-        kw = dict(context_parallel=self.cp if self.mode == "tp" else 1,
+        kw = dict(context_parallel=self.cp if self.mode == "tp" else 1, cp_comm_type=self.cp_comm,
                   recompute_granularity=None, recompute_modules=None,
                   recompute_method="block", recompute_num_layers=1)
         if self.block:
@@ -154,12 +157,15 @@ class Frontier:
                 tp = p // cp
                 if cfg.num_attention_heads % tp or cfg.num_query_groups % tp:
                     continue
-                for sel in SELECTIVE:
-                    if "mlp" in sel and cfg.add_bias_linear:
-                        continue  # MLP_RECOMPUTE_WITH_BIAS
-                    out.append(Variant("stock", "tp", cp, sel))
-                    if tp > 1 and self.stock_overlap:
-                        out.append(Variant("stock", "tp", cp, sel, overlap=True))
+                comms = ["p2p", "a2a"] if a2a_heads_split(cfg, tp, cp) else ["p2p"]
+                for comm in comms:
+                    for sel in SELECTIVE:
+                        if "mlp" in sel and cfg.add_bias_linear:
+                            continue  # MLP_RECOMPUTE_WITH_BIAS
+                        out.append(Variant("stock", "tp", cp, sel, cp_comm=comm))
+                        if tp > 1 and self.stock_overlap:
+                            out.append(Variant("stock", "tp", cp, sel, overlap=True,
+                                               cp_comm=comm))
             return out
         if family == "metp":
             if cfg.num_query_groups % p:  # each ring rank owns whole query groups
@@ -173,14 +179,14 @@ class Frontier:
         """The configurations that need the least memory: full recompute of every layer, and
         the norms' recompute alone (a device of one layer, GPT-175B's stage, gains nothing
         from full recompute: its recompute's working set can exceed what it saves), for METP
-        with its most frugal attention, for stock at every TP x CP split."""
+        with its most frugal attention, for stock at every TP x CP split and CP comm type."""
         L = cfg.layers_per_device
         norms = NORMS_ONLY[1]
         if family == "stock":
-            splits = [v.cp for v in self.base_variants(cfg, family, p)
+            splits = [(v.cp, v.cp_comm) for v in self.base_variants(cfg, family, p)
                       if not v.selective and not v.overlap]
-            return [Variant("stock", "tp", cp, block=L) for cp in splits] + \
-                [Variant("stock", "tp", cp, norms) for cp in splits]
+            return [Variant("stock", "tp", cp, block=L, cp_comm=c) for cp, c in splits] + \
+                [Variant("stock", "tp", cp, norms, cp_comm=c) for cp, c in splits]
         if family == "metp":
             if cfg.num_query_groups % p:
                 return []
@@ -202,7 +208,7 @@ class Frontier:
         from megatron_metp.measure.op_trace import trace_layer
 
         sel = () if full else v.selective
-        key = (cfg.name, v.mode, p, s, v.cp, sel, full, v.ring_pass, v.qkv)
+        key = (cfg.name, v.mode, p, s, v.cp, sel, full, v.ring_pass, v.qkv, v.cp_comm)
         if key not in self._times:
             # On the planner's own fake world (rank 0): every rank runs the same work in these
             # layouts (module docstring), and one world set up at a time. One trace serves with
@@ -210,7 +216,8 @@ class Frontier:
             ops = trace_layer(cfg, v.mode, p, s, world=self.planner.world,
                               recompute_modules=list(sel) or None,
                               ring_pass=v.ring_pass or "auto", qkv_backward=v.qkv or "recompute",
-                              cp=v.cp if v.mode == "tp" else 1, full_recompute=full)
+                              cp=v.cp if v.mode == "tp" else 1, full_recompute=full,
+                              cp_comm_type=v.cp_comm)
             over = tp_comm_overlap(ops) if v.mode == "tp" and p // v.cp > 1 else ops
             self._times[key] = {
                 False: {g: simulate(ops, m).step for g, m in self.machines.items()},
@@ -279,8 +286,8 @@ class Frontier:
         fitting = []  # (time, variant, point)
         bases = self.base_variants(cfg, family, p)
         groups: Dict[tuple, List[Variant]] = {}
-        for v in bases:  # one group per attention / TP x CP / overlap choice
-            groups.setdefault((v.cp, v.ring_pass, v.qkv, v.overlap), []).append(v)
+        for v in bases:  # one group per attention / TP x CP / CP comm / overlap choice
+            groups.setdefault((v.cp, v.cp_comm, v.ring_pass, v.qkv, v.overlap), []).append(v)
         for members in groups.values():
             fit_sets: List[set] = []
             for v in members:  # SELECTIVE order: less recompute first

@@ -215,8 +215,13 @@ def saved_for_backward(module: torch.nn.Module, x: torch.Tensor, run_forward,
     return list(found.values())
 
 
+# The probe mode of stock TP x CP with --cp-comm-type a2a (planner.probe_mode).
+A2A_PROBE = "tp_a2a"
+
+
 def build_layer(config, mode: str, causal: bool = True, ring_pass: Optional[str] = None):
-    """One Megatron ``TransformerLayer`` of ``mode``'s spec (``wallfacer`` needs its groups).
+    """One Megatron ``TransformerLayer`` of ``mode``'s spec (``wallfacer`` needs its groups;
+    :data:`A2A_PROBE`: stock tp over Megatron's CP group with the a2a stand-in).
     ``ring_pass``: METP attention's head groups per ring pass (``metp.attention.RING_PASSES``;
     None keeps its default, ``auto``)."""
     from megatron.core.transformer.enums import AttnMaskType
@@ -224,7 +229,15 @@ def build_layer(config, mode: str, causal: bool = True, ring_pass: Optional[str]
 
     from megatron_metp.specs import check_spec_importable, get_gpt_layer_spec
 
-    spec = get_gpt_layer_spec(mode, qk_layernorm=bool(config.qk_layernorm))
+    if mode == A2A_PROBE:
+        # Stock TP x CP with --cp-comm-type a2a: Megatron's tp layer, the a2a stand-in as its
+        # core attention on Megatron's CP group (planner.CP_A2A_STAND_IN).
+        from megatron.core import parallel_state as mpu
+
+        spec = get_gpt_layer_spec("tp", qk_layernorm=bool(config.qk_layernorm),
+                                  cp_a2a_group=mpu.get_context_parallel_group())
+    else:
+        spec = get_gpt_layer_spec(mode, qk_layernorm=bool(config.qk_layernorm))
     if not causal:
         spec.submodules.self_attention.params = {"attn_mask_type": AttnMaskType.no_mask}
     check_spec_importable(spec)

@@ -208,16 +208,17 @@ def group_roles() -> Dict[str, str]:
 def trace_layer(cfg, mode: str, p: int, s: int, world=None, micro_batch: int = 1,
                 recompute_modules: Optional[List[str]] = None, tcfg=None,
                 ring_pass: str = "auto", qkv_backward: str = "recompute", cp: int = 1,
-                full_recompute: bool = False) -> List[TraceOp]:
+                full_recompute: bool = False, cp_comm_type: str = "p2p") -> List[TraceOp]:
     """One layer of ``cfg`` (a ``config.ModelConfig``) in ``mode`` at (p, s), fwd + bwd on rank 0,
     traced under FakeTensorMode on the fake process group (``world``: a ``planner.FakeWorld``,
     kept set up for the caller). Group names are replaced by their roles (:func:`group_roles`).
     ``tcfg``: a ready ``TransformerConfig`` instead of ``cfg``'s (e.g. ``metp bench``'s).
-    ``cp``: stock tp's context-parallel size (``planner.probe_mode``); ``full_recompute``: the
-    layer inside Megatron's CheckpointFunction, its recomputed forward traced in backward."""
+    ``cp``: stock tp's context-parallel size and ``cp_comm_type`` its --cp-comm-type
+    (``planner.probe_mode``); ``full_recompute``: the layer inside Megatron's
+    CheckpointFunction, its recomputed forward traced in backward."""
     with cpu_compat.planning():
         return _trace_layer(cfg, mode, p, s, world, micro_batch, recompute_modules, tcfg,
-                            ring_pass, qkv_backward, cp, full_recompute)
+                            ring_pass, qkv_backward, cp, full_recompute, cp_comm_type)
 
 
 def _clear_sp_scratch() -> None:
@@ -230,13 +231,13 @@ def _clear_sp_scratch() -> None:
 
 
 def _trace_layer(cfg, mode, p, s, world, micro_batch, recompute_modules, tcfg, ring_pass,
-                 qkv_backward, cp, full_recompute) -> List[TraceOp]:
+                 qkv_backward, cp, full_recompute, cp_comm_type) -> List[TraceOp]:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from megatron_metp.measure import layer_probe
     from megatron_metp.measure.planner import FakeWorld, probe_mode, transformer_config
 
-    mode = probe_mode(mode, cp)
+    mode = probe_mode(mode, cp, cp_comm_type)
     world = world or FakeWorld()
     world.setup(mode, p, cp)
     if tcfg is None:

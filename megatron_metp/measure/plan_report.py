@@ -17,6 +17,7 @@ from typing import List, Optional
 
 from megatron_metp.measure import timeline_report
 from megatron_metp.measure.planner import (
+    CP_A2A_STAND_IN,
     CP_STAND_IN,
     GIB,
     Planner,
@@ -109,9 +110,14 @@ def add_arguments(parser) -> None:
       help="full recompute: layers per chunk (uniform) or checkpointed layers (block); "
            "default 1")
     a("--context-parallel-size", type=int, default=1, metavar="CP",
-      help="stock tp as TP x CP = p (TP = p / CP, --cp-comm-type p2p, the distributed "
+      help="stock tp as TP x CP = p (TP = p / CP, --cp-comm-type, the distributed "
            "optimizer over CP); Transformer Engine's CP attention is stood in for by the "
-           "plugin's ring attention (megatron_metp/measure/planner.py, CP_STAND_IN)")
+           "plugin's ring attention or all-to-all (megatron_metp/measure/planner.py, "
+           "CP_STAND_IN, CP_A2A_STAND_IN)")
+    a("--cp-comm-type", choices=("p2p", "a2a"), default="p2p",
+      help="with --context-parallel-size > 1: Megatron's CP communication, p2p (the K/V ring, "
+           "default) or a2a (all-to-all, heads for sequence; the heads per TP rank must split "
+           "over CP)")
     a("--frontier", action="store_true",
       help="the throughput-vs-length frontier: for each model, p and GPU and each s from 4k "
            "to the longest any configuration fits (or each of --seq-lengths when named), the fastest configuration that fits per "
@@ -192,6 +198,17 @@ def _check(args) -> None:
             if p % cp:
                 raise ValueError(f"--context-parallel-size {cp} must divide every "
                                  f"--tensor-model-parallel-size, not {p}")
+    if cp > 1 and args.cp_comm_type == "a2a":
+        from megatron_metp.measure.planner import a2a_heads_split
+
+        for name in args.models.split(","):
+            cfg = load_config(name.strip())
+            for p in _ints(args.p) + _ints(args.longest_p):
+                if not a2a_heads_split(cfg, p // cp, cp):
+                    raise ValueError(
+                        f"--cp-comm-type a2a: {cfg.name}'s {cfg.num_attention_heads} heads and "
+                        f"{cfg.num_query_groups} query groups over TP {p // cp} do not split "
+                        f"over --context-parallel-size {cp}; use --cp-comm-type p2p")
     if args.frontier and args.timeline:
         raise ValueError("--frontier and --timeline are two reports: run one at a time")
     if os.path.exists(args.frontier_dir) and not os.path.isdir(args.frontier_dir):
@@ -225,6 +242,7 @@ def run(args) -> int:
                             count_send_buffers=args.count_send_buffers,
                             **_recompute(args),
                             context_parallel=args.context_parallel_size,
+                            cp_comm_type=args.cp_comm_type,
                             offload_layers=args.cpu_offloading_num_layers,
                             host_memory_gib=args.host_memory_gb,
                             megatron_fsdp=args.use_megatron_fsdp,
@@ -248,7 +266,8 @@ def run(args) -> int:
         head.append(f"Recompute in every mode: {' '.join(recompute_flags(settings))}\n")
     if settings.context_parallel > 1:
         head.append(f"Stock tp as TP x CP: --context-parallel-size "
-                    f"{settings.context_parallel} --cp-comm-type p2p ({CP_STAND_IN})\n")
+                    f"{settings.context_parallel} --cp-comm-type {settings.cp_comm_type} "
+                    f"({CP_A2A_STAND_IN if settings.cp_comm_type == 'a2a' else CP_STAND_IN})\n")
     if settings.offload_layers:
         head.append(f"Activation offloading in every mode: --cpu-offloading "
                     f"--cpu-offloading-num-layers {settings.offload_layers} (at most the layers "

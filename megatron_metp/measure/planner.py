@@ -121,6 +121,9 @@ class PlanSettings:
     # Transformer Engine's CP attention cannot run on CPU: the plugin's ring attention stands
     # in for it (:data:`CP_STAND_IN`). wallfacer always runs CP = p, TP = 1.
     context_parallel: int = 1
+    # Stock TP x CP's --cp-comm-type: "p2p" (:data:`CP_STAND_IN`) or "a2a" (all-to-all, heads
+    # for sequence: :data:`CP_A2A_STAND_IN`; the heads per TP rank must split over CP).
+    cp_comm_type: str = "p2p"
     # Megatron-LM's --cpu-offloading --cpu-offloading-num-layers N (TransformerEngine's CPU
     # offload context): the saved activations of N layers go to host memory; see plan().
     offload_layers: int = 0
@@ -184,6 +187,24 @@ class PlanPoint:
 CP_STAND_IN = ("the plugin's ring attention (WallFacer C = 1) in place of Transformer Engine's "
                "AttnFuncWithCPAndKVP2P: the same saved bytes; TE's forward buffers and 2x "
                "backward ring traffic are not modelled (in stock's favour)")
+
+# Transformer Engine's a2a CP attention (AttnFuncWithCPAndQKVOA2A) needs CUDA too. A stock plan
+# with --cp-comm-type a2a runs ``megatron_metp.ulysses`` in its place inside Megatron's own
+# SelfAttention: Q, K, V and the output each through one all-to-all over the CP group (heads for
+# sequence), one attention over the whole sequence with n/cp heads, the same in backward. What
+# TE saves (context_parallel.py, AttnFuncWithCPAndQKVOA2A.forward at v2.9): the post-a2a q, k, v,
+# the output before its a2a back and the softmax statistics; the stand-in saves the same
+# tensors, so the same bytes. Its all-to-alls are exposed (TE overlaps none of them either).
+CP_A2A_STAND_IN = ("megatron_metp.ulysses (all-to-all Q/K/V/O over CP, one whole-sequence "
+                   "attention per head group) in place of Transformer Engine's "
+                   "AttnFuncWithCPAndQKVOA2A: the same saved tensors")
+
+
+def a2a_heads_split(cfg, tp: int, cp: int) -> bool:
+    """Whether ``--cp-comm-type a2a`` can split ``cfg``'s heads at TP x CP (TE's condition:
+    the query and key/value heads per TP rank both multiples of CP)."""
+    return cp > 1 and (cfg.num_attention_heads // tp) % cp == 0 \
+        and (cfg.num_query_groups // tp) % cp == 0
 
 
 def optimizer_bytes_per_param(mode: str, p: int, distributed_optimizer: bool,
@@ -275,6 +296,10 @@ class FakeWorld:
                 [[t + tp * j for j in range(cp)] for t in range(tp)],
                 list(mpu.get_context_parallel_global_ranks()),
                 mpu.get_context_parallel_group(), 1, "collective_intra"))
+        elif mode == layer_probe.A2A_PROBE:
+            # Stock TP x CP with --cp-comm-type a2a: Megatron's own groups, nothing more.
+            initialize_parallel(tensor_model_parallel_size=p // cp, context_parallel_size=cp,
+                                mode="tp")
         else:
             initialize_parallel(tensor_model_parallel_size=p, mode=mode)
         self.key = (mode, p, rank, cp)
@@ -333,10 +358,17 @@ def transformer_config(cfg, p: int, mode: str, recompute_modules: Optional[List[
         stock=True)  # Megatron-LM's default fusions: tp is the stock baseline
 
 
-def probe_mode(mode: str, cp: int) -> str:
+def probe_mode(mode: str, cp: int, cp_comm_type: str = "p2p") -> str:
     """The spec a plan of ``mode`` at context-parallel size ``cp`` runs: stock tp with CP > 1
-    runs the wallfacer spec at team size 1 (:data:`CP_STAND_IN`)."""
-    return "wallfacer" if mode == "tp" and cp > 1 else mode
+    runs the wallfacer spec at team size 1 (p2p, :data:`CP_STAND_IN`) or Megatron's tp layer
+    with the a2a stand-in (``layer_probe.A2A_PROBE``, :data:`CP_A2A_STAND_IN`)."""
+    if mode == "tp" and cp > 1:
+        if cp_comm_type == "a2a":
+            return layer_probe.A2A_PROBE
+        if cp_comm_type != "p2p":
+            raise ValueError(f"--cp-comm-type {cp_comm_type!r} is not planned: choose p2p or a2a")
+        return "wallfacer"
+    return mode
 
 
 def recompute_flags(settings: "PlanSettings") -> List[str]:
@@ -435,9 +467,10 @@ class Planner:
         # without selective recompute.
         modules = None if full or self.settings.recompute_granularity == "full" \
             else self.settings.recompute_modules
-        key = (cfg.name, mode, p, s, qkv, ring_pass, cp, full, tuple(modules or ()))
+        comm = self.settings.cp_comm_type if cp > 1 and mode == "tp" else ""
+        key = (cfg.name, mode, p, s, qkv, ring_pass, cp, full, tuple(modules or ()), comm)
         if key not in self._layer:
-            probe = probe_mode(mode, cp)
+            probe = probe_mode(mode, cp, comm or "p2p")
             self.world.setup(probe, p, cp)
             b = self.settings.micro_batch
             with cpu_compat.planning():
@@ -457,7 +490,8 @@ class Planner:
                     if holds_all_layers(cfg) and hkey not in self._head:
                         self._head[hkey] = layer_probe.measure_head(
                             tcfg, padded_vocab(cfg, p // cp), s, b, mode=probe)
-        return self._layer[key], self._head.get((cfg.name, probe_mode(mode, cp), p, s, cp))
+        return self._layer[key], self._head.get(
+            (cfg.name, probe_mode(mode, cp, comm or "p2p"), p, s, cp))
 
     def saved_tensors(self, cfg, mode: str, p: int, s: int) -> list:
         """One layer's tensors kept for backward, itemised (``layer_probe.itemise_layer``),
@@ -465,7 +499,7 @@ class Planner:
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         cp = self._cp(mode, p)
-        probe = probe_mode(mode, cp)
+        probe = probe_mode(mode, cp, self.settings.cp_comm_type)
         self.world.setup(probe, p, cp)
         ring_pass, qkv = self.metp_choices(cfg, mode, p, s)[-1]
         with cpu_compat.planning():

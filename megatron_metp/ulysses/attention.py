@@ -1,0 +1,116 @@
+"""All-to-all context-parallel attention (``--cp-comm-type a2a``): heads for sequence.
+
+Megatron-LM's a2a context parallelism runs Transformer Engine's ``AttnFuncWithCPAndQKVOA2A``,
+which needs CUDA. This is the same algorithm in plain collectives, so that stock TP x CP plans
+with a2a trace and measure on CPU (``measure.planner.CP_A2A_STAND_IN``):
+
+1. Q, K and V each go through one all-to-all over the CP group: every rank gives up its
+   sequence shard of the other ranks' heads and receives all ranks' shards of its own heads.
+   After it a rank holds the whole sequence for n/cp query heads (n_kv/cp K/V heads).
+2. The received chunks are put in sequence order (Megatron's CP layout gives rank r chunks r
+   and 2cp-1-r of 2cp), and one causal attention runs over the whole sequence: the kernel
+   boundary (``megatron_metp.kernels``), no ring and no merge.
+3. The output goes back through one all-to-all, heads for sequence.
+
+The backward mirrors it: dO in, one attention backward, dQ, dK, dV out (four all-to-alls each
+way, the forward's three plus dO's or the output's).
+
+Saved for backward: the whole-sequence Q, K, V of this rank's heads, the output and the fp32
+log-sum-exp [b, n/cp, s]. These are the bytes of the local shards with all heads (s n / cp =
+(s / cp) n): TE's a2a saves the same (its ``ctx.save_for_backward`` of the post-a2a q, k, v,
+the output and the softmax statistics).
+
+Shapes (Megatron's, sequence first; this rank's tokens in Megatron's CP order)::
+
+    q            [s/cp, b, n,    d]
+    k, v         [s/cp, b, n_kv, d]     n % cp == 0 and n_kv % cp == 0 (TE's condition too)
+    returns      [s/cp, b, n,    d]
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_metp import kernels
+
+
+def check_heads(n: int, n_kv: int, cp: int) -> None:
+    """a2a splits the heads over the CP ranks: refuse head counts it cannot split."""
+    if n % cp or n_kv % cp:
+        raise ValueError(
+            f"--cp-comm-type a2a splits the attention heads over --context-parallel-size {cp}: "
+            f"{n} query heads and {n_kv} key/value heads per tensor-parallel rank must both be "
+            f"multiples of it; use --cp-comm-type p2p or a smaller context-parallel size")
+
+
+def _exchange(send: torch.Tensor, group) -> torch.Tensor:
+    """One all-to-all of ``send`` [cp, ...]: row j goes to rank j; row i of the result came
+    from rank i."""
+    recv = torch.empty_like(send)
+    if dist.get_world_size(group) == 1:
+        recv.copy_(send)
+    else:
+        dist.all_to_all_single(recv, send, group=group)
+    return recv
+
+
+def seq_to_heads(x: torch.Tensor, group) -> torch.Tensor:
+    """``[s/cp, b, n, d]`` (this rank's two chunks, all heads) -> ``[b, n/cp, s, d]`` (the
+    whole sequence in order, this rank's heads)."""
+    cp = dist.get_world_size(group)
+    sl, b, n, d = x.shape
+    send = x.reshape(sl, b, cp, n // cp, d).permute(2, 0, 1, 3, 4).contiguous()
+    recv = _exchange(send, group)                        # [cp (source rank), s/cp, b, n/cp, d]
+    halves = recv.view(cp, 2, sl // 2, b, n // cp, d)
+    # Rank i sent chunks i and 2cp-1-i: the first halves are chunks 0..cp-1, the second halves
+    # reversed are chunks cp..2cp-1.
+    whole = torch.cat([halves[:, 0], halves[:, 1].flip(0)], dim=0)   # [2cp, c, b, n/cp, d]
+    return whole.reshape(cp * sl, b, n // cp, d).permute(1, 2, 0, 3)
+
+
+def heads_to_seq(y: torch.Tensor, group) -> torch.Tensor:
+    """The inverse of :func:`seq_to_heads`: ``[b, n/cp, s, d] -> [s/cp, b, n, d]``."""
+    cp = dist.get_world_size(group)
+    b, hh, s, d = y.shape
+    c = s // (2 * cp)
+    chunks = y.permute(2, 0, 1, 3).reshape(2 * cp, c, b, hh, d)
+    # Rank i gets chunks i and 2cp-1-i.
+    send = torch.stack([chunks[:cp], chunks[cp:].flip(0)], dim=1)   # [cp, 2, c, b, hh, d]
+    recv = _exchange(send, group)                          # [cp (head group), 2, c, b, hh, d]
+    return recv.permute(1, 2, 3, 0, 4, 5).reshape(2 * c, b, cp * hh, d)
+
+
+class UlyssesAttnFunc(torch.autograd.Function):
+    """a2a attention (module docstring); saves the whole-sequence tensors of its heads."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal, softmax_scale):
+        qh, kh, vh = (seq_to_heads(t, group) for t in (q, k, v))
+        out, lse = kernels.attention_forward(qh, kh, vh, causal=causal,
+                                             softmax_scale=softmax_scale)
+        ctx.save_for_backward(qh, kh, vh, out, lse)
+        ctx.group, ctx.causal, ctx.softmax_scale = group, causal, softmax_scale
+        return heads_to_seq(out, ctx.group)
+
+    @staticmethod
+    def backward(ctx, dout):
+        qh, kh, vh, out, lse = ctx.saved_tensors
+        douth = seq_to_heads(dout, ctx.group)
+        dq, dk, dv = kernels.attention_backward(douth, qh, kh, vh, out, lse, causal=ctx.causal,
+                                                softmax_scale=ctx.softmax_scale)
+        return (heads_to_seq(dq, ctx.group), heads_to_seq(dk, ctx.group),
+                heads_to_seq(dv, ctx.group), None, None, None)
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *,
+                      causal: bool, softmax_scale: Optional[float] = None) -> torch.Tensor:
+    """Differentiable a2a attention on Megatron-shaped CP shards (module docstring)."""
+    cp = dist.get_world_size(group)
+    check_heads(q.shape[2], k.shape[2], cp)
+    if q.shape[0] % 2:
+        raise ValueError(f"a2a attention needs an even number of tokens per CP rank (two "
+                         f"chunks of Megatron's CP layout), not {q.shape[0]}")
+    return UlyssesAttnFunc.apply(q, k, v, group, causal, softmax_scale)
