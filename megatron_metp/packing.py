@@ -599,7 +599,8 @@ def backward_pieces(pieces: List[Piece], dout, q, k, v, out, lse, dq_acc, *, del
             None if out is None else out[:, :, qs], lse[:, :, qs], causal=causal,
             softmax_scale=softmax_scale, backend=backend,
             delta=None if delta is None else delta[:, :, qs])
-        dq_acc[:, :, qs] += dq_b
+        # .add_ on the view: `x[i] += y` would also copy the sum onto itself (__setitem__).
+        dq_acc[:, :, qs].add_(dq_b)
         if raw:
             pieces_out.append((ks, dk_b, dv_b))
             continue
@@ -611,8 +612,8 @@ def backward_pieces(pieces: List[Piece], dout, q, k, v, out, lse, dq_acc, *, del
             acc = kernels.acc_dtype(k.dtype)
             dk = torch.zeros(k.shape, dtype=acc, device=k.device)
             dv = torch.zeros(v.shape, dtype=acc, device=v.device)
-        dk[:, :, ks] += dk_b
-        dv[:, :, ks] += dv_b
+        dk[:, :, ks].add_(dk_b)
+        dv[:, :, ks].add_(dv_b)
     if raw:
         return pieces_out
     return dk, dv
@@ -622,6 +623,6 @@ def add_pieces(dkv_acc: torch.Tensor, raw) -> torch.Tensor:
     """Add :func:`backward_pieces` ``raw`` gradients into ``dkv_acc [2, *k.shape]`` (dK, dV) in
     place; returns it."""
     for ks, dk_b, dv_b in raw:
-        dkv_acc[0][:, :, ks] += dk_b
-        dkv_acc[1][:, :, ks] += dv_b
+        dkv_acc[0][:, :, ks].add_(dk_b)   # in place on the view (see backward_pieces)
+        dkv_acc[1][:, :, ks].add_(dv_b)
     return dkv_acc

@@ -139,6 +139,9 @@ def test_metp_mlp_equals_fp64_reference(p, report):
 # Against Megatron's own TP+SP MLP, same weights; communication counted; parameters and keys.
 
 CASES = (("gelu+bias", False, True), ("swiglu", True, False))
+# Megatron-LM's default --bias-swiglu-fusion: Megatron's MLP runs its fused SwiGLU kernels, and
+# METP's weight ring takes the same ones, forward and backward (metp.mlp.FusedSwiGLU).
+FUSED = ("swiglu fused", True, False)
 
 
 def _against_megatron(p):
@@ -148,11 +151,14 @@ def _against_megatron(p):
     from megatron_metp.model import initialize_parallel
 
     initialize_parallel(tensor_model_parallel_size=p, seed=1)
+    from megatron_metp.metp.mlp import FusedSwiGLU
+
     out = {}
-    for name, gated, bias in CASES:
+    for name, gated, bias in (*CASES, FUSED):
         t = {k: v.float().double() for k, v in _full_tensors(gated, bias).items()}
-        cfg = _config(p, gated=gated, bias=bias)
+        cfg = _config(p, gated=gated, bias=bias, bias_activation_fusion=name == FUSED[0])
         tp, metp = _build(MLP, cfg), _build(MetpMLP, cfg)
+        assert isinstance(metp._act, FusedSwiGLU) == (name == FUSED[0]), name
         # Same parameter names, shapes, TP attributes and checkpoint keys as the TP MLP.
         tp_params, metp_params = dict(tp.named_parameters()), dict(metp.named_parameters())
         assert list(tp_params) == list(metp_params)
@@ -281,7 +287,7 @@ def test_metp_mlp_equals_megatron_tp_mlp_and_counts(p, report):
             # to the largest entry: 2^-6 = 1.6e-2 bounds them with room, while a wrong shard or
             # gradient hop is an O(1) error. TP+SP is held to the same bound.
             assert err <= 2**-6, (key, err)
-    errs = {n: max(r0[n]["errs"].values()) for n, _, _ in CASES}
+    errs = {n: max(r0[n]["errs"].values()) for n, _, _ in (*CASES, FUSED)}
     report(f"METP MLP vs Megatron TP+SP MLP, p={p}, fp32, same weights: max abs err "
            + ", ".join(f"{n} {e:.2e}" for n, e in errs.items()))
     report(f"MLP comm per rank per fwd+bwd, p={p}, b={B} s={S} h={H} F=4h GeLU no bias "

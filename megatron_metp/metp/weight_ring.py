@@ -229,11 +229,17 @@ def _grad_step(
     """One Alg. 2 step: add this rank's contribution to ``grads`` (same layout as the present
     weights) and return ``dT [n/p, F'/p]`` for the input gradient."""
     w_in, b_in, w_out = weights
-    t = _fc1(x, w_in, b_in).detach().requires_grad_(True)
-    with torch.enable_grad():
+    back = getattr(act, "backward", None)   # a fused activation's own backward (mlp.py)
+    if back is not None:
+        t = _fc1(x, w_in, b_in)
         d = act(t)  # recomputed: f's input and output are never kept between passes
-    dd = torch.mm(g, w_out)  # dD_ij = dO_i W_out_r [n/p, F/p]
-    (dt,) = torch.autograd.grad(d, t, dd)
+        dt = back(torch.mm(g, w_out), t)  # dD_ij = dO_i W_out_r [n/p, F/p] -> dT_ij
+    else:
+        t = _fc1(x, w_in, b_in).detach().requires_grad_(True)
+        with torch.enable_grad():
+            d = act(t)
+        dd = torch.mm(g, w_out)
+        (dt,) = torch.autograd.grad(d, t, dd)
     dw_in, db_in, dw_out = _unpack(grads, b_in is not None)
     _add_mm(dw_out, g.t(), d.detach())  # dW_out_r += dO_i^T D_ij
     _add_mm(dw_in, dt.t(), x)  # dW_in_r += dT_ij^T X_i

@@ -449,8 +449,8 @@ def _backward_pairs(pairs, pkg_a, stat_a, kv: _Pieces, dq_a, dkv, softmax_scale)
             pieces, pkg_a[1, h], pkg_a[0, h], piece[0], piece[1], None, stat_a[0, h], dq_a[h],
             delta=stat_a[1, h], softmax_scale=softmax_scale)
         g = dkv[ki // 2, ki % 2]
-        g[0] += dk_b
-        g[1] += dv_b
+        g[0].add_(dk_b)   # in place on the view: `g[0] += ...` would copy it onto itself too
+        g[1].add_(dv_b)
 
 
 class _ShardByShard:
