@@ -26,7 +26,7 @@ every device follows the input tensors.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -69,37 +69,88 @@ class _RMSNormFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, eps):
-        acc = acc_dtype(x.dtype)
-        h = x.shape[-1]
-        x2 = x.reshape(-1, h)
-        y2 = torch.empty_like(x2)
-        rstd = torch.empty(x2.shape[0], 1, dtype=acc, device=x.device)
-        wf = w.to(acc)
-        for sl in _token_chunks(x2.shape[0]):
-            xf = x2[sl].to(acc)
-            r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-            rstd[sl] = r
-            y2[sl] = (xf * r * wf).to(x.dtype)
-        rstd = rstd.reshape(*x.shape[:-1], 1)
+        y, rstd = _rms_forward(x, w, eps)
         ctx.save_for_backward(x, w, rstd)
-        return y2.reshape(x.shape)
+        return y
 
     @staticmethod
     def backward(ctx, g):
         x, w, rstd = ctx.saved_tensors
-        acc = rstd.dtype
-        h = x.shape[-1]
-        x2, g2, r2 = x.reshape(-1, h), g.reshape(-1, h), rstd.reshape(-1, 1)
-        dx2 = torch.empty_like(x2)
-        dw = torch.zeros(h, dtype=acc, device=x.device)
-        wf = w.to(acc)
-        for sl in _token_chunks(x2.shape[0]):
-            r, gf = r2[sl], g2[sl].to(acc)
-            x_hat = x2[sl].to(acc) * r
-            gw = gf * wf
-            dx2[sl] = (r * (gw - x_hat * (gw * x_hat).mean(-1, keepdim=True))).to(x.dtype)
-            dw += (gf * x_hat).sum(0)
-        return dx2.reshape(x.shape), dw.to(w.dtype), None
+        dx, dw = _rms_backward(g, x, w, rstd)
+        return dx, dw, None
+
+
+def _rms_forward_loop(x: torch.Tensor, w: torch.Tensor, eps: float):
+    """``(y, rstd)``: the forward over the tokens in chunks (see :class:`_RMSNormFn`)."""
+    acc = acc_dtype(x.dtype)
+    h = x.shape[-1]
+    x2 = x.reshape(-1, h)
+    y2 = torch.empty_like(x2)
+    rstd = torch.empty(x2.shape[0], 1, dtype=acc, device=x.device)
+    wf = w.to(acc)
+    for sl in _token_chunks(x2.shape[0]):
+        xf = x2[sl].to(acc)
+        r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        rstd[sl] = r
+        y2[sl] = (xf * r * wf).to(x.dtype)
+    return y2.reshape(x.shape), rstd.reshape(*x.shape[:-1], 1)
+
+
+def _rms_backward_loop(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor):
+    """``(dx, dw)`` given the output gradient ``g`` (see :class:`_RMSNormFn`)."""
+    acc = rstd.dtype
+    h = x.shape[-1]
+    x2, g2, r2 = x.reshape(-1, h), g.reshape(-1, h), rstd.reshape(-1, 1)
+    dx2 = torch.empty_like(x2)
+    dw = torch.zeros(h, dtype=acc, device=x.device)
+    wf = w.to(acc)
+    for sl in _token_chunks(x2.shape[0]):
+        r, gf = r2[sl], g2[sl].to(acc)
+        x_hat = x2[sl].to(acc) * r
+        gw = gf * wf
+        dx2[sl] = (r * (gw - x_hat * (gw * x_hat).mean(-1, keepdim=True))).to(x.dtype)
+        dw += (gf * x_hat).sum(0)
+    return dx2.reshape(x.shape), dw.to(w.dtype)
+
+
+# On fake tensors (the planner's memory probes and op traces) each direction is one op, as
+# Transformer Engine's and apex's fused RMSNorm kernels are on a GPU (one launch each way, their
+# fp32 working values in registers): the chunk loop would trace up to 16 chunks x ~10 ops and
+# charge each a launch and its own memory traffic. Real tensors run the loop directly.
+@torch.library.custom_op("megatron_metp::rms_norm_fwd", mutates_args=())
+def _rms_forward_op(x: torch.Tensor, w: torch.Tensor, eps: float
+                    ) -> Tuple[torch.Tensor, torch.Tensor]:
+    return _rms_forward_loop(x, w, eps)
+
+
+@_rms_forward_op.register_fake
+def _(x, w, eps):
+    return torch.empty_like(x), x.new_empty((*x.shape[:-1], 1), dtype=acc_dtype(x.dtype))
+
+
+@torch.library.custom_op("megatron_metp::rms_norm_bwd", mutates_args=())
+def _rms_backward_op(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor
+                     ) -> Tuple[torch.Tensor, torch.Tensor]:
+    return _rms_backward_loop(g, x, w, rstd)
+
+
+@_rms_backward_op.register_fake
+def _(g, x, w, rstd):
+    return torch.empty_like(x), torch.empty_like(w)
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
+def _rms_forward(x, w, eps):
+    return _rms_forward_op(x, w, eps) if _is_fake(x) else _rms_forward_loop(x, w, eps)
+
+
+def _rms_backward(g, x, w, rstd):
+    return _rms_backward_op(g, x, w, rstd) if _is_fake(x) else _rms_backward_loop(g, x, w, rstd)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

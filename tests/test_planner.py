@@ -29,7 +29,10 @@ TINY = {
 TINY["llama+rc"] = TINY["llama"]
 RECOMPUTE = {"llama+rc": ["layernorm"]}
 SEQ, P = 512, 2
-MODES = ("tp", "metp", "wallfacer")  # wallfacer: team size 1 (ring attention) over CP = 2
+# wallfacer: team size 1 (ring attention) over CP = 2, the stand-in of stock's --cp-comm-type p2p;
+# tp_a2a: stock TP 1 x CP 2 with --cp-comm-type a2a (layer_probe.A2A_PROBE, megatron_metp.ulysses).
+MODES = ("tp", "metp", "wallfacer", "tp_a2a")
+CP_MODES = ("wallfacer", "tp_a2a")
 
 
 def _measure_here(style: str, mode: str, fake: bool):
@@ -48,12 +51,15 @@ def _measure_here(style: str, mode: str, fake: bool):
         destroy_parallel()  # the previous mode's groups
         if mode == "wallfacer":  # team size 1 (ring attention)
             initialize_parallel(context_parallel_size=P, mode=mode, wallfacer_team_size=1)
+        elif mode == "tp_a2a":
+            initialize_parallel(context_parallel_size=P, mode="tp")
         else:
             initialize_parallel(tensor_model_parallel_size=P, mode=mode)
-    tcfg = transformer_config(cfg, P, mode, RECOMPUTE.get(style))
-    tp = 1 if mode == "wallfacer" else P
-    # The planner runs wallfacer without RoPE (Megatron's CP slicing of the table needs CUDA).
-    rope = cfg.position_embedding_type == "rope" and mode != "wallfacer"
+    cp = P if mode in CP_MODES else 1
+    tcfg = transformer_config(cfg, P, mode, RECOMPUTE.get(style), cp=cp)
+    tp = P // cp
+    # The planner runs CP without RoPE (Megatron's CP slicing of the table needs CUDA).
+    rope = cfg.position_embedding_type == "rope" and cp == 1
     torch.manual_seed(0)
     with FakeTensorMode() if fake else contextlib.nullcontext():
         lm = layer_probe.measure_layer(tcfg, mode, SEQ, rope=rope)
@@ -67,15 +73,18 @@ def _real_all():
     # which the kernel does not. Here the twin runs
     # one token per chunk, so its intermediates are a [1, ffn] row each and the real run
     # measures what the kernel holds.
-    from megatron_metp import cpu_compat
+    # The same for RMSNorm: one op each way on fake tensors (layers._rms_forward_op), as TE's
+    # and apex's fused kernels; the real run's chunk loop runs one token per chunk.
+    from megatron_metp import cpu_compat, layers
 
-    chunks = cpu_compat._CHUNKS
-    cpu_compat._CHUNKS = SEQ
+    saved = cpu_compat._CHUNKS, layers._NORM_CHUNKS, layers._NORM_MIN_ROWS
+    cpu_compat._CHUNKS = layers._NORM_CHUNKS = SEQ
+    layers._NORM_MIN_ROWS = 1
     try:
         return {f"{style}/{mode}": _measure_here(style, mode, fake=False)
                 for style in TINY for mode in MODES}
     finally:
-        cpu_compat._CHUNKS = chunks
+        cpu_compat._CHUNKS, layers._NORM_CHUNKS, layers._NORM_MIN_ROWS = saved
 
 
 _FAKE_SCRIPT = textwrap.dedent(
@@ -88,7 +97,7 @@ _FAKE_SCRIPT = textwrap.dedent(
     out = {}
     for style in TINY:
         for mode in MODES:
-            world.setup(mode, 2)
+            world.setup(mode, 2, 2 if mode == "tp_a2a" else 1)
             out[f"{style}/{mode}"] = _measure_here(style, mode, fake=True)
     world.teardown()
     print("RESULT", json.dumps(out))

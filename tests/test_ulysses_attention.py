@@ -1,6 +1,7 @@
 """a2a context-parallel attention (``--cp-comm-type a2a``, the planner's stand-in for
-Transformer Engine's): forward and dQ/dK/dV against single-process fp64 attention, and inside
-Megatron's own ``SelfAttention`` against Megatron's single-rank layer given the same weights.
+Transformer Engine's): forward and dQ/dK/dV against single-process fp64 attention. Inside
+Megatron's own ``SelfAttention`` (``layer_probe.A2A_PROBE``) the planner's fake-tensor memory of
+the layer is checked against a real gloo run in tests/test_planner.py.
 
 Every rank builds the same full q, k, v (seeded), computes the fp64 reference with plain
 softmax attention and autograd, and compares its own shard of Megatron's CP layout (chunks r
