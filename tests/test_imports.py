@@ -19,7 +19,8 @@ LAYERS = [
     # Megatron-LM entry points and the trainer alike.
     ("core", ["comm", "kernels", "packing", "parallel_state", "errors", "token_layout",
               "models"]),
-    ("algorithms", ["metp", "wallfacer"]),
+    # ulysses: stock's --cp-comm-type a2a, the planner's CPU stand-in for TE's kernel.
+    ("algorithms", ["metp", "wallfacer", "ulysses"]),
     ("integration", ["layers", "te_backend", "cpu_compat", "specs", "model", "validation",
                      "launch", "checkpoint_keys"]),
     # Megatron-LM's entry points sit beside measure: --tensor-parallel-mode auto plans there.
@@ -141,7 +142,7 @@ def test_top_level_shows_the_plugin():
            if (p.suffix == ".py" or (p / "__init__.py").exists()) and p.name != "__init__.py"}
     assert top == {"comm", "kernels", "packing", "parallel_state", "errors", "token_layout",
                    "models",
-                   "metp", "wallfacer", "layers",
+                   "metp", "wallfacer", "ulysses", "layers",
                    "te_backend", "cpu_compat", "specs", "model", "validation", "megatron_lm",
                    "megatron_lm_hooks", "launch", "measure", "training", "checkpoint_keys",
                    "megatron_lm_cpu"}
