@@ -94,10 +94,11 @@ def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
              "paper's Alg. 5-6, least memory), or auto (the planner's choice from memory "
              "headroom: whole wherever the run fits this GPU with it)")
     group.add_argument(
-        "--metp-qkv-backward", choices=("auto", "recompute", "save"), default="auto",
+        "--metp-qkv-backward", choices=("auto", "recompute", "save", "save+fc1"), default="auto",
         help="METP's one ring pass: keep Q/K/V for backward (save: one GEMM less per layer, "
              "2(n+2ng)d bytes more per token and layer) or recompute them (the paper's Alg. 6); "
-             "auto: save when the planner finds the run still fits this GPU's memory")
+             "save+fc1: keep the MLP's fc1 output too (2F' bytes more per token and layer); "
+             "auto: the first of save+fc1, save, recompute that still fits this GPU's memory")
     group.add_argument(
         "--wallfacer-placement", choices=PLACEMENTS, default=PLACEMENTS[0],
         help="team-consecutive: each team of C on consecutive ranks (team collectives in a "
@@ -304,7 +305,8 @@ def resolve_metp_attention(ns) -> None:
     """``--metp-ring-pass auto`` and ``--metp-qkv-backward auto`` under
     ``--tensor-parallel-mode metp``: plan this run (``measure.planner.resolve_metp_attention``,
     this GPU's memory, else 80 GiB) and take the fastest METP attention that still fits (one
-    ring pass over every head group with its Q/K/V saved, then recomputed, then one pass per
+    ring pass over every head group with its Q/K/V and the MLP's fc1 output saved, then Q/K/V
+    alone saved, then recomputed, then one pass per
     head group); context- or pipeline-parallel runs, which the planner does not plan, keep the
     model's own ring-pass rule and recompute."""
     ring = getattr(ns, "metp_ring_pass", "auto") or "auto"

@@ -558,3 +558,66 @@ def test_metp_mlp_at_paper_scale_under_fake_tensors(report):
            f"{metp['total'] / 2**30:.2f} GiB vs TP+SP {tp['total'] / 2**30:.2f} GiB; forward "
            f"activations METP/TP {ratio:.3f} (Table 1: 1/p = {1 / p:.3f}); sent elements METP "
            f"{metp['sent']:.3e} = 24(p-1)/p h^2, TP {tp['sent']:.3e} = 5(p-1)/p bsh")
+
+
+# ------------------------------------------------------------------------------------------------
+# --metp-qkv-backward save+fc1: the MLP keeps every ring step's fc1 output for its backward.
+
+
+def _kept_fc1_vs_recomputed(p):
+    from megatron_metp.metp.attention import set_qkv_backward
+    from megatron_metp.metp.mlp import MetpMLP
+    from megatron_metp.model import initialize_parallel
+
+    from megatron_metp.metp import weight_ring
+
+    initialize_parallel(tensor_model_parallel_size=p, seed=1)
+    out = {}
+    whole = weight_ring.MLP_WHOLE_BYTES, weight_ring.MLP_MIN_ROWS
+    for (name, gated, bias), chunked in [(c, k) for c in (*CASES, FUSED) for k in (False, True)]:
+        # chunked: each ring step in token chunks, each chunk's T kept in its rows.
+        weight_ring.MLP_WHOLE_BYTES, weight_ring.MLP_MIN_ROWS = (0, 2) if chunked else whole
+        assert len(weight_ring.token_chunks(S * B // p, 2 * FFN, H, 4)) > 1 or not chunked
+        name = f"{name}{' chunked' if chunked else ''}"
+        t = _full_tensors(gated, bias)
+        cfg = _config(p, gated=gated, bias=bias, bias_activation_fusion=FUSED[0] in name,
+                      metp_qkv_backward="save+fc1")
+        mlp = _build(MetpMLP, cfg)
+        assert mlp.keep_fc1
+        kept = _run_local(mlp, t, torch.float32)
+        # What the forward keeps: x, and [p, n/p, F'/p] of fc1 outputs (none when recomputed).
+        fc1_rows = mlp.linear_fc1.weight.shape[0]
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x.shape) or x,
+                                                      lambda x: x):
+            mlp(torch.zeros(S // p, B, H, requires_grad=True))
+        set_qkv_backward(mlp, "recompute")
+        assert not mlp.keep_fc1
+        again = _run_local(mlp, t, torch.float32)
+        saved_rc = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda x: saved_rc.append(x.shape) or x,
+                                                      lambda x: x):
+            mlp(torch.zeros(S // p, B, H, requires_grad=True))
+        same = torch.equal(kept[0], again[0]) and all(
+            torch.equal(kept[1][k], again[1][k]) for k in kept[1])
+        out[name] = dict(same=same, kept=[list(s) for s in saved],
+                         recomputed=[list(s) for s in saved_rc], fc1_rows=fc1_rows)
+    weight_ring.MLP_WHOLE_BYTES, weight_ring.MLP_MIN_ROWS = whole
+    return out
+
+
+@pytest.mark.parametrize("p", [2])
+def test_kept_fc1_outputs_change_no_bit(p, report):
+    res = run_ranks(p, _kept_fc1_vs_recomputed, p)
+    for r in res:
+        for name, c in r.items():
+            # The backward reads the forward's T instead of running the same GEMM on the same
+            # operands again, and the activation's backward sees the same T: every bit equal.
+            assert c["same"], name
+            n = S * B // p
+            assert [p, n, c["fc1_rows"]] in c["kept"], (name, c["kept"])
+            assert [p, n, c["fc1_rows"]] not in c["recomputed"], (name, c["recomputed"])
+        assert len(r) == 6
+    report(f"METP MLP, p={p}, fp32: --metp-qkv-backward save+fc1 keeps [p, n/p, F'/p] and "
+           f"equals recomputing fc1 bit for bit (GeLU+bias, SwiGLU, fused SwiGLU; whole and "
+           f"token-chunked ring steps)")

@@ -543,7 +543,7 @@ _QKV_SCRIPT = textwrap.dedent(
     cfg = load_config("llama-7b")
     out = {}
     for s in (32768, 262144):
-        for qkv in ("recompute", "save", "auto"):
+        for qkv in ("recompute", "save", "save+fc1", "auto"):
             planner = Planner(PlanSettings(metp_ring_pass="whole", metp_qkv_backward=qkv))
             pt = planner.plan(cfg, "metp", 8, s)
             out[f"{s}/{qkv}"] = dict(chosen=pt.qkv_backward, retained=pt.layer_retained,
@@ -582,21 +582,24 @@ def test_planner_saves_qkv_when_memory_allows(report):
         extra = s // p * (cfg.num_attention_heads + 2 * cfg.num_attention_heads) * 128 * 2
         assert save["retained"] - rec["retained"] == extra, (s, save, rec)
         assert save["h100"] < rec["h100"]   # one QKV GEMM per layer less (an ESTIMATE)
-    # 32k (4k tokens per rank): saving fits 80 GiB, so auto saves; at 256k (32k per rank, still
-    # the one pass) it does not, so auto recomputes and keeps METP's memory.
-    assert res["32768/auto"]["chosen"] == "save" and res["32768/save"]["fits"]
+        # save+fc1 keeps the MLP's fc1 output as well: F' = 2 x 11008 bf16 values per token.
+        fc1 = s // p * 2 * 11008 * 2
+        assert res[f"{s}/save+fc1"]["retained"] - save["retained"] == fc1, (s, res)
+    # 32k (4k tokens per rank): saving both fits 80 GiB, so auto saves both; at 256k (32k per
+    # rank, still the one pass) neither does, so auto recomputes and keeps METP's memory.
+    assert res["32768/auto"]["chosen"] == "save+fc1" and res["32768/save+fc1"]["fits"]
     assert not res["262144/save"]["fits"] and res["262144/recompute"]["fits"]
     assert res["262144/auto"]["chosen"] == "recompute"
     assert (res["resolve"], res["resolve_long"], res["resolve_head_group"]) == (
-        ["whole", "save"], ["whole", "recompute"], ["head-group", "recompute"])
+        ["whole", "save+fc1"], ["whole", "recompute"], ["head-group", "recompute"])
     # --metp-ring-pass auto follows memory headroom: fastest first (the one pass, Q/K/V saved),
     # each choice needs less than the one before, and a budget picks the first that fits it:
     # at exactly a choice's need that choice, just below it the next (the last, the per-head-
     # group pass, is kept even when nothing fits, as the most frugal).
     order = [f"{r}/{q}" for r, q in res["choices"]]
-    assert order == ["whole/save", "whole/recompute", "head-group/recompute"]
+    assert order == ["whole/save+fc1", "whole/save", "whole/recompute", "head-group/recompute"]
     need = [res["need"][k] for k in order]
-    assert need[0] > need[1] > need[2], need
+    assert need[0] > need[1] > need[2] > need[3], need
     for i, k in enumerate(order):
         gib = need[i] / 2**30
         assert res["picked"][repr(gib)][:2] == k.split("/"), (k, res["picked"])

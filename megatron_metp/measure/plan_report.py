@@ -88,10 +88,11 @@ def add_arguments(parser) -> None:
       help="METP attention: every head group in one K/V ring pass (whole: fewer, larger "
            "operations, all heads' Q/K/V at once), one pass per head group (head-group: the "
            "paper's Alg. 5-6, least memory), or auto (whole up to 32k tokens per rank)")
-    a("--metp-qkv-backward", choices=("auto", "recompute", "save"), default="auto",
+    a("--metp-qkv-backward", choices=("auto", "recompute", "save", "save+fc1"), default="auto",
       help="METP's one ring pass: keep Q/K/V for backward (save: one GEMM less per layer, "
            "2(n+2ng)d bytes more per token and layer) or recompute them (the paper's Alg. 6); "
-           "auto: save where the point still fits --memory-gb")
+           "save+fc1: keep the MLP's fc1 output too (2F' bytes more per token and layer); "
+           "auto: the first of save+fc1, save, recompute with which the point fits --memory-gb")
     a("--cpu-offloading-num-layers", type=int, default=0, metavar="N",
       help="plan Megatron-LM's --cpu-offloading --cpu-offloading-num-layers N "
            "(TransformerEngine, GPU only): N layers' saved activations in host memory, "

@@ -532,7 +532,7 @@ class Planner:
         out = []
         for r in rings:
             qkvs = ["recompute"] if r == "head-group" else (
-                ["save", "recompute"] if want == "auto" else [want])
+                ["save+fc1", "save", "recompute"] if want == "auto" else [want])
             out += [(r, q) for q in qkvs]
         return out
 
@@ -719,7 +719,9 @@ def resolve_metp_attention(cfg, p: int, s: int, *, micro_batch: int = 1,
     finally:
         planner.world.teardown()
     choices = planner.metp_choices(cfg, "metp", p, s)
-    what = {("whole", "save"): "one ring pass over every head group, Q/K/V saved",
+    what = {("whole", "save+fc1"): "one ring pass over every head group, Q/K/V and the MLP's "
+                                   "fc1 output saved",
+            ("whole", "save"): "one ring pass over every head group, Q/K/V saved",
             ("whole", "recompute"): "one ring pass over every head group, Q/K/V recomputed",
             ("head-group", "recompute"): "one ring pass per head group, Q/K/V recomputed"}
     got = (point.ring_pass, point.qkv_backward)
@@ -731,6 +733,25 @@ def resolve_metp_attention(cfg, p: int, s: int, *, micro_batch: int = 1,
         skipped = choices[:choices.index(got)]
         why += (f"; {', '.join(f'{r}/{q}' for r, q in skipped)} did not)" if skipped else ")")
     return point.ring_pass, point.qkv_backward, why
+
+
+# What METP's backward keeps at a planned point (--metp-qkv-backward, chosen where it fits).
+SAVED_MARK = {"save": " †", "save+fc1": " ‡"}
+
+
+def saved_notes(values) -> List[str]:
+    """The footnotes of :data:`SAVED_MARK` for the values present."""
+    values = set(values)
+    out = []
+    if "save" in values:
+        out.append("\n† METP keeps the one ring pass's Q/K/V for backward there "
+                   "(--metp-qkv-backward save: it fits).")
+    if "save+fc1" in values:
+        out.append("\n‡ METP keeps the one ring pass's Q/K/V and the MLP's fc1 output for "
+                   "backward there (--metp-qkv-backward save+fc1: it fits).")
+    if out:
+        out.append("Elsewhere METP recomputes them.")
+    return out
 
 
 def recompute_settings(ns) -> dict:
@@ -838,12 +859,10 @@ def memory_table(points: List[PlanPoint]) -> str:
                 continue
             tp = rows.get((model, p, "tp"), {}).get(s)
             ratio = f" ({pt.total_bytes / tp.total_bytes:.2f})" if tp and mode != "tp" else ""
-            saved = " †" if pt.qkv_backward == "save" else ""
+            saved = SAVED_MARK.get(pt.qkv_backward, "")
             cells.append(fmt_gib(pt.total_bytes) + ("" if pt.fits else "*") + saved + ratio)
         lines.append(f"| {model} | {p} | {mode} | " + " | ".join(cells) + " |")
-    if any(pt.qkv_backward == "save" for pt in points):
-        lines.append("\n† METP keeps the one ring pass's Q/K/V for backward there "
-                     "(--metp-qkv-backward: it fits); elsewhere it recomputes them.")
+    lines += saved_notes(pt.qkv_backward for pt in points)
     if any(pt.mode != "tp" for pt in points) and any(pt.mode == "tp" for pt in points):
         lines.append("(x.xx): the mode's GiB over stock tp's at the same model, p and s.")
     return "\n".join(lines)

@@ -21,6 +21,7 @@ import os
 import time
 from typing import Dict, Optional
 
+from megatron_metp.measure.planner import SAVED_MARK, saved_notes
 from megatron_metp.measure.timeline import (ATTENTION_EFFICIENCY, ESTIMATE, GPUS, HOST_OP_US,
                                             chrome_trace, simulate)
 
@@ -185,10 +186,8 @@ def markdown(rows) -> str:
                    f"{r['compute_ops']:,} | {r['comm_ops']:,} | {r['host_s'] * 1e3:,.1f} | "
                    f"{'yes' if r['host_bound'] else 'no'} | "
                    f"{r['rank_compute_max_over_mean']:.3f} ({r['ranks_traced']} ranks)"
-                   f"{' †' if r.get('qkv_backward') == 'save' else ''} |")
-    if any(r.get("qkv_backward") == "save" for r in rows):
-        out.append("\n† METP keeps the one ring pass's Q/K/V for backward "
-                   "(--metp-qkv-backward auto: the planner found it fits 80 GiB).")
+                   f"{SAVED_MARK.get(r.get('qkv_backward'), '')} |")
+    out += saved_notes(r.get("qkv_backward") for r in rows)
     return "\n".join(out)
 
 

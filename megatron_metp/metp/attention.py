@@ -146,7 +146,11 @@ RING_PASSES = ("auto", "whole", "head-group")
 # (`metp train`, Megatron-LM's argument hook) and `metp plan` ask the planner
 # (measure.planner.resolve_metp_attention) and save when the run still fits the GPU's memory
 # with the saved Q/K/V; a model built without a launcher keeps "auto", which recomputes.
-QKV_BACKWARD = ("auto", "recompute", "save")
+# "save+fc1": as "save", and the MLP's weight ring keeps every step's fc1 output for its backward
+# too (metp.mlp.MetpMLP, weight_ring.metp_mlp_forward(keep_fc1=True)): F' more values per token
+# and layer, the size of what Megatron's MLP keeps of fc1, and no fc1 GEMM in backward. "auto"
+# tries it first.
+QKV_BACKWARD = ("auto", "recompute", "save", "save+fc1")
 
 
 def check_ring_pass(ring_pass: str) -> str:
@@ -227,7 +231,7 @@ class _Plan:
         self.whole = whole_pass(module.ring_pass, tokens, self.p)
         # The one pass keeps its Q/K/V projection for backward (QKV_BACKWARD; only "save":
         # "auto" is resolved to "recompute" or "save" by the launcher, before the model exists).
-        self.save_qkv = self.whole and module.qkv_backward == "save"
+        self.save_qkv = self.whole and module.qkv_backward in ("save", "save+fc1")
 
     def row_blocks(self, w_qkv, b_qkv, gs: slice):
         """The q / k / v row blocks of query groups ``gs`` of head group j's ``w_qkv`` (and its
@@ -747,11 +751,16 @@ def set_ring_pass(module: torch.nn.Module, ring_pass: str) -> None:
 
 def set_qkv_backward(module: torch.nn.Module, value: str) -> None:
     """Set what the one-pass backward does for Q/K/V (``QKV_BACKWARD``) on every
-    ``MetpSelfAttention`` in ``module``."""
+    ``MetpSelfAttention`` in ``module``, and whether every ``MetpMLP`` keeps its fc1 output
+    ("save+fc1")."""
+    from megatron_metp.metp.mlp import MetpMLP
+
     check_qkv_backward(value)
     for m in module.modules():
         if isinstance(m, MetpSelfAttention):
             m.qkv_backward = value
+        elif isinstance(m, MetpMLP):
+            m.keep_fc1 = value == "save+fc1"
 
 
 def set_balanced_layout(module: torch.nn.Module, on: bool = True) -> bool:

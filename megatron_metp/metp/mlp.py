@@ -172,6 +172,10 @@ class MetpMLP(MLP):
         self.ring_group = group
         self.ring_size = p
         self._act = make_activation(config)
+        # --metp-qkv-backward save+fc1 (metp.attention.QKV_BACKWARD, carried on the config; read
+        # once here): every ring step's fc1 output is kept for the backward, which then runs no
+        # fc1 GEMM.
+        self.keep_fc1 = getattr(config, "metp_qkv_backward", "auto") == "save+fc1"
         for name in ("linear_fc1", "linear_fc2"):
             if not isinstance(getattr(getattr(self, name), "weight", None), torch.Tensor):
                 raise MetpConfigError(
@@ -194,6 +198,7 @@ class MetpMLP(MLP):
             fc2.weight,
             self._act,
             self.ring_group,
+            self.keep_fc1,
         )
         out_shard_s = out_2d.view(s_local, b, -1)
         bias = fc2.bias if fc2.bias is not None and fc2.bias.numel() else None

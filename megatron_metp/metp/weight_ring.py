@@ -116,9 +116,15 @@ def _add_mm(out, a: torch.Tensor, b: torch.Tensor) -> None:
         out.add_(torch.mm(a, b))
 
 
-def _fc1(x: torch.Tensor, w_in: torch.Tensor, b_in: Optional[torch.Tensor]) -> torch.Tensor:
+def _fc1(x: torch.Tensor, w_in: torch.Tensor, b_in: Optional[torch.Tensor],
+         out: Optional[torch.Tensor] = None) -> torch.Tensor:
     # T_ij = X_i W_in_r^T (+ b_in_r) [n/p, F'/p]; addmm folds the bias without another temp.
-    return torch.addmm(b_in, x, w_in.t()) if b_in is not None else torch.mm(x, w_in.t())
+    # ``out``: written there (a kept fc1 output, metp_mlp_forward(keep_fc1=True)).
+    if out is None:
+        return torch.addmm(b_in, x, w_in.t()) if b_in is not None else torch.mm(x, w_in.t())
+    if b_in is not None:
+        return torch.addmm(b_in, x, w_in.t(), out=out)
+    return torch.mm(x, w_in.t(), out=out)
 
 
 MLP_MIN_ROWS = 256
@@ -200,23 +206,36 @@ def metp_mlp_forward(
     weights: Weights,
     act: Callable[[torch.Tensor], torch.Tensor],
     group: Optional[dist.ProcessGroup],
-) -> torch.Tensor:
-    """Alg. 1: ``out [n/p, h_out]`` for this rank's tokens, in ``x_shard_s``'s dtype."""
-    has_bias = weights[1] is not None
-    out = torch.zeros(x_shard_s.shape[0], weights[2].shape[0], dtype=x_shard_s.dtype,
-                      device=x_shard_s.device)
+    keep_fc1: bool = False,
+):
+    """Alg. 1: ``out [n/p, h_out]`` for this rank's tokens, in ``x_shard_s``'s dtype.
 
-    def step(_: int, cur: List[torch.Tensor]) -> None:
+    ``keep_fc1``: also return every step's fc1 output, ``(out, t_steps [p, n/p, F'/p])`` with
+    ``t_steps[j]`` = T of the shard held at step j, for a backward that does not recompute it
+    (``metp_mlp_backward(t_steps=...)``; ``--metp-mlp-backward save``). It costs n/p x F'
+    elements, as many as Megatron's MLP keeps of its fc1 output; the backward's ring visits the
+    shards in the forward's order, so step j finds its T at ``t_steps[j]``."""
+    has_bias = weights[1] is not None
+    n = x_shard_s.shape[0]
+    out = torch.zeros(n, weights[2].shape[0], dtype=x_shard_s.dtype, device=x_shard_s.device)
+    p = _ring_size(group)
+    t_steps = (torch.empty(p, n, weights[0].shape[0], dtype=x_shard_s.dtype,
+                           device=x_shard_s.device) if keep_fc1 else None)
+
+    def step(j: int, cur: List[torch.Tensor]) -> None:
         w_in_r, b_in_r, w_out_r = _unpack(cur, has_bias)
-        for rows in token_chunks(x_shard_s.shape[0], w_in_r.shape[0], x_shard_s.shape[1],
+        for rows in token_chunks(n, w_in_r.shape[0], x_shard_s.shape[1],
                                  x_shard_s.element_size()):
-            # D_ij = f(T_ij) [rows, F/p]; T_ij freed here
-            d = act(_fc1(x_shard_s[rows], w_in_r, b_in_r))
+            t = _fc1(x_shard_s[rows], w_in_r, b_in_r,
+                     out=None if t_steps is None else t_steps[j, rows])
+            # D_ij = f(T_ij) [rows, F/p]; T_ij freed here unless kept
+            d = act(t)
+            del t
             _add_mm(out[rows], d, w_out_r.t())
             del d  # before the next chunk's T exists
 
     circulate_for_forward(_present(weights), group, step)
-    return out
+    return (out, t_steps) if keep_fc1 else out
 
 
 def _grad_step(
@@ -225,17 +244,19 @@ def _grad_step(
     weights: Weights,
     act: Callable[[torch.Tensor], torch.Tensor],
     grads: Sequence[torch.Tensor],
+    t: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """One Alg. 2 step: add this rank's contribution to ``grads`` (same layout as the present
-    weights) and return ``dT [n/p, F'/p]`` for the input gradient."""
+    weights) and return ``dT [n/p, F'/p]`` for the input gradient. ``t``: the forward's kept
+    fc1 output for these rows (None: recomputed here)."""
     w_in, b_in, w_out = weights
     back = getattr(act, "backward", None)   # a fused activation's own backward (mlp.py)
     if back is not None:
-        t = _fc1(x, w_in, b_in)
+        t = _fc1(x, w_in, b_in) if t is None else t
         d = act(t)  # recomputed: f's input and output are never kept between passes
         dt = back(torch.mm(g, w_out), t)  # dD_ij = dO_i W_out_r [n/p, F/p] -> dT_ij
     else:
-        t = _fc1(x, w_in, b_in).detach().requires_grad_(True)
+        t = (_fc1(x, w_in, b_in) if t is None else t).detach().requires_grad_(True)
         with torch.enable_grad():
             d = act(t)
         dd = torch.mm(g, w_out)
@@ -328,25 +349,28 @@ def metp_mlp_backward(
     weights: Weights,
     act: Callable[[torch.Tensor], torch.Tensor],
     group: Optional[dist.ProcessGroup],
+    t_steps: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, List[torch.Tensor]]:
     """Alg. 2: ``(grad_x [n/p, h_in], [grad w_in, grad b_in?, grad w_out])`` for the shards this
-    rank owns; gradients in the dtypes of their inputs."""
+    rank owns; gradients in the dtypes of their inputs. ``t_steps``: the forward's kept fc1
+    outputs (``metp_mlp_forward(keep_fc1=True)``), else fc1 runs again at every step."""
     has_bias = weights[1] is not None
     present = _present(weights)
     grad_x = torch.zeros_like(x_shard_s)
 
-    def step(_: int, cur: List[torch.Tensor], target: List[torch.Tensor]):
+    def step(j: int, cur: List[torch.Tensor], target: List[torch.Tensor]):
         w = _unpack(cur, has_bias)
         chunks = token_chunks(x_shard_s.shape[0], w[0].shape[0], x_shard_s.shape[1],
                               x_shard_s.element_size())
+        kept = (lambda rows: None) if t_steps is None else (lambda rows: t_steps[j, rows])
         for rows in chunks[:-1]:
-            dt = _grad_step(x_shard_s[rows], grad_out_shard_s[rows], w, act, target)
+            dt = _grad_step(x_shard_s[rows], grad_out_shard_s[rows], w, act, target, kept(rows))
             _add_mm(grad_x[rows], dt, w[0])  # dX_i += dT_ij W_in_r
             del dt  # before the next chunk's temporaries exist
         # The last chunk's input-gradient GEMM is deferred: at the last ring step it overlaps
         # the final accumulator hop (circulate_for_backward), holding one chunk's dT only.
         rows = chunks[-1]
-        dt = _grad_step(x_shard_s[rows], grad_out_shard_s[rows], w, act, target)
+        dt = _grad_step(x_shard_s[rows], grad_out_shard_s[rows], w, act, target, kept(rows))
         return lambda: _add_mm(grad_x[rows], dt, w[0])
 
     own = circulate_for_backward(present, group, step)
@@ -355,25 +379,28 @@ def metp_mlp_backward(
 
 
 class MetpMLPFunction(torch.autograd.Function):
-    """``out = MetpMLPFunction.apply(x_shard_s, w_in, b_in, w_out, act, group)``.
+    """``out = MetpMLPFunction.apply(x_shard_s, w_in, b_in, w_out, act, group, keep_fc1)``.
 
-    Saves only ``x_shard_s`` (and references to the parameters); the group arrives as an
-    argument, so nothing global is read here.
+    Saves ``x_shard_s`` (and references to the parameters), and with ``keep_fc1`` every ring
+    step's fc1 output (the backward then skips fc1's GEMMs); the group and the choice arrive as
+    arguments, so nothing global is read here.
     """
 
     @staticmethod
-    def forward(ctx, x_shard_s, w_in, b_in, w_out, act, group):
+    def forward(ctx, x_shard_s, w_in, b_in, w_out, act, group, keep_fc1=False):
         ctx.act, ctx.group = act, group
         ctx.has_bias = b_in is not None
-        ctx.save_for_backward(x_shard_s, w_in, b_in, w_out)
-        return metp_mlp_forward(x_shard_s, (w_in, b_in, w_out), act, group)
+        got = metp_mlp_forward(x_shard_s, (w_in, b_in, w_out), act, group, keep_fc1)
+        out, t_steps = got if keep_fc1 else (got, None)
+        ctx.save_for_backward(x_shard_s, w_in, b_in, w_out, t_steps)
+        return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        x_shard_s, w_in, b_in, w_out = ctx.saved_tensors
+        x_shard_s, w_in, b_in, w_out, t_steps = ctx.saved_tensors
         grad_x, grads = metp_mlp_backward(
-            x_shard_s, grad_out.contiguous(), (w_in, b_in, w_out), ctx.act, ctx.group
+            x_shard_s, grad_out.contiguous(), (w_in, b_in, w_out), ctx.act, ctx.group, t_steps
         )
         gw_in, gb_in, gw_out = _unpack(grads, ctx.has_bias)
-        return grad_x, gw_in, gb_in, gw_out, None, None
+        return grad_x, gw_in, gb_in, gw_out, None, None, None

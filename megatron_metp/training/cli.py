@@ -101,10 +101,12 @@ def _train_parser(p: argparse.ArgumentParser) -> Callable:
       help="METP attention: every head group in one K/V ring pass (whole), one per head group "
            "(head-group: least memory), or auto (default: the planner's choice from memory "
            "headroom, whole wherever the run fits --auto-memory-gib with it)")
-    a("--metp-qkv-backward", choices=("auto", "recompute", "save"), default=None,
+    a("--metp-qkv-backward", choices=("auto", "recompute", "save", "save+fc1"), default=None,
       help="METP's one ring pass: keep Q/K/V for backward (save: one GEMM less per layer, "
-           "more memory) or recompute them (recompute: the paper's Alg. 6); auto (default): "
-           "save when the planner finds the run still fits --auto-memory-gib")
+           "more memory) or recompute them (recompute: the paper's Alg. 6); save+fc1: keep "
+           "the MLP's fc1 output too (no fc1 GEMM in backward, F' more values per token); "
+           "auto (default): the first of save+fc1, save, recompute with which the planner "
+           "finds the run still fits --auto-memory-gib")
     a("--recompute-granularity", choices=("selective", "full"), default=None,
       help="Megatron's activation recompute: selective (with --recompute-modules) or full "
            "(whole layers, in every mode: only each chunk's input is kept and the backward runs "

@@ -145,7 +145,8 @@ def resolve_metp_attention(args: Namespace, cfg: ModelConfig, world_size: int, *
                            announce: bool) -> None:
     """``--metp-ring-pass auto`` and ``--metp-qkv-backward auto`` for a metp run: the
     planner's choice from memory headroom (``measure.planner.resolve_metp_attention``: the one
-    ring pass over every head group, with its Q/K/V saved, when the run still fits
+    ring pass over every head group, with its Q/K/V and the MLP's fc1 output saved, or Q/K/V
+    alone, when the run still fits
     --auto-memory-gib or the GPU's memory; one pass per head group only where nothing coarser
     fits) replaces them in ``args``. The planner plans context- and pipeline-parallel size 1:
     other layouts keep the model's own rule (``metp.attention.whole_pass``) and recompute."""
