@@ -198,7 +198,8 @@ class MetpMLP(MLP):
             fc2.weight,
             self._act,
             self.ring_group,
-            self.keep_fc1,
+            # Nothing to keep for a forward without autograd (full recompute's first pass).
+            self.keep_fc1 and torch.is_grad_enabled(),
         )
         out_shard_s = out_2d.view(s_local, b, -1)
         bias = fc2.bias if fc2.bias is not None and fc2.bias.numel() else None
