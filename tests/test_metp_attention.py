@@ -78,15 +78,15 @@ def _head_slices(on: bool = True):
     """Force METP attention's head slices (head_chunks: a ring pass per slice of query groups)
     on for short inputs; the pooled worker is reused by later tests, so the threshold is
     restored on the way out."""
-    from megatron_metp.metp import attention as metp_attention
+    from megatron_metp.metp import attention_plan  # head_chunks reads it there
 
-    saved = metp_attention.ATTN_MIN_TOKENS
+    saved = attention_plan.ATTN_MIN_TOKENS
     if on:
-        metp_attention.ATTN_MIN_TOKENS = 1
+        attention_plan.ATTN_MIN_TOKENS = 1
     try:
         yield
     finally:
-        metp_attention.ATTN_MIN_TOKENS = saved
+        attention_plan.ATTN_MIN_TOKENS = saved
 
 
 def _mha_cases(kinds, ring_pass):

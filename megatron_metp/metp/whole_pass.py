@@ -1,0 +1,211 @@
+"""METP attention, every head group in one K/V ring pass (``--metp-ring-pass whole``): the
+weights are all-gathered once (W_qkv in two row halves, the second behind the first half's
+GEMM), Q/K/V and the output projection are single GEMMs and one ring carries every head's K/V;
+the weight gradients are reduce-scattered. ``--metp-qkv-backward save`` keeps the Q/K/V
+projection for backward instead of recomputing it. The module and its shapes:
+``metp.attention``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron_metp.metp.attention_plan import _Plan, _bnsd, _flat, _post_grad, _sbnd
+from megatron_metp.metp.ring_attention import (ring_attention_backward, ring_attention_forward,
+                                               stack_kv)
+
+
+def _gather_rows(t: Optional[torch.Tensor], plan: _Plan, async_op: bool = False):
+    """Every rank's ``t`` stacked along dim 0 over the weight group (TP rank order): for
+    ``linear_qkv``'s shards that is the TP = 1 weight (Megatron splits it by whole query groups).
+    Returns ``(full, handle)``; ``handle`` is None unless ``async_op``."""
+    if t is None:
+        return None, None
+    if plan.p == 1:
+        return t, None
+    t = t.contiguous()
+    full = torch.empty((plan.p * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
+    handle = dist.all_gather_into_tensor(full, t, group=plan.weight_group, async_op=async_op)
+    return full, handle if async_op else None
+
+
+def _scatter_rows(full: Optional[torch.Tensor], plan: _Plan):
+    """Sum ``full`` over the weight group and keep this rank's rows (async): ``(mine, handle)``."""
+    if full is None:
+        return None, None
+    if plan.p == 1:
+        return full, None
+    mine = torch.empty((full.shape[0] // plan.p, *full.shape[1:]), dtype=full.dtype,
+                       device=full.device)
+    return mine, dist.reduce_scatter_tensor(mine, full, group=plan.weight_group, async_op=True)
+
+
+def _split_qkv(qkv: torch.Tensor, plan: _Plan, s: int, b: int):
+    """``[s, b, ng, n/ng + 2, d]`` (Megatron's per-query-group rows, all groups) -> q
+    ``[s, b, n, d]`` (a copy) and k, v ``[s, b, ng, d]`` (views)."""
+    rep = plan.heads_p // plan.groups_p
+    ng = qkv.shape[2]
+    # contiguous(): with one query head per group the reshape is a view, which would keep the
+    # whole projection output alive through the ring.
+    q = qkv[:, :, :, :rep].reshape(s, b, ng * rep, plan.d).contiguous()
+    return q, qkv[:, :, :, rep], qkv[:, :, :, rep + 1]
+
+
+def _project_gathered(x2d, w_qkv, b_qkv, plan: _Plan):
+    """``x2d W_qkv^T + b`` with the full (gathered) ``W_qkv``, gathered as two halves of every
+    rank's rows, so that the first half's GEMM runs while the second half travels (one
+    gather would be exposed at the start of the attention). Each output is one GEMM's, as in
+    TP (no split of the reduction); one copy puts the halves back in Megatron's row order."""
+    if plan.p == 1:
+        return F.linear(x2d, w_qkv, b_qkv)
+    rows, sb = w_qkv.shape[0], x2d.shape[0]
+    cut = rows // 2
+    w_lo, lo = _gather_rows(w_qkv[:cut], plan, async_op=True)
+    w_hi, hi = _gather_rows(w_qkv[cut:], plan, async_op=True)
+    b_full, bh = _gather_rows(b_qkv, plan, async_op=True)
+    lo.wait()
+    first = x2d.mm(w_lo.t()).view(sb, plan.p, cut)
+    del w_lo
+    hi.wait()
+    second = x2d.mm(w_hi.t()).view(sb, plan.p, rows - cut)
+    out = torch.cat((first, second), dim=2).view(sb, plan.p * rows)
+    if bh is not None:
+        bh.wait()
+        out.add_(b_full)
+    return out
+
+
+class _MetpWholeFunction(torch.autograd.Function):
+    """Every head group in one K/V ring pass: the coarse end of the head slicing.
+
+    The ``p`` head groups' weights are all-gathered once (``linear_qkv``'s and ``linear_proj``'s
+    shards, h(h + 2 ng d) + h^2 elements, the bytes of the p broadcasts), Q/K/V of all heads come
+    from one GEMM on this rank's tokens, one ring pass moves all K/V heads (p - 1 hops of one
+    message each), and the output projection is one GEMM. Backward mirrors it, with the weight
+    gradients reduce-scattered to their owners. The same arithmetic as the per-head-group loop
+    in fewer, larger operations (``head_chunks``: a few kernels and messages instead of p per
+    hop), at the price of all heads' Q/K/V at once: about ``(n + 2 ng) d`` values per token
+    while the ring runs, which is why long inputs keep the per-head-group loop. Saved for
+    backward as there: x, A and the lse.
+    """
+
+    @staticmethod
+    def forward(ctx, plan: _Plan, x, w_qkv, b_qkv, w_proj, *norm_params):
+        s, b, h = x.shape
+        x2d = x.reshape(s * b, h)
+        qkv = _project_gathered(x2d, w_qkv, b_qkv, plan).view(
+            s, b, -1, plan.heads_p // plan.groups_p + 2, plan.d)
+        # W_proj^T's rows are the heads in order: gathered while the ring computes.
+        wpt, wpt_handle = _gather_rows(w_proj.t(), plan, async_op=True)
+        q, k, v = _split_qkv(qkv, plan, s, b)
+        if plan.has_post:
+            q, k = plan.post(q, k)
+        # K and V into the buffer the ring sends; the projection's output is freed before it.
+        k, v = stack_kv(_bnsd(k), _bnsd(v))
+        # QKV_BACKWARD "save": the projection stays for backward; else it is freed here, before
+        # the ring's buffers exist, and backward recomputes it.
+        kept = qkv if plan.save_qkv else None
+        del qkv
+        a, lse = ring_attention_forward(plan.group, _bnsd(q), k, v, plan.causal,
+                                        plan.scale, plan.backend, plan.blocks, plan.layout)
+        del q, k, v
+        if wpt_handle is not None:
+            wpt_handle.wait()
+        out = _flat(a).mm(wpt)
+        ctx.plan = plan
+        ctx.has_bias = b_qkv is not None
+        ctx.save_for_backward(x, w_qkv, b_qkv, w_proj, a, lse, kept)
+        return out.view(s, b, h)
+
+    @staticmethod
+    def backward(ctx, dout):
+        plan: _Plan = ctx.plan
+        x, w_qkv, b_qkv, w_proj, a, lse, kept = ctx.saved_tensors
+        norm_params = [prm for m in (plan.q_norm, plan.k_norm) if m is not None
+                       for prm in m.parameters()]
+        n_q = len(list(plan.q_norm.parameters())) if plan.q_norm is not None else 0
+        dnorm = [torch.zeros_like(prm) for prm in norm_params]
+        s, b, h = x.shape
+        x2d, dout2d = x.reshape(s * b, h), dout.reshape(s * b, h)
+        wpt, wpt_handle = _gather_rows(w_proj.t(), plan, async_op=True)
+        w_full, w_handle = _gather_rows(w_qkv, plan, async_op=True)
+        # The bias only enters the recompute: a saved projection needs no gather of it.
+        b_full, b_handle = _gather_rows(b_qkv if kept is None else None, plan, async_op=True)
+        # Weight gradients are summed over p ranks: in fp32 for bf16/fp16 weights, so the sum
+        # adds no rounding TP's single matmul does not have.
+        gacc = torch.promote_types(w_proj.dtype, torch.float32)
+        a2d = _flat(a)
+        # dW_proj^T = A^T dO (this rank's tokens), reduce-scattered while the ring runs.
+        dwpt, dwpt_handle = _scatter_rows(a2d.t().mm(dout2d).to(gacc), plan)
+        del a2d
+        if wpt_handle is not None:
+            wpt_handle.wait()
+        da = dout2d.mm(wpt.t()).view(s, b, -1, plan.d).permute(1, 2, 0, 3)
+        del wpt
+        rep = plan.heads_p // plan.groups_p
+        if kept is None:
+            for hnd in (w_handle, b_handle):
+                if hnd is not None:
+                    hnd.wait()
+            w_handle = None
+            # Recompute Q/K/V (Alg. 6 line 6); only the q/k norm and RoPE go through autograd.
+            qkv = F.linear(x2d, w_full, b_full).view(s, b, -1, rep + 2, plan.d)
+        else:
+            # Saved in forward (QKV_BACKWARD "save"); the W_qkv gather is awaited at dX.
+            qkv = kept
+        del kept
+        ng = qkv.shape[2]
+        qkv_shape, qkv_dtype = qkv.shape, qkv.dtype
+        q_lin, k_lin, v = _split_qkv(qkv, plan, s, b)   # q a copy; k, v views of qkv
+        with torch.enable_grad():
+            if plan.has_post:
+                q_lin.requires_grad_(True)
+                # K's own copy for its norm / RoPE gradient: a view would keep qkv alive.
+                k_lin = k_lin.clone().requires_grad_(True)
+            q, k = plan.post(q_lin, k_lin) if plan.has_post else (q_lin, k_lin)
+        k_ring, v_ring = stack_kv(_bnsd(k.detach()), _bnsd(v))
+        del qkv, v   # with k (a view of it) when nothing needs k's gradient graph
+        if not plan.has_post:
+            del k, k_lin
+        # dQ, dK, dV in Megatron's row layout, for one GEMM; allocated when the ring hands
+        # over dQ (after its kernels), as the per-head-group loop allocates its buffers.
+        grads = {}
+
+        def q_side(dq, q=q, q_lin=q_lin):
+            dq = _sbnd(dq)
+            if plan.has_post:
+                dq = _post_grad(q, q_lin, norm_params[:n_q], dq, dnorm[:n_q])
+            grads["qkv"] = torch.empty(qkv_shape, dtype=qkv_dtype, device=dq.device)
+            grads["qkv"][:, :, :, :rep] = dq.view(s, b, ng, rep, plan.d)
+
+        _, dk, dv = ring_attention_backward(
+            plan.group, da, _bnsd(q.detach()), k_ring, v_ring, a, lse,
+            plan.causal, plan.scale, plan.backend, with_dq=q_side, blocks=plan.blocks,
+            layout=plan.layout)
+        del da, q_side, k_ring, v_ring
+        dk = _sbnd(dk)
+        if plan.has_post:
+            dk = _post_grad(k, k_lin, norm_params[n_q:], dk, dnorm[n_q:])
+            del k, k_lin
+        dqkv = grads.pop("qkv")
+        dqkv[:, :, :, rep] = dk
+        dqkv[:, :, :, rep + 1] = _sbnd(dv)
+        del q, q_lin, dk, dv
+        dqkv2d = dqkv.view(s * b, -1)
+        # The weight gradient first, so that its reduce-scatter runs behind dX's GEMM.
+        dw, dw_handle = _scatter_rows(dqkv2d.t().mm(x2d).to(gacc), plan)
+        db, db_handle = _scatter_rows(dqkv2d.sum(0).to(gacc) if ctx.has_bias else None, plan)
+        if w_handle is not None:
+            w_handle.wait()
+        dx = dqkv2d.mm(w_full)
+        del w_full, b_full
+        for hnd in (dwpt_handle, dw_handle, db_handle):
+            if hnd is not None:
+                hnd.wait()
+        return (None, dx.view(s, b, h), dw.to(w_qkv.dtype),
+                db.to(b_qkv.dtype) if ctx.has_bias else None,
+                dwpt.t().contiguous().to(w_proj.dtype), *dnorm)
