@@ -57,6 +57,20 @@ def attention_grads(q, k, v, dout, *, scale: float, causal: bool = False, layout
     return (out.detach(), lse.detach(), *(t.grad for t in leaves))
 
 
+def sequence_case(s: int, b: int, n: int, n_kv: int, d: int, seed: int, causal: bool):
+    """A seeded whole-sequence attention case in Megatron's [s, b, heads, d] layout and its fp64
+    reference: ``dict(q, k, v, dout, out, dq, dk, dv)``, every tensor fp64 (context-parallel
+    tests shard it per rank)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(s, b, n, d, generator=g, dtype=torch.float64)
+    k = torch.randn(s, b, n_kv, d, generator=g, dtype=torch.float64)
+    v = torch.randn(s, b, n_kv, d, generator=g, dtype=torch.float64)
+    dout = torch.randn(s, b, n, d, generator=g, dtype=torch.float64)
+    out, _, dq, dk, dv = attention_grads(q, k, v, dout, scale=d ** -0.5, causal=causal,
+                                         layout="sbhd")
+    return dict(q=q, k=k, v=v, dout=dout, out=out, dq=dq, dk=dk, dv=dv)
+
+
 def norm(x, w, b, kind: str, eps: float):
     """LayerNorm (``kind == 'LayerNorm'``, with bias ``b``) or RMSNorm over the last axis."""
     if kind == "LayerNorm":

@@ -33,25 +33,16 @@ def _attention_vs_fp64(seq_per_rank=4, b=2, n=4, d=8):
     out = []
     for causal in (True, False):
         for n_kv in (n, n // 2 if (n // 2) % cp == 0 else n):
-            g = torch.Generator().manual_seed(77 + n_kv + causal)
-            s = seq_per_rank * cp
-            q = torch.randn(s, b, n, d, generator=g, dtype=torch.float64)
-            k = torch.randn(s, b, n_kv, d, generator=g, dtype=torch.float64)
-            v = torch.randn(s, b, n_kv, d, generator=g, dtype=torch.float64)
-            dout = torch.randn(s, b, n, d, generator=g, dtype=torch.float64)
-            scale = d ** -0.5
-            qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
-            ref = R.attention(qr, kr, vr, scale=scale, causal=causal, layout="sbhd")[0]
-            ref.backward(dout)
+            c = R.sequence_case(seq_per_rank * cp, b, n, n_kv, d, 77 + n_kv + causal, causal)
             shard = lambda t: zigzag.shard_sequence(t, dist.get_rank(), cp)  # noqa: E731
-            ql, kl, vl = (shard(t).float().requires_grad_() for t in (q, k, v))
+            ql, kl, vl = (shard(c[x]).float().requires_grad_() for x in "qkv")
             o = ulysses_attention(ql, kl, vl, dist.group.WORLD, causal=causal,
-                                  softmax_scale=scale)
-            o.backward(shard(dout).float())
-            out.append((causal, n_kv, max(_compare(o.detach(), shard(ref.detach())),
-                                          _compare(ql.grad, shard(qr.grad)),
-                                          _compare(kl.grad, shard(kr.grad)),
-                                          _compare(vl.grad, shard(vr.grad)))))
+                                  softmax_scale=d ** -0.5)
+            o.backward(shard(c["dout"]).float())
+            out.append((causal, n_kv, max(_compare(o.detach(), shard(c["out"])),
+                                          _compare(ql.grad, shard(c["dq"])),
+                                          _compare(kl.grad, shard(c["dk"])),
+                                          _compare(vl.grad, shard(c["dv"])))))
     return out
 
 
