@@ -332,7 +332,7 @@ def resolve_metp_attention(ns) -> None:
     except (ConfigError, ValueError) as e:
         raise MetpConfigError(f"--metp-ring-pass / --metp-qkv-backward auto: {e}; name them "
                               f"(--metp-ring-pass whole|head-group, --metp-qkv-backward "
-                              f"recompute|save)")
+                              f"recompute|save|save+fc1)")
     _log(f"METP attention (--metp-ring-pass {ring} --metp-qkv-backward {qkv}): {why}")
     ns.metp_ring_pass, ns.metp_qkv_backward = ring, qkv
 

@@ -150,6 +150,8 @@ def get_gpt_layer_spec(mode: str, *, qk_layernorm: bool = False,
                    WALLFACER_SELF_ATTENTION if mode == "wallfacer" else SelfAttention)
     core = WALLFACER_CORE_ATTENTION if mode == "wallfacer" else SDPACoreAttention
     core_params = None
+    if cp_a2a_group is not None and mode != "tp":
+        raise ValueError(f"cp_a2a_group is stock tp's a2a context parallelism, not {mode}'s")
     if mode == "wallfacer":
         from megatron_metp import parallel_state as ps
 
@@ -157,8 +159,6 @@ def get_gpt_layer_spec(mode: str, *, qk_layernorm: bool = False,
             wallfacer_groups = ps.get_wallfacer_groups()
         core_params = {"wallfacer_groups": wallfacer_groups}
     elif cp_a2a_group is not None:
-        if mode != "tp":
-            raise ValueError(f"cp_a2a_group is stock tp's a2a context parallelism, not {mode}'s")
         core, core_params = ULYSSES_CORE_ATTENTION, {"cp_group": cp_a2a_group}
     return _layer(_mlp(mlp_module, backend),
                   _self_attention(attn_module, core, qk_layernorm, backend, core_params), backend)

@@ -398,7 +398,7 @@ _RING_CALLS = ("ring_attention_forward", "ring_attention_backward")
 
 
 def _attention_traces():
-    from megatron_metp.metp import attention as metp_attention
+    from megatron_metp.metp import head_group_pass  # the pass whose ring calls are marked
     from megatron_metp.model import make_config
     from tests._models import setup
     from tests.test_metp_attention import _build
@@ -414,7 +414,7 @@ def _attention_traces():
     x = torch.randn(4, 2, 32, generator=torch.Generator().manual_seed(dist.get_rank()))
     x.requires_grad_()
     rec = _recorder_cls()()
-    with _marked(metp_attention, rec, *_RING_CALLS):
+    with _marked(head_group_pass, rec, *_RING_CALLS):
         traces = _record(lambda: attn(x, None)[0], _backward, rec)
     ranks = {pg.group_name: dist.get_process_group_ranks(pg)
              for pg in (attn.tp_group, attn.weight_group)}

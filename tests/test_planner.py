@@ -562,6 +562,12 @@ _QKV_SCRIPT = textwrap.dedent(
             pt = planner.plan(cfg, "metp", 8, 32768)
             out["picked"][repr(budget)] = [pt.ring_pass, pt.qkv_backward, pt.fits]
     planner.world.teardown()
+    # The per-head-group loop with a named save+fc1: Q/K/V recomputed, the MLP's fc1 kept.
+    for qkv in ("recompute", "save+fc1"):
+        planner = Planner(PlanSettings(metp_ring_pass="head-group", metp_qkv_backward=qkv))
+        pt = planner.plan(cfg, "metp", 8, 32768)
+        out[f"head-group/{qkv}"] = dict(chosen=pt.qkv_backward, retained=pt.layer_retained)
+        planner.world.teardown()
     out["resolve"] = resolve_metp_attention(cfg, 8, 32768)[:2]
     out["resolve_long"] = resolve_metp_attention(cfg, 8, 262144)[:2]
     out["resolve_head_group"] = resolve_metp_attention(cfg, 8, 32768, ring_pass="head-group")[:2]
@@ -585,6 +591,9 @@ def test_planner_saves_qkv_when_memory_allows(report):
         # save+fc1 keeps the MLP's fc1 output as well: F' = 2 x 11008 bf16 values per token.
         fc1 = s // p * 2 * 11008 * 2
         assert res[f"{s}/save+fc1"]["retained"] - save["retained"] == fc1, (s, res)
+    hg, hg_fc1 = res["head-group/recompute"], res["head-group/save+fc1"]
+    assert hg_fc1["chosen"] == "save+fc1"
+    assert hg_fc1["retained"] - hg["retained"] == 32768 // p * 2 * 11008 * 2, (hg, hg_fc1)
     # 32k (4k tokens per rank): saving both fits 80 GiB, so auto saves both; at 256k (32k per
     # rank, still the one pass) neither does, so auto recomputes and keeps METP's memory.
     assert res["32768/auto"]["chosen"] == "save+fc1" and res["32768/save+fc1"]["fits"]

@@ -470,7 +470,8 @@ def lead_markdown(doc: dict) -> str:
         flags = r["stock_flags"] or ""
         short = (flags.replace("--tensor-model-parallel-size ", "TP ")
                  .replace(" --sequence-parallel", "").replace("--context-parallel-size ", "CP ")
-                 .replace(" --cp-comm-type p2p --use-distributed-optimizer", "")
+                 .replace(" --cp-comm-type p2p --use-distributed-optimizer", " p2p")
+                 .replace(" --cp-comm-type a2a --use-distributed-optimizer", " a2a")
                  .replace("--recompute-granularity ", "").replace("--recompute-modules ", "")
                  .replace("--recompute-method ", "").replace("--recompute-num-layers ", "")
                  .replace("--tp-comm-overlap", "overlap"))

@@ -117,9 +117,9 @@ class PlanSettings:
     recompute_granularity: Optional[str] = None
     recompute_method: str = "uniform"
     recompute_num_layers: int = 1
-    # Context-parallel size of a stock tp plan (TP = p / cp, --cp-comm-type p2p); 1: TP+SP.
-    # Transformer Engine's CP attention cannot run on CPU: the plugin's ring attention stands
-    # in for it (:data:`CP_STAND_IN`). wallfacer always runs CP = p, TP = 1.
+    # Context-parallel size of a stock tp plan (TP = p / cp, --cp-comm-type below); 1: TP+SP.
+    # Transformer Engine's CP attention cannot run on CPU: the plugin's ring attention or
+    # all-to-all stands in for it. wallfacer always runs CP = p, TP = 1.
     context_parallel: int = 1
     # Stock TP x CP's --cp-comm-type: "p2p" (:data:`CP_STAND_IN`) or "a2a" (all-to-all, heads
     # for sequence: :data:`CP_A2A_STAND_IN`; the heads per TP rank must split over CP).
@@ -137,7 +137,8 @@ class PlanSettings:
     # METP attention's head groups per ring pass (--metp-ring-pass; metp.attention.RING_PASSES).
     metp_ring_pass: str = "auto"
     # The one ring pass's Q/K/V in backward (--metp-qkv-backward; metp.attention.QKV_BACKWARD):
-    # "auto" plans METP with the Q/K/V saved and keeps that when it fits, else recomputes.
+    # "auto" plans METP with Q/K/V and the MLP's fc1 outputs saved, then Q/K/V alone, and keeps
+    # the first that fits, else recomputes.
     metp_qkv_backward: str = "auto"
 
 
@@ -163,8 +164,8 @@ class PlanPoint:
     offloaded_layers: int = 0
     host_bytes: int = 0       # pinned host memory per GPU for the offloaded activations
     est_time_s: Dict[str, float] = field(default_factory=dict)
-    # METP: what the one-pass backward does for Q/K/V at this point ("save" or "recompute";
-    # "" for tp and wallfacer).
+    # METP: what its backward keeps at this point ("save+fc1", "save" or "recompute"; "" for
+    # tp and wallfacer).
     qkv_backward: str = ""
     # METP: the attention's ring pass planned at this point ("whole" or "head-group"; "" for tp
     # and wallfacer, and for a setting of "auto" planned without a choice).
@@ -173,6 +174,8 @@ class PlanPoint:
     # Megatron-LM flags ("" = none beyond the settings' selective modules).
     context_parallel: int = 1
     recompute: str = ""
+    # Stock TP x CP's --cp-comm-type ("p2p" or "a2a"; "" without CP or for metp / wallfacer).
+    cp_comm_type: str = ""
 
 
 # Transformer Engine's CP attention (AttnFuncWithCPAndKVP2P, TE 2.9) needs CUDA. A stock TP x CP
@@ -203,8 +206,9 @@ CP_A2A_STAND_IN = ("megatron_metp.ulysses (all-to-all Q/K/V/O over CP, one whole
 def a2a_heads_split(cfg, tp: int, cp: int) -> bool:
     """Whether ``--cp-comm-type a2a`` can split ``cfg``'s heads at TP x CP (TE's condition:
     the query and key/value heads per TP rank both multiples of CP)."""
-    return cp > 1 and (cfg.num_attention_heads // tp) % cp == 0 \
-        and (cfg.num_query_groups // tp) % cp == 0
+    n, ng = cfg.num_attention_heads, cfg.num_query_groups
+    return cp > 1 and n % tp == 0 and ng % tp == 0 and (n // tp) % cp == 0 \
+        and (ng // tp) % cp == 0
 
 
 def optimizer_bytes_per_param(mode: str, p: int, distributed_optimizer: bool,
@@ -324,8 +328,8 @@ def transformer_config(cfg, p: int, mode: str, recompute_modules: Optional[List[
     one chunk of ``--recompute-granularity full --recompute-method uniform
     --recompute-num-layers 1`` (the probe wraps it in Megatron's CheckpointFunction, as
     ``TransformerBlock._checkpointed_forward`` does). ``ring_pass``: METP attention's
-    ``--metp-ring-pass``; ``qkv_backward``: its ``--metp-qkv-backward`` (resolved: "recompute"
-    or "save"). ``cp``: the context-parallel size (wallfacer: p, TP = 1, unless given)."""
+    ``--metp-ring-pass``; ``qkv_backward``: its ``--metp-qkv-backward`` (resolved: "recompute",
+    "save" or "save+fc1"). ``cp``: the context-parallel size (wallfacer: p, TP = 1, unless given)."""
     import torch.nn.functional as F
 
     from megatron_metp.model import make_config
@@ -518,8 +522,9 @@ class Planner:
         one ring pass over every head group ("whole": weights gathered once, one message per
         hop) before one pass per head group ("head-group", sliced into query groups near the
         longest sequence, ``metp.attention.head_chunks``); ``--metp-qkv-backward auto``: the
-        whole pass with its Q/K/V saved before recomputing them (the per-head-group loop always
-        recomputes). So the slicing follows memory headroom: coarse wherever it fits, fine only
+        whole pass with Q/K/V and the MLP's fc1 outputs saved, then Q/K/V alone, before
+        recomputing them (the per-head-group loop always recomputes Q/K/V; a named
+        "save+fc1" still keeps the MLP's fc1 outputs there). So the slicing follows memory headroom: coarse wherever it fits, fine only
         where nothing coarser does. [("", "")] for tp and wallfacer."""
         from megatron_metp.metp.attention import check_qkv_backward, check_ring_pass
 
@@ -531,8 +536,10 @@ class Planner:
             else [ring]
         out = []
         for r in rings:
-            qkvs = ["recompute"] if r == "head-group" else (
-                ["save+fc1", "save", "recompute"] if want == "auto" else [want])
+            # The per-head-group loop recomputes Q/K/V whatever is asked; the MLP keeps its fc1
+            # outputs under "save+fc1" whichever pass the attention takes (metp.mlp.MetpMLP).
+            qkvs = (["save+fc1" if want == "save+fc1" else "recompute"] if r == "head-group"
+                    else ["save+fc1", "save", "recompute"] if want == "auto" else [want])
             out += [(r, q) for q in qkvs]
         return out
 
@@ -621,9 +628,12 @@ class Planner:
             layer_retained=lm.retained, layer_peak=lm.peak, head_peak=head_peak,
             params_per_rank=params, sent_bytes=sent, comm_calls=calls,
             offloaded_layers=n_off, host_bytes=n_off * lm.retained, qkv_backward=qkv,
-            ring_pass=ring_pass, context_parallel=cp, recompute=" ".join(recompute_flags(st)))
+            ring_pass=ring_pass, context_parallel=cp, recompute=" ".join(recompute_flags(st)),
+            cp_comm_type=st.cp_comm_type if cp > 1 and mode == "tp" else "")
         point.est_time_s = estimate_step_time(cfg, mode, p, s, sent, calls, st,
-                                              recomputes_qkv=qkv == "recompute")
+                                              recomputes_qkv=(qkv == "recompute"
+                                                              or ring_pass == "head-group"),
+                                              recomputes_fc1=qkv != "save+fc1")
         return point
 
     def longest_sequence(self, cfg, mode: str, p: int, lo: int = 4096,
@@ -801,9 +811,11 @@ def step_time(mode: str, compute_s: float, comm_s: float, p: int) -> float:
 
 
 def estimate_step_time(cfg, mode: str, p: int, s: int, sent_bytes: float, calls: int,
-                       st: PlanSettings, recomputes_qkv: bool = True) -> Dict[str, float]:
+                       st: PlanSettings, recomputes_qkv: bool = True,
+                       recomputes_fc1: bool = True) -> Dict[str, float]:
     """ESTIMATED step seconds on H100 and A100 (module docstring: compute, comm, overlap rule).
-    ``recomputes_qkv``: METP's backward recomputes Q/K/V (False: --metp-qkv-backward save)."""
+    ``recomputes_qkv``: METP's backward recomputes Q/K/V (False: --metp-qkv-backward save);
+    ``recomputes_fc1``: its MLP runs fc1 again in backward (False: save+fc1)."""
     from megatron_metp.models.flops import FlopModel, training_flops
 
     L = cfg.layers_per_device
@@ -820,6 +832,10 @@ def estimate_step_time(cfg, mode: str, p: int, s: int, sent_bytes: float, calls:
         q = cfg.kv_channels * cfg.num_attention_heads
         kv = cfg.kv_channels * cfg.num_query_groups
         flops += 2 * st.micro_batch * s * L * cfg.hidden_size * (q + 2 * kv) / p
+    if mode == "metp" and recomputes_fc1:
+        # The weight ring runs fc1 again at every step of its backward (weight_ring._grad_step).
+        f1 = cfg.ffn_hidden_size * (2 if cfg.swiglu else 1)
+        flops += 2 * st.micro_batch * s * L * cfg.hidden_size * f1 / p
     out = {}
     for gpu, spec in GPUS.items():
         comp = flops / (spec["tflops"] * 1e12 * st.efficiency)

@@ -203,7 +203,7 @@ class MetpSelfAttention(SelfAttention):
         # "auto" (whole_pass), "whole" or "head-group": how many head groups one ring pass
         # takes (--metp-ring-pass, carried on the config; read once here).
         self.ring_pass = check_ring_pass(getattr(config, "metp_ring_pass", "auto"))
-        # "auto", "recompute" or "save": the one pass's Q/K/V in backward (QKV_BACKWARD,
+        # "auto", "recompute", "save" or "save+fc1": the one pass's Q/K/V in backward (QKV_BACKWARD,
         # --metp-qkv-backward on the config; read once here).
         self.qkv_backward = check_qkv_backward(getattr(config, "metp_qkv_backward", "auto"))
         self._softmax_scale = (config.softmax_scale if config.softmax_scale is not None

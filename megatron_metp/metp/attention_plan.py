@@ -180,8 +180,8 @@ class _Plan:
         self.chunks = head_chunks(self.groups_p, self.heads_p, self.d, module.config.hidden_size,
                                   self.p, tokens)
         self.whole = whole_pass(module.ring_pass, tokens, self.p)
-        # The one pass keeps its Q/K/V projection for backward (QKV_BACKWARD; only "save":
-        # "auto" is resolved to "recompute" or "save" by the launcher, before the model exists).
+        # The one pass keeps its Q/K/V projection for backward (QKV_BACKWARD "save" or
+        # "save+fc1": "auto" is resolved by the launcher, before the model exists).
         self.save_qkv = self.whole and module.qkv_backward in ("save", "save+fc1")
 
     def row_blocks(self, w_qkv, b_qkv, gs: slice):

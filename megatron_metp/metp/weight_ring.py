@@ -24,7 +24,8 @@ step j rank i holds the shard of owner ``(i - j) % p``::
     rank 3      3        2        1        0
 
 Forward: step 0 computes on the rank's own parameters while shard i-1 is in flight; p-1 hops.
-Backward: the weights circulate again (f's input is recomputed, never stored) and the weight
+Backward: the weights circulate again (f's input is recomputed, unless the forward kept it:
+``keep_fc1``, ``--metp-qkv-backward save+fc1``) and the weight
 gradient of shard r is built on the way: rank r keeps its own contribution (step 0) local; the
 travelling accumulator is created at rank r+1 (step 1), grows by one contribution per hop, and
 its last hop (from r-1) brings it home. Weights take p-1 hops and accumulators p-1 hops, so a
@@ -212,7 +213,7 @@ def metp_mlp_forward(
 
     ``keep_fc1``: also return every step's fc1 output, ``(out, t_steps [p, n/p, F'/p])`` with
     ``t_steps[j]`` = T of the shard held at step j, for a backward that does not recompute it
-    (``metp_mlp_backward(t_steps=...)``; ``--metp-mlp-backward save``). It costs n/p x F'
+    (``metp_mlp_backward(t_steps=...)``; ``--metp-qkv-backward save+fc1``). It costs n/p x F'
     elements, as many as Megatron's MLP keeps of its fc1 output; the backward's ring visits the
     shards in the forward's order, so step j finds its T at ``t_steps[j]``."""
     has_bias = weights[1] is not None
@@ -253,7 +254,7 @@ def _grad_step(
     back = getattr(act, "backward", None)   # a fused activation's own backward (mlp.py)
     if back is not None:
         t = _fc1(x, w_in, b_in) if t is None else t
-        d = act(t)  # recomputed: f's input and output are never kept between passes
+        d = act(t)  # recomputed: f's output is never kept between passes (its input may be)
         dt = back(torch.mm(g, w_out), t)  # dD_ij = dO_i W_out_r [n/p, F/p] -> dT_ij
     else:
         t = (_fc1(x, w_in, b_in) if t is None else t).detach().requires_grad_(True)
