@@ -197,7 +197,8 @@ CP_STAND_IN = ("the plugin's ring attention (WallFacer C = 1) in place of Transf
 # sequence), one attention over the whole sequence with n/cp heads, the same in backward. What
 # TE saves (context_parallel.py, AttnFuncWithCPAndQKVOA2A.forward at v2.9): the post-a2a q, k, v,
 # the output before its a2a back and the softmax statistics; the stand-in saves the same
-# tensors, so the same bytes. Its all-to-alls are exposed (TE overlaps none of them either).
+# tensors, so the same bytes. Its all-to-alls are exposed; TE overlaps them only with its own
+# reordering of the chunks around them (flash_attn_a2a_communicate), not with the attention.
 CP_A2A_STAND_IN = ("megatron_metp.ulysses (all-to-all Q/K/V/O over CP, one whole-sequence "
                    "attention per head group) in place of Transformer Engine's "
                    "AttnFuncWithCPAndQKVOA2A: the same saved tensors")
