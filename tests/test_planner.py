@@ -543,7 +543,10 @@ _QKV_SCRIPT = textwrap.dedent(
     cfg = load_config("llama-7b")
     out = {}
     for s in (32768, 262144):
+        # save+fc1 at 32k only: at 256k "save" alone already does not fit.
         for qkv in ("recompute", "save", "save+fc1", "auto"):
+            if qkv == "save+fc1" and s != 32768:
+                continue
             planner = Planner(PlanSettings(metp_ring_pass="whole", metp_qkv_backward=qkv))
             pt = planner.plan(cfg, "metp", 8, s)
             out[f"{s}/{qkv}"] = dict(chosen=pt.qkv_backward, retained=pt.layer_retained,
@@ -589,8 +592,9 @@ def test_planner_saves_qkv_when_memory_allows(report):
         assert save["retained"] - rec["retained"] == extra, (s, save, rec)
         assert save["h100"] < rec["h100"]   # one QKV GEMM per layer less (an ESTIMATE)
         # save+fc1 keeps the MLP's fc1 output as well: F' = 2 x 11008 bf16 values per token.
-        fc1 = s // p * 2 * 11008 * 2
-        assert res[f"{s}/save+fc1"]["retained"] - save["retained"] == fc1, (s, res)
+        if s == 32768:
+            fc1 = s // p * 2 * 11008 * 2
+            assert res[f"{s}/save+fc1"]["retained"] - save["retained"] == fc1, (s, res)
     hg, hg_fc1 = res["head-group/recompute"], res["head-group/save+fc1"]
     assert hg_fc1["chosen"] == "save+fc1"
     assert hg_fc1["retained"] - hg["retained"] == 32768 // p * 2 * 11008 * 2, (hg, hg_fc1)
