@@ -542,19 +542,24 @@ _QKV_SCRIPT = textwrap.dedent(
     from megatron_metp.measure.planner import Planner, PlanSettings, resolve_metp_attention
     cfg = load_config("llama-7b")
     out = {}
+    # One planner throughout: its layer measurements are cached per (s, ring pass, Q/K/V), so
+    # auto and the budgets below reuse the probes of the named choices.
+    planner = Planner(PlanSettings())
     for s in (32768, 262144):
         # save+fc1 at 32k only: at 256k "save" alone already does not fit.
         for qkv in ("recompute", "save", "save+fc1", "auto"):
             if qkv == "save+fc1" and s != 32768:
                 continue
-            planner = Planner(PlanSettings(metp_ring_pass="whole", metp_qkv_backward=qkv))
-            pt = planner.plan(cfg, "metp", 8, s)
+            pt = planner.plan(cfg, "metp", 8, s, metp_ring_pass="whole", metp_qkv_backward=qkv)
             out[f"{s}/{qkv}"] = dict(chosen=pt.qkv_backward, retained=pt.layer_retained,
                                      needed=pt.needed_bytes, fits=pt.fits,
                                      h100=pt.est_time_s["H100"])
-            planner.world.teardown()
+    # The per-head-group loop with a named save+fc1: Q/K/V recomputed, the MLP's fc1 kept.
+    for qkv in ("recompute", "save+fc1"):
+        pt = planner.plan(cfg, "metp", 8, 32768, metp_ring_pass="head-group",
+                          metp_qkv_backward=qkv)
+        out[f"head-group/{qkv}"] = dict(chosen=pt.qkv_backward, retained=pt.layer_retained)
     # --metp-ring-pass auto: every choice's need at 32k, then budgets between them.
-    planner = Planner(PlanSettings())
     choices = planner.metp_choices(cfg, "metp", 8, 32768)
     need = {f"{r}/{q}": planner._plan(cfg, "metp", 8, 32768, q, r).needed_bytes
             for r, q in choices}
@@ -565,12 +570,6 @@ _QKV_SCRIPT = textwrap.dedent(
             pt = planner.plan(cfg, "metp", 8, 32768)
             out["picked"][repr(budget)] = [pt.ring_pass, pt.qkv_backward, pt.fits]
     planner.world.teardown()
-    # The per-head-group loop with a named save+fc1: Q/K/V recomputed, the MLP's fc1 kept.
-    for qkv in ("recompute", "save+fc1"):
-        planner = Planner(PlanSettings(metp_ring_pass="head-group", metp_qkv_backward=qkv))
-        pt = planner.plan(cfg, "metp", 8, 32768)
-        out[f"head-group/{qkv}"] = dict(chosen=pt.qkv_backward, retained=pt.layer_retained)
-        planner.world.teardown()
     out["resolve"] = resolve_metp_attention(cfg, 8, 32768)[:2]
     out["resolve_long"] = resolve_metp_attention(cfg, 8, 262144)[:2]
     out["resolve_head_group"] = resolve_metp_attention(cfg, 8, 32768, ring_pass="head-group")[:2]
