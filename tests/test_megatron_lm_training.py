@@ -283,7 +283,7 @@ def test_training_log_reports_tflops_in_every_mode(runs):
             assert r["out"].count("throughput per GPU (TFLOP/s/GPU):") >= len(r["losses"]), name
 
 
-@pytest.mark.parametrize("argv,flag", [
+BAD_FLAGS = [
     (["--tensor-parallel-mode", "metp", "--tensor-model-parallel-size", "4",
       "--sequence-parallel", "--num-attention-heads", "6"], "--num-attention-heads"),
     (["--tensor-parallel-mode", "metp", "--tensor-model-parallel-size", "2",
@@ -293,13 +293,33 @@ def test_training_log_reports_tflops_in_every_mode(runs):
     # Stock tp + SP on CPU: Megatron's torch norm would assert in every rank (issue 34 item 5).
     (["--tensor-parallel-mode", "tp", "--tensor-model-parallel-size", "2",
       "--sequence-parallel"], "--sequence-parallel"),
-])
-def test_bad_flags_exit_2_before_anything_starts(tmp_path, argv, flag):
+]
+
+
+@pytest.fixture(scope="module")
+def bad_flag_runs(tmp_path_factory) -> list:
+    """Each bad-flag case of :data:`BAD_FLAGS` run once, two at a time (one per core: each is a
+    Python start-up and Megatron-LM's import, ~5 s, then an exit), in the order given."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    tmp = tmp_path_factory.mktemp("bad_flags")
     # Later flags win in argparse, so the bad value follows COMMON's.
     env = dict(_env(), WORLD_SIZE="4", RANK="0", LOCAL_RANK="0")
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "pretrain_gpt_metp.py"),
-                           *COMMON, *argv], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=120)
+
+    def one(argv):
+        return subprocess.run([sys.executable, str(ROOT / "scripts" / "pretrain_gpt_metp.py"),
+                               *COMMON, *argv], cwd=tmp, env=env, capture_output=True,
+                              text=True, timeout=120)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return list(pool.map(one, [argv for argv, _ in BAD_FLAGS]))
+
+
+@pytest.mark.parametrize("case", range(len(BAD_FLAGS)),
+                         ids=[f"argv{i}-{flag}" for i, (_, flag) in enumerate(BAD_FLAGS)])
+def test_bad_flags_exit_2_before_anything_starts(bad_flag_runs, case):
+    flag = BAD_FLAGS[case][1]
+    proc = bad_flag_runs[case]
     assert proc.returncode == 2, (proc.stdout[-2000:], proc.stderr[-3000:])
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("megatron-metp:")]
     assert len(lines) == 1 and flag in lines[0], proc.stderr[-3000:]

@@ -146,7 +146,8 @@ def _run_fake(script: str) -> dict:
 
 
 def _suite_scripts() -> dict:
-    return {"fake": _FAKE_SCRIPT, "ratio": _RATIO_SCRIPT.format(model=RATIO_MODEL, s=RATIO_SEQ),
+    # _FAKE_SCRIPT is not in the suite: its one reader is in the full tier, and runs it alone.
+    return {"ratio": _RATIO_SCRIPT.format(model=RATIO_MODEL, s=RATIO_SEQ),
             "stock": _STOCK_SCRIPT, "offload": _OFFLOAD_SCRIPT, "fsdp": _FSDP_SCRIPT,
             "qkv": _QKV_SCRIPT}
 
