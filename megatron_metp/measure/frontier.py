@@ -48,7 +48,8 @@ import time
 from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Tuple
 
-from megatron_metp.measure.planner import GIB, Planner, PlanSettings, a2a_heads_split, seq_label
+from megatron_metp.measure.planner import (GIB, SEQ_GRANULE, Planner, PlanSettings, a2a_heads_split,
+                                          seq_label)
 from megatron_metp.measure.timeline import (ESTIMATE, GPUS, HOST_OP_US, comm_time, simulate,
                                             tp_comm_overlap)
 
@@ -318,10 +319,23 @@ class Frontier:
         """The family's longest sequence (multiple of 1024 tokens) and its configuration:
         the most frugal configurations' longest (``Planner.longest_sequence``)."""
         best = None
+
+        def tick(s, pt):
+            self._tick(cfg, family, p, s, "longest")
+
         for v in self.frugal(cfg, family, p):
-            pt = self.planner.longest_sequence(
-                cfg, v.mode, p, progress=lambda s, pt: self._tick(cfg, family, p, s, "longest"),
-                **v.settings(cfg.layers_per_device))
+            settings = v.settings(cfg.layers_per_device)
+            lo = 4096
+            if best is not None:
+                # Only a longer sequence can replace the best so far, and a need grows with s:
+                # a configuration that does not fit one granule beyond it is done in one probe,
+                # and one that does is searched from there.
+                lo = best[1].seq_length + SEQ_GRANULE
+                first = self.planner.plan(cfg, v.mode, p, lo, **settings)
+                tick(lo, first)
+                if not first.fits:
+                    continue
+            pt = self.planner.longest_sequence(cfg, v.mode, p, lo=lo, progress=tick, **settings)
             if pt is not None and (best is None or pt.seq_length > best[1].seq_length):
                 best = (v, pt)
         return best
