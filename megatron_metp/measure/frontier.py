@@ -324,18 +324,12 @@ class Frontier:
             self._tick(cfg, family, p, s, "longest")
 
         for v in self.frugal(cfg, family, p):
-            settings = v.settings(cfg.layers_per_device)
-            lo = 4096
-            if best is not None:
-                # Only a longer sequence can replace the best so far, and a need grows with s:
-                # a configuration that does not fit one granule beyond it is done in one probe,
-                # and one that does is searched from there.
-                lo = best[1].seq_length + SEQ_GRANULE
-                first = self.planner.plan(cfg, v.mode, p, lo, **settings)
-                tick(lo, first)
-                if not first.fits:
-                    continue
-            pt = self.planner.longest_sequence(cfg, v.mode, p, lo=lo, progress=tick, **settings)
+            # Only a longer sequence can replace the best so far, and a need grows with s: the
+            # search starts one granule beyond it, where a configuration that does not fit is
+            # done in one probe (longest_sequence returns None).
+            lo = 4096 if best is None else best[1].seq_length + SEQ_GRANULE
+            pt = self.planner.longest_sequence(cfg, v.mode, p, lo=lo, progress=tick,
+                                               **v.settings(cfg.layers_per_device))
             if pt is not None and (best is None or pt.seq_length > best[1].seq_length):
                 best = (v, pt)
         return best
