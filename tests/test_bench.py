@@ -203,6 +203,14 @@ def test_calibration_of_stock_tp_and_its_profile():
     assert sum(v["count"] for v in k["by_kind"].values()) == k["count"]
     assert sum(v["time_s"] for v in k["by_kind"].values()) == pytest.approx(k["time_s"])
     assert k["top"] == sorted(k["top"], key=lambda r: -r["time_s"])
+    # The same step by aten op and input shapes: stock TP 2 + SP multiplies the whole gathered
+    # sequence (s = 256 tokens, h = 64) by its weight shards (qkv, fc1), and those GEMMs are
+    # found under their own shapes.
+    ops = k["ops"]
+    assert ops == sorted(ops, key=lambda r: -r["time_s"]) and len(ops) <= 25
+    assert all(r["op"].startswith("aten::") and r["count"] >= 1 for r in ops)
+    assert any(r["op"] == "aten::mm" and r["shapes"][0] == [256, 64] for r in ops), ops
+    assert sum(r["time_s"] for r in ops) <= k["time_s"] * (1 + 1e-9)
 
 
 @pytest.mark.parametrize("argv,flag", [

@@ -119,7 +119,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "timeline's, 30)")
     c.add_argument("--calibrate-profile", action="store_true",
                    help="profile one more step (torch.profiler): its kernels by name and class "
-                        "(GEMM, attention, other) go into the JSON")
+                        "(GEMM, attention, other), and the aten ops that launched them by input "
+                        "shapes, go into the JSON")
 
 
 def preflight(args: argparse.Namespace, world: int) -> None:

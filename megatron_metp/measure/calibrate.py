@@ -115,7 +115,9 @@ def _kind(name: str) -> str:
 
 def _profile(step, device: torch.device, top: int = 25) -> Dict:
     """One ``step()`` under ``torch.profiler``: device kernels (on a CPU, aten ops' self time)
-    summed by name, the ``top`` longest listed, and totals per class (:func:`_kind`)."""
+    summed by name, the ``top`` longest listed, and totals per class (:func:`_kind`). ``ops``
+    attributes the same time to the aten ops that launched it, by name and input shapes (the
+    ``top`` longest): a kernel's name alone rarely says which line of the layer it came from."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -124,7 +126,7 @@ def _profile(step, device: torch.device, top: int = 25) -> Dict:
     cuda = device.type == "cuda"
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     sync(device)
-    with profile(activities=acts) as prof:
+    with profile(activities=acts, record_shapes=True) as prof:
         step()
         sync(device)
     by_name: Dict[str, list] = {}
@@ -149,7 +151,22 @@ def _profile(step, device: torch.device, top: int = 25) -> Dict:
         k["time_s"] += r["time_s"]
     return {"source": "CUDA kernels" if cuda else "aten ops (self CPU time)",
             "count": sum(r["count"] for r in rows), "time_s": sum(r["time_s"] for r in rows),
-            "by_kind": totals, "top": rows[:top]}
+            "by_kind": totals, "top": rows[:top], "ops": _ops_by_shape(prof, cuda, top)}
+
+
+def _ops_by_shape(prof, cuda: bool, top: int) -> list:
+    """The profiled step's aten ops grouped by name and input shapes, each with the device time
+    of the kernels it launched (on a CPU: its self CPU time), longest first."""
+    rows = []
+    for avg in prof.key_averages(group_by_input_shape=True):
+        if not avg.key.startswith("aten::"):
+            continue
+        t = (getattr(avg, "self_device_time_total", None) if cuda
+             else avg.self_cpu_time_total) or 0.0
+        if t > 0:
+            rows.append({"op": avg.key, "shapes": [list(x) for x in avg.input_shapes if x],
+                         "count": avg.count, "time_s": t * 1e-6})
+    return sorted(rows, key=lambda r: -r["time_s"])[:top]
 
 
 def markdown(res: Dict) -> str:
@@ -190,6 +207,9 @@ def run(args) -> int:
             print(f"  profiled step: {k['count']} {k['source']}, {k['time_s'] * 1e3:,.2f} ms; "
                   + ", ".join(f"{kind} {v['count']} in {v['time_s'] * 1e3:,.2f} ms"
                               for kind, v in sorted(k["by_kind"].items())))
+            for r in k["ops"][:8]:
+                print(f"    {r['time_s'] * 1e3:8.3f} ms  {r['count']:4d} x {r['op']} "
+                      f"{r['shapes']}"[:160])
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"calibration": results}, f, indent=1)
