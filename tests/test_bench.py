@@ -213,8 +213,42 @@ def test_calibration_of_stock_tp_and_its_profile():
     assert sum(r["time_s"] for r in ops) <= k["time_s"] * (1 + 1e-9)
 
 
+def test_calibration_runs_the_frontiers_configurations():
+    # The frontier compares METP with stock's recompute; the calibration runs those
+    # configurations, traced and run alike. Counted in the profiled step's real GEMM calls:
+    # stock's full recompute runs the layer's forward GEMMs again, selective `layernorm mlp`
+    # the MLP's, and METP's save+fc1 skips the recomputed Q/K/V and fc1 GEMMs. The traced
+    # estimate moves the same way (more ops with recompute, fewer with save+fc1).
+    import warnings
+
+    from megatron_metp.measure.calibrate import calibrate
+    from megatron_metp.models.config import load_config
+
+    warnings.filterwarnings("ignore")
+    cfg = load_config("tiny-llama")
+
+    def run(mode, **kw):
+        out = calibrate(cfg, mode, 2, 1, 256, torch.device("cpu"), iters=1, warmup=0,
+                        profile=True, **kw)
+        assert out["measured_s"] > 0
+        return out["kernels"]["by_kind"]["gemm"]["count"], out["compute_ops"], out
+
+    plain, full, mlp = (run("tp"), run("tp", full_recompute=True),
+                        run("tp", recompute_modules=["layernorm", "mlp"]))
+    assert plain[0] < mlp[0] < full[0] and plain[1] < mlp[1] < full[1], (plain, mlp, full)
+    assert full[2]["full_recompute"] and mlp[2]["recompute_modules"] == ["layernorm", "mlp"]
+    rec, kept = run("metp"), run("metp", qkv_backward="save+fc1")
+    assert kept[0] < rec[0] and kept[1] < rec[1] and kept[2]["qkv_backward"] == "save+fc1"
+
+
 @pytest.mark.parametrize("argv,flag", [
     (["bench", "--calibrate", "--calibrate-p", "4", "--calibrate-rank", "4"], "--calibrate-rank"),
+    (["bench", "--calibrate", "--calibrate-recompute-modules", "attn"],
+     "--calibrate-recompute-modules"),
+    (["bench", "--calibrate", "--calibrate-recompute-modules", "mlp", "--calibrate-recompute-full"],
+     "--calibrate-recompute-full"),
+    (["bench", "--calibrate", "--calibrate-mode", "tp", "--calibrate-metp-qkv-backward", "save"],
+     "--calibrate-metp-qkv-backward"),
     (["bench", "--calibrate", "--calibrate-p", "4", "--seq-lengths", "100"], "--seq-lengths"),
 ])
 def test_calibration_refuses_bad_flags(argv, flag, capsys):

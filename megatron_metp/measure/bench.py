@@ -117,6 +117,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--calibrate-host-op-us", type=float, default=None,
                    help="host time per op in the GPU estimate, microseconds (default: the "
                         "timeline's, 30)")
+    c.add_argument("--calibrate-recompute-modules", nargs="+", default=None, metavar="MODULE",
+                   help="Megatron's selective recompute in the calibrated layer (layernorm, mlp, "
+                        "core_attn), as --recompute-modules")
+    c.add_argument("--calibrate-recompute-full", action="store_true",
+                   help="the layer inside Megatron's CheckpointFunction, as "
+                        "--recompute-granularity full --recompute-method uniform "
+                        "--recompute-num-layers 1")
+    c.add_argument("--calibrate-metp-ring-pass", choices=("auto", "whole", "head-group"),
+                   default="auto", help="METP's --metp-ring-pass in the calibrated layer")
+    c.add_argument("--calibrate-metp-qkv-backward", choices=("recompute", "save", "save+fc1"),
+                   default="recompute", help="METP's --metp-qkv-backward in the calibrated layer")
     c.add_argument("--calibrate-profile", action="store_true",
                    help="profile one more step (torch.profiler): its kernels by name and class "
                         "(GEMM, attention, other), and the aten ops that launched them by input "

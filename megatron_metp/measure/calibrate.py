@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch
 
@@ -46,11 +46,15 @@ def machine_for(device: torch.device, gpu: str, efficiency: float, host_op_us: f
 def calibrate(cfg, mode: str, p: int, rank: int, seq_length: int, device: torch.device, *,
               iters: int = 5, warmup: int = 2, gpu: str = "H100",
               efficiency: Optional[float] = None, host_op_us: Optional[float] = None,
-              ring_pass: str = "auto", profile: bool = False) -> Dict:
+              ring_pass: str = "auto", profile: bool = False,
+              recompute_modules: Optional[List[str]] = None, full_recompute: bool = False,
+              qkv_backward: str = "recompute") -> Dict:
     """Measure rank ``rank``'s share of one layer of ``cfg`` (a model config) at ``p`` ranks and
     ``seq_length`` on ``device`` (fwd + bwd, best of ``iters``), and estimate it; returns both.
     ``profile``: one more step under ``torch.profiler``, its kernels summed by name
-    (:func:`_profile`)."""
+    (:func:`_profile`). ``recompute_modules`` / ``full_recompute`` / ``qkv_backward``: the
+    frontier's configurations (Megatron's selective or full recompute, METP's
+    ``--metp-qkv-backward``), planned and run alike."""
     from megatron_metp.measure import layer_probe
     from megatron_metp.measure.comm_modes import sync
     from megatron_metp.measure.op_trace import summary, trace_layer
@@ -61,12 +65,15 @@ def calibrate(cfg, mode: str, p: int, rank: int, seq_length: int, device: torch.
         raise ValueError(f"--calibrate-rank {rank}: must be in 0..{p - 1}")
     world = FakeWorld(rank=rank)
     try:
-        ops = trace_layer(cfg, mode, p, seq_length, world=world, ring_pass=ring_pass)
+        ops = trace_layer(cfg, mode, p, seq_length, world=world, ring_pass=ring_pass,
+                          recompute_modules=recompute_modules, qkv_backward=qkv_backward,
+                          full_recompute=full_recompute)
         compute_ops = [op for op in ops if op.kind == "compute"]
         machine = machine_for(device, gpu, GEMM_EFFICIENCY if efficiency is None else efficiency,
                               HOST_OP_US if host_op_us is None else host_op_us)
         est = simulate(compute_ops, machine)
-        tcfg = transformer_config(cfg, p, mode, None, ring_pass)
+        tcfg = transformer_config(cfg, p, mode, recompute_modules, ring_pass, qkv_backward,
+                                  full_recompute=full_recompute)
         causal = getattr(cfg, "causal", True)
         rope = cfg.position_embedding_type == "rope" and mode != "wallfacer"
         layer = layer_probe.build_layer(tcfg, mode, causal).to(device)
@@ -84,14 +91,17 @@ def calibrate(cfg, mode: str, p: int, rank: int, seq_length: int, device: torch.
             sync(device)
             if i >= warmup:
                 samples.append(time.perf_counter() - t0)
-        kernels = _profile(lambda: fwd(x).backward(grad), device) if profile else None
+        kernels = (_profile(lambda x=x, grad=grad: fwd(x).backward(grad), device) if profile
+                   else None)
         del layer, x, grad
     finally:
         world.teardown()
     measured = min(samples)
     estimate = max(est.compute, est.host)
     return {"model": cfg.name, "mode": mode, "p": p, "rank": rank, "seq_length": seq_length,
-            "ring_pass": ring_pass, "device": str(device), "machine": machine.name,
+            "ring_pass": ring_pass, "recompute_modules": list(recompute_modules or []),
+            "full_recompute": full_recompute, "qkv_backward": qkv_backward,
+            "device": str(device), "machine": machine.name,
             "measured_s": measured, "samples_s": samples,
             "estimate_s": estimate, "estimate_compute_s": est.compute,
             "estimate_host_s": est.host, "compute_ops": summary(compute_ops)["compute_ops"],
@@ -169,8 +179,23 @@ def _ops_by_shape(prof, cuda: bool, top: int) -> list:
     return sorted(rows, key=lambda r: -r["time_s"])[:top]
 
 
+def _setting(res: Dict) -> str:
+    """The calibrated configuration beyond the mode, as its flags ('' for the defaults)."""
+    parts = []
+    if res.get("full_recompute"):
+        parts.append("full recompute")
+    if res.get("recompute_modules"):
+        parts.append("recompute " + " ".join(res["recompute_modules"]))
+    if res.get("ring_pass", "auto") != "auto":
+        parts.append(f"ring pass {res['ring_pass']}")
+    if res.get("qkv_backward", "recompute") != "recompute":
+        parts.append(f"qkv-backward {res['qkv_backward']}")
+    return f" [{', '.join(parts)}]" if parts else ""
+
+
 def markdown(res: Dict) -> str:
-    return (f"metp bench --calibrate: {res['model']} {res['mode']} p={res['p']} rank "
+    return (f"metp bench --calibrate: {res['model']} {res['mode']}{_setting(res)} "
+            f"p={res['p']} rank "
             f"{res['rank']} s={res['seq_length']} on {res['device']}: measured "
             f"{res['measured_s'] * 1e3:,.2f} ms (best of {len(res['samples_s'])}, communication "
             f"stubbed); ESTIMATE {res['estimate_s'] * 1e3:,.2f} ms on {res['machine']} "
@@ -198,7 +223,11 @@ def run(args) -> int:
                          else args.calibrate_rank, s, device, iters=args.iters,
                          warmup=args.warmup, gpu=args.calibrate_gpu,
                          host_op_us=args.calibrate_host_op_us,
-                         profile=args.calibrate_profile)
+                         profile=args.calibrate_profile,
+                         recompute_modules=args.calibrate_recompute_modules,
+                         full_recompute=args.calibrate_recompute_full,
+                         qkv_backward=args.calibrate_metp_qkv_backward,
+                         ring_pass=args.calibrate_metp_ring_pass)
                for s in args.seq_lengths]
     for res in results:
         print(markdown(res))
@@ -224,6 +253,22 @@ def check(args, rank: Optional[int] = None) -> None:
     r = args.calibrate_rank
     if r is not None and not 0 <= r < args.calibrate_p:
         raise ValueError(f"--calibrate-rank {r}: must be in 0..{args.calibrate_p - 1}")
+    from megatron_metp.measure.plan_report import RECOMPUTE_MODULES
+
+    bad = [m for m in args.calibrate_recompute_modules or [] if m not in RECOMPUTE_MODULES]
+    if bad:
+        raise ValueError(f"--calibrate-recompute-modules {' '.join(bad)}: choose from "
+                         f"{', '.join(RECOMPUTE_MODULES)}")
+    if args.calibrate_recompute_modules and args.calibrate_recompute_full:
+        raise ValueError("--calibrate-recompute-full: give it or --calibrate-recompute-modules, "
+                         "not both (Megatron's granularity is full or selective)")
+    for flag, value, default in (("--calibrate-metp-qkv-backward",
+                                  args.calibrate_metp_qkv_backward, "recompute"),
+                                 ("--calibrate-metp-ring-pass", args.calibrate_metp_ring_pass,
+                                  "auto")):
+        if value != default and args.calibrate_mode != "metp":
+            raise ValueError(f"{flag} {value}: METP's option; drop it or use "
+                             f"--calibrate-mode metp")
     for s in args.seq_lengths:
         if s % (2 * args.calibrate_p):
             raise ValueError(f"--seq-lengths: {s} is not divisible by 2 x --calibrate-p "
