@@ -49,10 +49,58 @@ def test_auto_lists_every_family_and_picks_the_fastest_that_fits(report):
         assert r["fits"] and f"`{r['flags']}`" in table, (fam, table)
         assert f"{r['step_ms']:,.3f}" in table
     fastest = min(rows.values(), key=lambda r: r["step_ms"])
-    assert chosen.family == fastest["family"] and chosen.flags == fastest["flags"].split()
+    # A plugin family is chosen over stock only with a lead beyond the timeline's measured
+    # error in its favour (fitted.AUTO_LEAD_MARGIN); else stock is kept.
+    from megatron_metp.measure.fitted import AUTO_LEAD_MARGIN
+
+    expect = (rows["stock"] if fastest["step_ms"] * AUTO_LEAD_MARGIN > rows["stock"]["step_ms"]
+              else fastest)
+    assert chosen.family == expect["family"] and chosen.flags == expect["flags"].split()
     assert f"| {chosen.family} **chosen** |" in table and table.count("**chosen**") == 1
-    assert "ESTIMATE" in table and why.endswith(fastest["flags"]), why
+    assert "ESTIMATE" in table and why.endswith(expect["flags"]), why
     report(f"auto (tiny-gpt, p=4, s=256, 80 GiB, H100 ESTIMATE): {why}")
+
+
+def test_auto_leaves_stock_only_beyond_the_models_measured_error():
+    """The decision rule alone, on canned frontier rows: a plugin family estimated faster than
+    a fitting stock configuration is chosen only beyond the margin (the timeline's measured
+    error in its favour), else auto keeps stock and says why; where stock does not fit, the
+    fastest family is chosen whatever its lead; a margin of 1.0 takes the fastest estimate."""
+    from types import SimpleNamespace
+
+    from megatron_metp.measure import auto
+    from megatron_metp.measure.fitted import AUTO_LEAD_MARGIN
+    from megatron_metp.measure.planner import PlanSettings
+
+    class Canned:
+        settings = PlanSettings(memory_gib=80.0)
+
+        def __init__(self, steps):
+            self.steps = steps
+
+        def fastest(self, cfg, fam, p, s):
+            if fam not in self.steps:
+                return {}
+            return {"H100": (SimpleNamespace(flags=lambda p, L, f=fam: [f"--{f}-flags"]), fam)}
+
+        def row(self, cfg, v, p, s, pt, gpu):
+            ms = self.steps[pt]
+            return {"flags": f"--{pt}-flags", "step_ms": ms, "memory_gib": 1.0,
+                    "tokens_per_s": s / ms * 1e3}
+
+    cfg = SimpleNamespace(layers_per_device=2)
+    inside = {"stock": 105.0, "metp": 100.0, "wallfacer": 300.0}
+    chosen, table, why = auto.choose(cfg, 8, 131072, frontier=Canned(inside))
+    assert AUTO_LEAD_MARGIN > 1.05
+    assert chosen.family == "stock" and "| stock **chosen** |" in table, why
+    assert "metp is estimated 1.050x faster" in why and "measured error" in why, why
+    assert why.endswith("--stock-flags"), why
+    chosen, _, why = auto.choose(cfg, 8, 131072, frontier=Canned(inside), margin=1.0)
+    assert chosen.family == "metp" and why.startswith("metp: the fastest estimate"), why
+    beyond = dict(inside, stock=100.0 * AUTO_LEAD_MARGIN * 1.01)
+    assert auto.choose(cfg, 8, 131072, frontier=Canned(beyond))[0].family == "metp"
+    no_stock = {"metp": 100.0, "wallfacer": 100.5}
+    assert auto.choose(cfg, 8, 131072, frontier=Canned(no_stock))[0].family == "metp"
 
 
 def test_where_stock_is_fastest_auto_keeps_stock_with_its_flags():

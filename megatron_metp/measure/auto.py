@@ -16,8 +16,11 @@ GPU memory, GPU kind and node layout, each family's fastest configuration that f
 
 Memory is the planner's (FakeTensorMode, as ``metp plan``); every time is the timeline model's
 ESTIMATE (``measure.timeline``), the one estimator ``metp plan`` prints. The choice is the
-fastest; ties go to stock, then metp. Where stock wins, auto says so and keeps
-``--tensor-parallel-mode tp`` with stock's flags. The winner's Megatron-LM flags are printed and
+fastest, except that where stock fits a plugin family must be estimated faster than stock by
+more than the model's measured error in its favour (``fitted.AUTO_LEAD_MARGIN``, 1.10: the
+H200 calibration found the model 6-16 % optimistic for METP), else stock is kept; ties go to
+stock, then metp. Where stock wins, auto says so and keeps ``--tensor-parallel-mode tp`` with
+stock's flags. The winner's Megatron-LM flags are printed and
 set in the run's arguments (:func:`apply`), replacing the parallel, recompute and METP
 attention flags given. When nothing fits, :func:`choose` names each family's longest sequence.
 """
@@ -27,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
+from megatron_metp.measure.fitted import AUTO_LEAD_MARGIN
 from megatron_metp.measure.planner import GIB, PlanSettings, quiet_megatron, seq_label
 
 FAMILY_MODE = {"stock": "tp", "metp": "metp", "wallfacer": "wallfacer"}
@@ -66,10 +70,13 @@ def table(rows: Dict[str, Optional[dict]], chosen: Optional[Choice], gpu: str) -
 
 def choose(cfg, p: int, s: int, *, micro_batch: int = 1, memory_gib: float = 80.0,
            gpu: str = "H100", gpus_per_node: int = 8, settings: Optional[PlanSettings] = None,
-           tp_comm_overlap: bool = False, frontier=None) -> Tuple[Optional[Choice], str, str]:
+           tp_comm_overlap: bool = False, frontier=None,
+           margin: float = AUTO_LEAD_MARGIN) -> Tuple[Optional[Choice], str, str]:
     """(the chosen configuration or None, the table it was chosen from, a one-line reason).
     ``frontier``: a :class:`~megatron_metp.measure.frontier.Frontier` to plan with (its cache
-    kept, its world left up); by default a new one, torn down."""
+    kept, its world left up); by default a new one, torn down. ``margin``: how much faster than
+    a fitting stock configuration a plugin family must be estimated to be chosen (module
+    docstring; 1.0 takes the fastest estimate)."""
     from megatron_metp.measure.frontier import FAMILIES
 
     settings = frontier.settings if frontier else (
@@ -85,12 +92,24 @@ def choose(cfg, p: int, s: int, *, micro_batch: int = 1, memory_gib: float = 80.
                 if got:
                     choices[fam] = Choice(fam, got[0].flags(p, L), got[0], rows[fam])
             if choices:  # min keeps the first of equals: stock, metp, wallfacer
-                chosen = min(choices.values(), key=lambda c: c.row["step_ms"])
+                fastest = min(choices.values(), key=lambda c: c.row["step_ms"])
+                stock = choices.get("stock")
+                inside = (stock is not None and fastest is not stock
+                          and fastest.row["step_ms"] * margin > stock.row["step_ms"])
+                chosen = stock if inside else fastest
                 rest = ", ".join(f"{c.family} {c.row['step_ms']:,.3f} ms" for c in
                                  choices.values() if c is not chosen)
-                keeps = (" (stock Megatron-Core is fastest here: auto keeps "
-                         "--tensor-parallel-mode tp)" if chosen.family == "stock" else "")
-                why = (f"{chosen.family}{keeps}: the fastest estimate, {chosen.row['step_ms']:,.3f}"
+                if inside:
+                    lead = stock.row["step_ms"] / fastest.row["step_ms"]
+                    keeps = (" (auto keeps --tensor-parallel-mode tp): "
+                             f"{fastest.family} is estimated {lead:.3f}x faster, inside the "
+                             f"timeline's measured error in its favour (auto asks for "
+                             f"{margin:.2f}x; docs/calibration/README.md); stock's estimate")
+                else:
+                    keeps = (" (stock Megatron-Core is fastest here: auto keeps "
+                             "--tensor-parallel-mode tp): the fastest estimate"
+                             if chosen.family == "stock" else ": the fastest estimate")
+                why = (f"{chosen.family}{keeps}, {chosen.row['step_ms']:,.3f}"
                        f" ms per micro-batch step on {gpu}{' against ' + rest if rest else ''}, "
                        f"at --seq-length {s} in {settings.memory_gib:g} GiB; its flags: "
                        f"{' '.join(chosen.flags)}")
