@@ -259,6 +259,14 @@ def check(args, rank: Optional[int] = None) -> None:
     if bad:
         raise ValueError(f"--calibrate-recompute-modules {' '.join(bad)}: choose from "
                          f"{', '.join(RECOMPUTE_MODULES)}")
+    from megatron_metp.measure.frontier import mlp_recompute_refusal
+    from megatron_metp.models.config import load_config
+
+    refusal = mlp_recompute_refusal(load_config(args.calibrate_model),
+                                    args.calibrate_recompute_modules,
+                                    "--calibrate-recompute-modules")
+    if refusal:
+        raise ValueError(refusal)
     if args.calibrate_recompute_modules and args.calibrate_recompute_full:
         raise ValueError("--calibrate-recompute-full: give it or --calibrate-recompute-modules, "
                          "not both (Megatron's granularity is full or selective)")

@@ -65,6 +65,18 @@ NORMS_ONLY = ((), ("layernorm",))   # "without recompute": nothing beyond the no
 MLP_RECOMPUTE_WITH_BIAS = "skipped"
 
 
+def mlp_recompute_refusal(cfg, modules, flag: str = "--recompute-modules"):
+    """The one-line refusal for selective ``mlp`` recompute of ``cfg`` where it never ends
+    (above: an MLP with linear biases), else None. For the commands that take the modules from
+    the user (``metp plan``, ``metp bench --calibrate``), before anything runs."""
+    if "mlp" in (modules or ()) and cfg.add_bias_linear:
+        return (f"{flag} mlp: Megatron-Core's selective mlp recompute of {cfg.name}'s MLP, which "
+                f"has linear biases, never finishes its backward here (the fc2 bias leaves "
+                f"through CheckpointFunction; megatron_metp/measure/frontier.py); drop mlp for "
+                f"this model, as the frontier does")
+    return None
+
+
 @dataclass(frozen=True)
 class Variant:
     """One configuration of a family (module docstring)."""

@@ -218,6 +218,14 @@ def _check(args) -> None:
     if bad:
         raise ValueError(f"--recompute-modules {args.recompute_modules}: {bad[0]!r} is not one "
                          f"of Megatron's dense-layer modules {', '.join(RECOMPUTE_MODULES)}")
+    if "mlp" in (_modules(args.recompute_modules) or []) and not args.frontier:
+        from megatron_metp.measure.frontier import mlp_recompute_refusal
+
+        for name in args.models.split(","):
+            refusal = mlp_recompute_refusal(load_config(name.strip()),
+                                            _modules(args.recompute_modules))
+            if refusal:
+                raise ValueError(refusal)
 
 
 def run(args) -> int:
