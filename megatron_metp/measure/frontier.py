@@ -65,11 +65,16 @@ NORMS_ONLY = ((), ("layernorm",))   # "without recompute": nothing beyond the no
 MLP_RECOMPUTE_WITH_BIAS = "skipped"
 
 
+def mlp_recompute_hangs(cfg, modules) -> bool:
+    """Whether selective ``modules`` include ``mlp`` for an MLP with linear biases (above)."""
+    return "mlp" in (modules or ()) and cfg.add_bias_linear
+
+
 def mlp_recompute_refusal(cfg, modules, flag: str = "--recompute-modules"):
     """The one-line refusal for selective ``mlp`` recompute of ``cfg`` where it never ends
-    (above: an MLP with linear biases), else None. For the commands that take the modules from
-    the user (``metp plan``, ``metp bench --calibrate``), before anything runs."""
-    if "mlp" in (modules or ()) and cfg.add_bias_linear:
+    (:func:`mlp_recompute_hangs`), else None. For the commands that take the modules from the
+    user (``metp plan``, ``metp bench --calibrate``), before anything runs."""
+    if mlp_recompute_hangs(cfg, modules):
         return (f"{flag} mlp: Megatron-Core's selective mlp recompute of {cfg.name}'s MLP, which "
                 f"has linear biases, never finishes its backward here (the fc2 bias leaves "
                 f"through CheckpointFunction; megatron_metp/measure/frontier.py); drop mlp for "
@@ -173,7 +178,7 @@ class Frontier:
                 comms = ["p2p", "a2a"] if a2a_heads_split(cfg, tp, cp) else ["p2p"]
                 for comm in comms:
                     for sel in SELECTIVE:
-                        if "mlp" in sel and cfg.add_bias_linear:
+                        if mlp_recompute_hangs(cfg, sel):
                             continue  # MLP_RECOMPUTE_WITH_BIAS
                         out.append(Variant("stock", "tp", cp, sel, cp_comm=comm))
                         if tp > 1 and self.stock_overlap:
