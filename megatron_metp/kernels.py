@@ -395,6 +395,36 @@ def attention_backward(
     return _math_backward(dout, q, k, v, out, lse, causal, scale, rep)
 
 
+def backward_rows(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    out: Optional[torch.Tensor],
+    k: torch.Tensor,
+    v: torch.Tensor,
+    backend: Optional[str] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """``(dout, q, out)`` as :func:`attention_backward` hands them to the backend, made once.
+
+    For a caller that runs the backward of many K/V blocks against the same query rows (the
+    rings: p blocks per layer). cuDNN's backward takes dense operands, and PyTorch's flash
+    backward on CUDA a dense ``dout``, so :func:`attention_backward` copies strided ones at
+    every call: at p = 8 that was 8 copies of each Q-sized operand per layer where one does
+    (LLaMA-7B, 128k: the H200 profile's 29 Q-sized copies, ``docs/calibration/README.md``).
+    Converted here, those calls copy nothing. Other backends read strided views as they are
+    and get the tensors back unchanged. ``out`` may be None (when the caller passes ``delta``);
+    ``k``, ``v``: a block's keys and values, which only choose the backend.
+    """
+    name = select_backend(q, k, v, backend)
+    if name == "torch_cudnn":
+        # (.to(dtype, memory_format=...) returns a strided tensor unchanged when its dtype
+        # already matches: hence the separate .contiguous().)
+        return (dout.to(q.dtype).contiguous(), q.contiguous(),
+                None if out is None else out.to(q.dtype).contiguous())
+    if name == "torch_flash_cuda":
+        return dout.to(q.dtype).contiguous(), q, out
+    return dout, q, out
+
+
 def merge_partial(
     out: Optional[torch.Tensor],
     lse: Optional[torch.Tensor],

@@ -149,3 +149,52 @@ def test_causal_ring_skips_blocks_above_the_diagonal():
             assert sorted(calls[phase]) == [False] * rank + [True], (rank, phase, calls)
     for calls in run_ranks(p, _count_blocks, False):
         assert calls == {"fwd": [False] * p, "bwd": [False] * p}
+
+
+def _cudnn_rows():
+    """The ring's backward with the cuDNN backend named, on strided [b, n, s, d] views of
+    [s, b, n, d] tensors (as METP's attention passes Q and dO): what each kernel call is handed,
+    and the gradients. The kernel itself runs the math path (cuDNN needs a Hopper GPU)."""
+    import megatron_metp.kernels as K
+    from megatron_metp.metp.ring_attention import ring_attention_backward, ring_attention_forward
+
+    rank, p = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(11 + rank)
+    q, k, v, dout = (torch.randn(4, 1, 2, 8, generator=g) for _ in range(4))   # [s, b, n, d]
+    q, k, v, dout = (t.permute(1, 2, 0, 3) for t in (q, k, v, dout))          # strided views
+    out, lse = ring_attention_forward(None, q, k, v, True, backend="math")
+    seen, bwd = [], K.attention_backward
+
+    def record(dout_b, q_b, k_b, v_b, out_b, lse_b, **kw):
+        seen.append([(t.is_contiguous(), t.data_ptr()) for t in (dout_b, q_b, out_b)])
+        return bwd(dout_b, q_b, k_b, v_b, out_b, lse_b, **{**kw, "backend": "math"})
+
+    K.attention_backward = record
+    try:
+        got = ring_attention_backward(None, dout, q, k, v, out, lse, True, backend="torch_cudnn")
+    finally:
+        K.attention_backward = bwd
+    want = ring_attention_backward(None, dout, q, k, v, out, lse, True, backend="math")
+    return seen, [(a - b).abs().max().item() for a, b in zip(got, want)]
+
+
+def test_ring_backward_makes_cudnn_rows_dense_once():
+    # cuDNN's backward takes dense dO / Q / O; the ring converts this rank's rows once
+    # (kernels.backward_rows) rather than at each of its p blocks. Rank r of a causal ring runs
+    # r + 1 blocks: every call must get the same dense tensors, and the gradients must be the
+    # ones of the backend-as-is ring (the same math path on the same values: equal bit for bit).
+    for rank, (seen, diffs) in enumerate(run_ranks(4, _cudnn_rows)):
+        assert len(seen) == rank + 1
+        for call in seen:
+            assert all(dense for dense, _ in call), (rank, call)
+            assert [ptr for _, ptr in call] == [ptr for _, ptr in seen[0]], (rank, seen)
+        assert diffs == [0.0, 0.0, 0.0], (rank, diffs)
+    # The other backends read strided views as they are: no copy is made for them.
+    q = torch.randn(4, 1, 2, 8).permute(1, 2, 0, 3)
+    import megatron_metp.kernels as K
+    for backend in ("torch_flash_cpu", "math"):
+        rows = K.backward_rows(q, q, q, q, q, backend)
+        assert all(t is q for t in rows), backend
+    dense = K.backward_rows(q, q, None, q, q, "torch_cudnn")
+    assert dense[0].is_contiguous() and dense[1].is_contiguous() and dense[2] is None
+    assert torch.equal(dense[0], q) and torch.equal(dense[1], q)

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_metp.comm import DoubleBuffer, RingComm
-from megatron_metp.kernels import acc_dtype
+from megatron_metp.kernels import acc_dtype, backward_rows
 from megatron_metp.packing import ALL, Layout, add_pieces, backward_pieces, forward_pieces, whole
 
 def _block_mode(causal: bool, q_block: int, k_block: int) -> Optional[bool]:
@@ -208,6 +208,10 @@ def ring_attention_backward(
     _block_pieces(layout, causal, block(rank), block(rank), q.shape[2])   # before any post
     kv = DoubleBuffer(_kv_buffer(k, v) if p > 1 else (k, v))
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    q_dtype = q.dtype
+    # This rank's rows in the layout the kernel takes, once for the p blocks (cuDNN copies
+    # strided dO / Q / O at every call otherwise).
+    dout, q, out = backward_rows(dout, q, out, k, v, backend)
     own = None
     # The travelling (dK, dV) accumulators, fp32 [2, b, n_kv, s/p, d] each (one message per
     # hop): the one sent at the previous step and the one receiving. They swap roles every
@@ -244,7 +248,8 @@ def ring_attention_backward(
         if j < p - 1:
             kv_comm.wait()
             kv.advance()
-    dq = dq.to(q.dtype)
+    del dout, q, out   # the dense copies, where backward_rows made them
+    dq = dq.to(q_dtype)
     if with_dq is not None:
         # The last dK/dV hop (posted at step p-1) is in flight and ``with_dq`` does not need it.
         # The K/V receive buffers are dropped first: they would otherwise outlive the ring.
