@@ -42,7 +42,12 @@ timeout 300 bash scripts/slurm/local_cluster.sh start \
   || echo "run_tests.sh: no local SLURM cluster; tests/test_slurm.py will skip its real jobs"
 echo "=== full tier, 1 of 2: $VENV, every test (-m '') ==="
 RC1=0
-"$VENV/bin/python" -m pytest -q -rs --durations=25 -m "" "$@" || RC1=$?
+# Megatron-LM's checkpoint matrix and its LLaMA runs (7 launches, ~100 s) run on 0.19.2 only,
+# the release users run; the GPT runs, the resumes and the docs' pretrain_gpt.py blocks run here.
+"$VENV/bin/python" -m pytest -q -rs --durations=25 -m "" \
+  --deselect tests/test_megatron_lm_training.py::test_llama_modes_train_alike_in_megatron_lm_s_loop \
+  --deselect tests/test_megatron_lm_training.py::test_checkpoints_move_between_modes_bit_for_bit \
+  "$@" || RC1=$?
 T1=$(date +%s)
 
 echo "=== full tier, 2 of 2: megatron-core 0.19.2 on Python 3.12 ==="

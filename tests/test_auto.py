@@ -190,8 +190,8 @@ def test_auto_plans_the_runs_sharding(report):
            f"the distributed optimizer, {need[True] / 2**20:.2f} MiB with Megatron-FSDP")
 
 
-# In the full tier for time (issue 33: the default tier is <= 10 minutes on 2 cores): ~60 s of
-# bisections (each family's most frugal configurations, every TP x CP split of stock's);
+# In the full tier for time (issue 33: the default tier is <= 10 minutes on 2 cores): bisections
+# (each family's most frugal configurations, every TP x CP split of stock's);
 # test_metp_train_auto_refuses_at_start_up_in_one_line keeps the refusal in the default tier.
 @pytest.mark.full
 def test_auto_refuses_what_fits_nowhere_and_names_the_longest_that_fits():
@@ -201,9 +201,11 @@ def test_auto_refuses_what_fits_nowhere_and_names_the_longest_that_fits():
 
     cfg = _tiny()
     budget = 4.012  # 4 GiB reserve + 12 MiB: tiny-gpt fits some thousands of tokens, not 128k
-    fr = Frontier(PlanSettings(memory_gib=budget), gpus_per_node=4, stock_overlap=False)
+    # p = 2 (TP 2, or TP 1 x CP 2 for stock): the rule is the same at any p, and p = 4's
+    # bisections took ~110 s of the full tier on 2 cores.
+    fr = Frontier(PlanSettings(memory_gib=budget), gpus_per_node=2, stock_overlap=False)
     try:
-        chosen, table, why = auto.choose(cfg, 4, 2**17, gpus_per_node=4, frontier=fr)
+        chosen, table, why = auto.choose(cfg, 2, 2**17, gpus_per_node=2, frontier=fr)
         assert chosen is None and "**chosen**" not in table and table.count("nothing fits") == 3
         assert "the longest that fits is" in why, why
         fam = why.split("the longest that fits is ")[1].split(" ")[0]
@@ -211,11 +213,11 @@ def test_auto_refuses_what_fits_nowhere_and_names_the_longest_that_fits():
         # Each family's longest (the frontier's cached bisections): the named one is the
         # longest of all, and it fits with the named flags while one granule (1024 tokens)
         # more does not (planned again here).
-        got = {f: fr.longest(cfg, f, 4) for f in FAMILIES}
+        got = {f: fr.longest(cfg, f, 2) for f in FAMILIES}
         v, pt = got[fam]
-        assert pt.seq_length == longest and why.endswith(" ".join(v.flags(4, 2)))
+        assert pt.seq_length == longest and why.endswith(" ".join(v.flags(2, 2)))
         assert all(g[1].seq_length <= longest for g in got.values() if g)
-        assert fr.plan(cfg, v, 4, longest).fits and not fr.plan(cfg, v, 4, longest + 1024).fits
+        assert fr.plan(cfg, v, 2, longest).fits and not fr.plan(cfg, v, 2, longest + 1024).fits
     finally:
         fr.planner.world.teardown()
 
@@ -229,12 +231,14 @@ def _train(*args, timeout=300):
                           text=True, timeout=timeout)
 
 
-# In the full tier for time (issue 33: the default tier is <= 10 minutes on 2 cores): ~42 s;
+# In the full tier for time (issue 33: the default tier is <= 10 minutes on 2 cores);
 # test_auto's other tests keep auto's choice and refusal in the default tier.
 @pytest.mark.full
 def test_metp_train_auto_prints_its_choice_and_trains(report):
+    # 2 ranks (TP 2): auto plans the frontier at the run's TP size, p = 2's splits being fewer
+    # than p = 4's (~30 s less of the full tier on 2 cores).
     r = _train("--tensor-parallel-mode", "auto", "--train-iters", "3", "--lr-warmup-iters", "1",
-               "--nproc-per-node", "4")
+               "--nproc-per-node", "2")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     out = r.stdout
     assert "ESTIMATE" in out and "**chosen**" in out and "[metp] auto chose " in out, out[:3000]
@@ -245,7 +249,7 @@ def test_metp_train_auto_prints_its_choice_and_trains(report):
     assert f"--tensor-parallel-mode {mode}" in launch and " auto" not in launch, launch
     assert out.count("[metp] auto chose") == 1
     assert "iter     3/3" in out, out[-2000:]
-    report(f"metp train --tensor-parallel-mode auto (tiny-gpt, TP 2 x DP 2, 4 CPU ranks): chose "
+    report(f"metp train --tensor-parallel-mode auto (tiny-gpt, TP 2, 2 CPU ranks): chose "
            f"{chosen}, trained 3 iterations")
 
 

@@ -208,6 +208,9 @@ def _cycles(n: int):
     return rows, alive
 
 
+# In the full tier for time (the default tier is <= 10 minutes on 2 cores; ~13 s):
+# tests/test_reliability_teardown.py keeps ten setup/teardown cycles in the default tier.
+@pytest.mark.full
 def test_ten_runs_with_the_distributed_optimizer_leave_nothing(report):
     # Issue 27 item 4: Megatron's DDP hooks its gradient accumulators with closures over itself,
     # a cycle through C++ autograd nodes that Python's collector cannot free, so every run kept

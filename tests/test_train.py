@@ -282,6 +282,10 @@ def _three_recompute_runs():
                      "--recompute-num-layers", "1"]))}
 
 
+# In the full tier for time (the default tier is <= 10 minutes on 2 cores; ~35 s of three
+# 4-rank runs in fresh workers): tests/test_metp_model.py::test_metp_full_recompute_is_bit_identical
+# keeps METP's full recompute, bit for bit, in the default tier.
+@pytest.mark.full
 def test_full_recompute_trains_the_same_losses(report):
     """``metp train --recompute-granularity full`` (issue 32 item 2): the default job (METP,
     TP 2 x DP 2, hidden dropout 0.1) for 4 iterations without recompute, with every layer
