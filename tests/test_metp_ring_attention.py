@@ -158,7 +158,7 @@ def _cudnn_rows():
     import megatron_metp.kernels as K
     from megatron_metp.metp.ring_attention import ring_attention_backward, ring_attention_forward
 
-    rank, p = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     g = torch.Generator().manual_seed(11 + rank)
     q, k, v, dout = (torch.randn(4, 1, 2, 8, generator=g) for _ in range(4))   # [s, b, n, d]
     q, k, v, dout = (t.permute(1, 2, 0, 3) for t in (q, k, v, dout))          # strided views
