@@ -406,23 +406,28 @@ def backward_rows(
     """``(dout, q, out)`` as :func:`attention_backward` hands them to the backend, made once.
 
     For a caller that runs the backward of many K/V blocks against the same query rows (the
-    rings: p blocks per layer). cuDNN's backward takes dense operands, and PyTorch's flash
-    backward on CUDA a dense ``dout``, so :func:`attention_backward` copies strided ones at
-    every call: at p = 8 that was 8 copies of each Q-sized operand per layer where one does
-    (LLaMA-7B, 128k: the H200 profile's 29 Q-sized copies, ``docs/calibration/README.md``).
-    Converted here, those calls copy nothing. Other backends read strided views as they are
-    and get the tensors back unchanged. ``out`` may be None (when the caller passes ``delta``);
-    ``k``, ``v``: a block's keys and values, which only choose the backend.
+    rings: p blocks per layer). cuDNN's backward takes dense operands, flash-attn dense
+    ``[b, s, heads, d]`` ones and PyTorch's flash backward on CUDA a dense ``dout``, so
+    :func:`attention_backward` copies the others at every call: at p = 8 that was 8 copies of
+    each Q-sized operand per layer where one does (LLaMA-7B, 128k: the H200 profile's 29
+    Q-sized copies, ``docs/calibration/README.md``). Converted here, those calls copy nothing.
+    The CPU and math backends read strided views as they are and get the tensors back
+    unchanged. ``out`` may be None (when the caller passes ``delta``); ``k``, ``v``: a block's
+    keys and values, which only choose the backend.
     """
     name = select_backend(q, k, v, backend)
+    # (.to(dtype, memory_format=...) returns a strided tensor unchanged when its dtype already
+    # matches: hence the separate .contiguous().)
     if name == "torch_cudnn":
-        # (.to(dtype, memory_format=...) returns a strided tensor unchanged when its dtype
-        # already matches: hence the separate .contiguous().)
-        return (dout.to(q.dtype).contiguous(), q.contiguous(),
-                None if out is None else out.to(q.dtype).contiguous())
-    if name == "torch_flash_cuda":
+        dense = torch.Tensor.contiguous
+    elif name == "flash_attn":
+        def dense(t):   # [b, n, s, d] whose transpose(1, 2) flash-attn takes without a copy
+            return t.transpose(1, 2).contiguous().transpose(1, 2)
+    elif name == "torch_flash_cuda":
         return dout.to(q.dtype).contiguous(), q, out
-    return dout, q, out
+    else:
+        return dout, q, out
+    return dense(dout.to(q.dtype)), dense(q), None if out is None else dense(out.to(q.dtype))
 
 
 def merge_partial(

@@ -151,10 +151,19 @@ def test_causal_ring_skips_blocks_above_the_diagonal():
         assert calls == {"fwd": [False] * p, "bwd": [False] * p}
 
 
-def _cudnn_rows():
-    """The ring's backward with the cuDNN backend named, on strided [b, n, s, d] views of
-    [s, b, n, d] tensors (as METP's attention passes Q and dO): what each kernel call is handed,
-    and the gradients. The kernel itself runs the math path (cuDNN needs a Hopper GPU)."""
+def _dense_for(backend: str):
+    """Whether a [b, n, s, d] tensor is in the layout ``backend``'s backward takes without a
+    copy: dense for cuDNN; dense as [b, s, n, d] (its transpose) for flash-attn."""
+    if backend == "flash_attn":
+        return lambda t: t.transpose(1, 2).is_contiguous()
+    return lambda t: t.is_contiguous()
+
+
+def _kernel_rows(backend):
+    """The ring's backward with a CUDA backend named (cuDNN, flash-attn), on strided
+    [b, n, s, d] views of [s, b, n, d] tensors (as METP's attention passes Q and dO): what each
+    kernel call is handed, and the gradients. The kernel itself runs the math path (the CUDA
+    kernels need a GPU)."""
     import megatron_metp.kernels as K
     from megatron_metp.metp.ring_attention import ring_attention_backward, ring_attention_forward
 
@@ -163,27 +172,29 @@ def _cudnn_rows():
     q, k, v, dout = (torch.randn(4, 1, 2, 8, generator=g) for _ in range(4))   # [s, b, n, d]
     q, k, v, dout = (t.permute(1, 2, 0, 3) for t in (q, k, v, dout))          # strided views
     out, lse = ring_attention_forward(None, q, k, v, True, backend="math")
-    seen, bwd = [], K.attention_backward
+    seen, bwd, dense = [], K.attention_backward, _dense_for(backend)
 
     def record(dout_b, q_b, k_b, v_b, out_b, lse_b, **kw):
-        seen.append([(t.is_contiguous(), t.data_ptr()) for t in (dout_b, q_b, out_b)])
+        seen.append([(dense(t), t.data_ptr()) for t in (dout_b, q_b, out_b)])
         return bwd(dout_b, q_b, k_b, v_b, out_b, lse_b, **{**kw, "backend": "math"})
 
     K.attention_backward = record
     try:
-        got = ring_attention_backward(None, dout, q, k, v, out, lse, True, backend="torch_cudnn")
+        got = ring_attention_backward(None, dout, q, k, v, out, lse, True, backend=backend)
     finally:
         K.attention_backward = bwd
     want = ring_attention_backward(None, dout, q, k, v, out, lse, True, backend="math")
     return seen, [(a - b).abs().max().item() for a, b in zip(got, want)]
 
 
-def test_ring_backward_makes_cudnn_rows_dense_once():
-    # cuDNN's backward takes dense dO / Q / O; the ring converts this rank's rows once
-    # (kernels.backward_rows) rather than at each of its p blocks. Rank r of a causal ring runs
-    # r + 1 blocks: every call must get the same dense tensors, and the gradients must be the
-    # ones of the backend-as-is ring (the same math path on the same values: equal bit for bit).
-    for rank, (seen, diffs) in enumerate(run_ranks(4, _cudnn_rows)):
+@pytest.mark.parametrize("backend", ["torch_cudnn", "flash_attn"])
+def test_ring_backward_makes_the_kernels_layout_once(backend):
+    # cuDNN's backward takes dense dO / Q / O, flash-attn's dense [b, s, n, d] ones; the ring
+    # converts this rank's rows once (kernels.backward_rows) rather than at each of its p
+    # blocks. Rank r of a causal ring runs r + 1 blocks: every call must get the same tensors,
+    # in the kernel's layout, and the gradients must be the plain ring's (the same math path on
+    # the same values: equal bit for bit).
+    for rank, (seen, diffs) in enumerate(run_ranks(4, _kernel_rows, backend)):
         assert len(seen) == rank + 1
         for call in seen:
             assert all(dense for dense, _ in call), (rank, call)
@@ -192,9 +203,9 @@ def test_ring_backward_makes_cudnn_rows_dense_once():
     # The other backends read strided views as they are: no copy is made for them.
     q = torch.randn(4, 1, 2, 8).permute(1, 2, 0, 3)
     import megatron_metp.kernels as K
-    for backend in ("torch_flash_cpu", "math"):
-        rows = K.backward_rows(q, q, q, q, q, backend)
-        assert all(t is q for t in rows), backend
-    dense = K.backward_rows(q, q, None, q, q, "torch_cudnn")
-    assert dense[0].is_contiguous() and dense[1].is_contiguous() and dense[2] is None
-    assert torch.equal(dense[0], q) and torch.equal(dense[1], q)
+    for other in ("torch_flash_cpu", "math"):
+        rows = K.backward_rows(q, q, q, q, q, other)
+        assert all(t is q for t in rows), other
+    rows = K.backward_rows(q, q, None, q, q, backend)
+    assert all(_dense_for(backend)(t) for t in rows[:2]) and rows[2] is None
+    assert torch.equal(rows[0], q) and torch.equal(rows[1], q)
