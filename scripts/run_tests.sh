@@ -43,11 +43,18 @@ timeout 300 bash scripts/slurm/local_cluster.sh start \
   || echo "run_tests.sh: no local SLURM cluster; tests/test_slurm.py will skip its real jobs"
 echo "=== full tier, 1 of 2: $VENV, every test (-m '') ==="
 RC1=0
-# Megatron-LM's checkpoint matrix and its LLaMA runs (7 launches, ~100 s) run on 0.19.2 only,
-# the release users run; the GPT runs, the resumes and the docs' pretrain_gpt.py blocks run here.
+# tests/test_megatron_lm_training.py's launches (the GPT and LLaMA runs in every mode, the
+# resumes, the checkpoint matrix: 12 launches, ~100 s here) run on 0.19.2 only, the release
+# users run. Here Megatron-LM core_v0.16.1's loop runs through the README's pretrain_gpt.py
+# blocks (tests/test_docs_commands.py: metp TP 2 x DP 2 through the no-patch route, a tp save
+# resumed under metp) and the bad-flag refusals; the patch applies to it (patches/README.md).
+MLT=tests/test_megatron_lm_training.py
 "$VENV/bin/python" -m pytest -q -rs --durations=25 -m "" \
-  --deselect tests/test_megatron_lm_training.py::test_llama_modes_train_alike_in_megatron_lm_s_loop \
-  --deselect tests/test_megatron_lm_training.py::test_checkpoints_move_between_modes_bit_for_bit \
+  --deselect $MLT::test_modes_train_alike_in_megatron_lm_s_loop \
+  --deselect $MLT::test_llama_modes_train_alike_in_megatron_lm_s_loop \
+  --deselect $MLT::test_resume_from_a_tp_checkpoint_under_metp_and_wallfacer \
+  --deselect $MLT::test_checkpoints_move_between_modes_bit_for_bit \
+  --deselect $MLT::test_training_log_reports_tflops_in_every_mode \
   "$@" || RC1=$?
 T1=$(date +%s)
 
@@ -73,6 +80,7 @@ if [ -n "${MEGATRON_LM_019_PATH:-}" ]; then megatron_lm_extra "$V19"; fi
 # wallfacer CP 2, bit for bit, through pretrain_gpt.py) and checkpoint keys.
 MEGATRON_LM_PATH="${MEGATRON_LM_019_PATH:-}" "$V19/bin/python" -m pytest -q -rs --durations=15 \
   -m "" --deselect "tests/test_metp_model.py::test_metp_model_equals_tp_model[8]" \
+  --deselect tests/test_wallfacer_model.py::test_wallfacer_composes_with_tensor_parallelism \
   tests/test_layers.py tests/test_tp_baseline.py tests/test_metp_model.py \
   tests/test_wallfacer_model.py tests/test_checkpoint_keys.py tests/test_checkpoint_damage.py \
   tests/test_packed.py tests/test_cpu_compat.py \
