@@ -8,7 +8,7 @@
 #                                      jobs, the 8-rank and bisection cases included), then the
 #                                      model, checkpoint, packed and Megatron-LM tests again on
 #                                      megatron-core 0.19.2 / Python 3.12 (./.venv-mcore019);
-#                                      Megatron-LM's checkpoint matrix and LLaMA runs on 0.19.2 only
+#                                      tests/test_megatron_lm_training.py's launches on 0.19.2 only
 #
 # Extra arguments go to pytest (the first environment's run under --full).
 # Megatron-LM's training loop runs where MEGATRON_LM_PATH (core_v0.16.1) and

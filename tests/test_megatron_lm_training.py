@@ -13,8 +13,9 @@ Runs (GPT on 4 ranks, the rest on 1-2): tp (TP 1, the reference), metp (TP 2 x D
 wallfacer (CP 2 x DP 2), each saving at 5 and 10; resumes from tp's iteration 5 under metp
 (TP 2 x PP 2, full recompute, through the patch) and wallfacer; the checkpoint matrix (load
 under another mode, save again at once, compare every tensor); LLaMA in every mode (metp with
-the distributed optimizer). The checkpoint matrix and the LLaMA runs run in the full tier's
-0.19.2 environment only (``scripts/run_tests.sh`` deselects them on 0.16.1, for time). Every run: a tiny GPT (LayerNorm, GeLU, learned positions, tied embeddings) or LLaMA (RMSNorm,
+the distributed optimizer). The launches run in the full tier's 0.19.2 environment only
+(``scripts/run_tests.sh`` deselects them on 0.16.1, for time, where the README's
+``pretrain_gpt.py`` blocks run Megatron-LM's loop, tests/test_docs_commands.py). Every run: a tiny GPT (LayerNorm, GeLU, learned positions, tied embeddings) or LLaMA (RMSNorm,
 SwiGLU, RoPE, GQA, untied), fp32, dropout 0, Megatron's mock data, 10 iterations of global
 batch 8, ``--use-cpu-initialization`` (initial weights independent of the TP size). Losses are
 read from ``training_log``'s lines on the last rank.
@@ -62,7 +63,7 @@ def _skip_reason() -> str:
     return ""
 
 
-# The whole module is in the full tier: ~4 minutes of Megatron-LM launches on 2 cores.
+# The whole module is in the full tier: ~4-5 minutes of Megatron-LM launches on 2 cores.
 pytestmark = [pytest.mark.full,
               pytest.mark.skipif(bool(_skip_reason()), reason=_skip_reason() or "runs")]
 
@@ -240,9 +241,9 @@ def test_modes_train_alike_in_megatron_lm_s_loop(runs, report):
     _modes_train_alike(runs, "gpt", report)
 
 
-# Run by the full tier's megatron-core 0.19.2 environment, the release users run; the 0.16.1
-# environment deselects it, with the checkpoint matrix, for time (scripts/run_tests.sh: the
-# full tier is <= 40 minutes on 2 cores). The GPT runs above cover both releases.
+# Like every launch of this module, run by the full tier's megatron-core 0.19.2 environment, the
+# release users run; the 0.16.1 environment deselects them for time (scripts/run_tests.sh: the
+# full tier is <= 40 minutes on 2 cores).
 def test_llama_modes_train_alike_in_megatron_lm_s_loop(llama_runs, report):
     _modes_train_alike(llama_runs, "llama", report)
     for name, r in llama_runs.items():
@@ -270,9 +271,7 @@ def test_resume_from_a_tp_checkpoint_under_metp_and_wallfacer(runs, report):
 
 
 # The checkpoint matrix: four more launches (~60 s on 2 cores), run by the full tier's
-# megatron-core 0.19.2 environment only (see the LLaMA test above); the GPT runs resume tp's
-# checkpoint under metp and wallfacer to the uninterrupted losses on both releases.
-# docs/results.md has its last run.
+# megatron-core 0.19.2 environment (see the LLaMA test above). docs/results.md has its last run.
 @pytest.mark.full
 def test_checkpoints_move_between_modes_bit_for_bit(runs, report):
     # Load X's iteration 5 under Y, save it again at once (no step), compare every tensor of
