@@ -30,27 +30,35 @@ _CTX = mp.get_context("forkserver")
 _PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron.core.models.gpt",
             "megatron.core.optimizer", "megatron.core.distributed", "tests._harness"]
 _SERVER_STARTED = [False]
+# The environment the server (and so every worker) starts with: the session's, as conftest
+# leaves it at start-up (freeze_env), not that of whichever test first needs a pool (a test's
+# monkeypatched variables would otherwise reach every later worker).
+_ENV: Dict[str, str] = {}
+
+
+def freeze_env() -> None:
+    _ENV.clear()
+    _ENV.update(os.environ)
 
 
 def _start_server() -> None:
-    """Start the fork server once, importing :data:`_PRELOAD` with CUDA hidden: a worker decides
-    CPU or GPU from ``torch.cuda.is_available()``, which must not see a GPU on a GPU machine
-    (the CPU tier; tests/test_gpu.py starts its own processes), and a process that has touched
-    CUDA must not fork."""
+    """Start the fork server once, importing :data:`_PRELOAD`, in the session's environment with
+    CUDA hidden: a worker decides CPU or GPU from ``torch.cuda.is_available()``, which must not
+    see a GPU on a GPU machine (the CPU tier; tests/test_gpu.py starts its own processes), and a
+    process that has touched CUDA must not fork."""
     if _SERVER_STARTED[0]:
         return
     from multiprocessing import forkserver
 
     _CTX.set_forkserver_preload(_PRELOAD)
-    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(_ENV or saved, CUDA_VISIBLE_DEVICES="")
     try:
         forkserver.ensure_running()
     finally:
-        if saved is None:
-            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = saved
+        os.environ.clear()
+        os.environ.update(saved)
     _SERVER_STARTED[0] = True
 
 

@@ -15,6 +15,7 @@ _REPORT: list[str] = []
 # Every process the suite starts inherits this marker (see tests/_procs.py).
 _SESSION = f"suite-{uuid.uuid4().hex[:12]}"
 os.environ[_procs.MARKER] = _SESSION
+_harness.freeze_env()  # what the rank workers start with (tests/_harness.py)
 _LEFT: list[str] = []
 
 
