@@ -37,13 +37,9 @@ def main() -> None:
     except hooks.MetpConfigError as e:
         raise hooks.refuse(e) from None
     runpy.run_path(path, run_name="__main__")
-    # Megatron-LM's pretrain() returns with its process groups alive; a gloo group's threads
-    # then meet interpreter shutdown ("terminate called without an active exception", rank 3 of
-    # 4 once in a full-tier run, after its last iteration). Ended here, after a normal return.
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    # Megatron-LM's pretrain() returns with its process groups alive: end them (a gloo group's
+    # threads would meet interpreter shutdown and abort the rank).
+    hooks.end_process_groups()
 
 
 if __name__ == "__main__":

@@ -380,3 +380,29 @@ def test_plugin_torchrun_refuses_before_any_rank_and_otherwise_is_torchrun(tmp_p
                           capture_output=True, text=True, timeout=120)
     assert good.returncode == 0, good.stderr[-2000:]
     assert sorted((f.name, f.read_text()) for f in started.iterdir()) == [("0", "2"), ("1", "2")]
+
+
+def test_groups_end_after_a_normal_return_only(monkeypatch):
+    """``megatron_lm_hooks.end_process_groups`` (both routes run it after ``pretrain()``: the
+    no-patch script explicitly, the patch at exit): it ends a live group, and after an uncaught
+    exception (``sys.last_value`` set) it leaves the groups alone."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from megatron_metp import megatron_lm_hooks as hooks
+
+    monkeypatch.delattr(sys, "last_value", raising=False)
+    for failed in (True, False):
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=datetime.timedelta(seconds=30))
+        try:
+            if failed:
+                monkeypatch.setattr(sys, "last_value", RuntimeError("a rank failed"),
+                                    raising=False)
+            hooks.end_process_groups()
+            assert dist.is_initialized() == failed
+        finally:
+            monkeypatch.delattr(sys, "last_value", raising=False)
+            if dist.is_initialized():
+                dist.destroy_process_group()
