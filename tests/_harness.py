@@ -25,7 +25,10 @@ import torch.multiprocessing as mp
 # Workers fork from a server process that has imported torch and Megatron-Core once (~5 s of
 # CPU a rank under "spawn", which re-imports them in every worker: an 8-rank pool started in 23 s
 # on 2 cores, in 7 s this way, the server's own imports included, and a later pool in ~1 s).
-# Each worker is still a new process with its own state; only the imports are shared.
+# Each worker is still a new process with its own state; only the imports are shared, and with
+# them the interpreter's hash salt: ranks here order sets of strings alike, where torchrun's
+# ranks (separate interpreters) may not. The launched runs (metp train, pretrain_gpt.py, SLURM,
+# the docs tier) keep covering that.
 _CTX = mp.get_context("forkserver")
 _PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron.core.models.gpt",
             "megatron.core.optimizer", "megatron.core.distributed", "tests._harness"]
