@@ -6,9 +6,6 @@ Each block carries a marker on the line before it (an HTML comment, so it does n
     <!-- docs-tier: run -->                        runs as written, must exit 0
     <!-- docs-tier: run; append: ARGS -->          ARGS (tiny sizes only) appended to each command
     <!-- docs-tier: fails N "TEXT"; append: ... --> must exit N and print TEXT
-    <!-- docs-tier: run by tests/F.py::test_T -->  test_T runs it (its source holds every line of
-                                                   the block; flags it appends as above): a
-                                                   default-tier test that checks what it prints
     <!-- docs-tier: not run: REASON -->            a GPU-only or template command; REASON says why
     <!-- docs-tier: not a command -->              a file tree, a table, Python's output ...
 
@@ -109,10 +106,6 @@ def _block(rel: str, line: int, body: List[str], marker: Optional[str]) -> Block
         b.kind, b.rc, b.expect = "fails", int(_FAILS.match(head).group(1)), _FAILS.match(head).group(2)
     elif head.startswith("not run: "):
         b.kind, b.reason = "not run", head[len("not run: "):]
-    elif head.startswith("run by "):
-        # Another test runs the block as written (with the flags it appends) and checks what it
-        # prints: test_every_block_is_marked checks that the test exists and holds the command.
-        b.kind, b.reason = "run by", head[len("run by "):]
     elif head == "not a command":
         b.kind = "not a command"
     else:
@@ -176,27 +169,14 @@ def _with_args(text: str, extra: str) -> str:
 
 def test_every_block_is_marked(report):
     bad = [f"{b.id} {b.kind}: {b.text.splitlines()[0][:80]!r}" for b in ALL
-           if b.kind not in ("run", "fails", "not run", "not a command", "run by")]
+           if b.kind not in ("run", "fails", "not run", "not a command")]
     assert not bad, "blocks without a valid docs-tier marker:\n" + "\n".join(bad)
-    for b in (b for b in ALL if b.kind == "run by"):
-        # "run by tests/x.py::test_y": that test's source holds every line of the block.
-        import ast
-
-        path, _, name = b.reason.partition("::")
-        tree = ast.parse((ROOT / path).read_text())
-        fn = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name]
-        assert fn, f"{b.id}: {b.reason} names no test"
-        src = ast.get_source_segment((ROOT / path).read_text(), fn[0])
-        missing = [ln for ln in b.text.splitlines() if ln.strip() and ln.strip() not in src]
-        assert not missing, f"{b.id}: {b.reason} does not run {missing}"
     # A block whose marker does not say it fails must not be one of the refusals it documents.
     assert all(b.reason for b in ALL if b.kind == "not run")
-    n = {k: sum(b.kind == k for b in ALL)
-         for k in ("run", "fails", "run by", "not run", "not a command")}
+    n = {k: sum(b.kind == k for b in ALL) for k in ("run", "fails", "not run", "not a command")}
     report(f"docs tier: {len(ALL)} blocks in {len(FILES)} files: {n['run']} run, {n['fails']} "
-           f"expected to fail, {n['run by']} run by another test (named beside each), "
-           f"{n['not run']} not run here (GPU or template, reason beside each), "
-           f"{n['not a command']} not commands")
+           f"expected to fail, {n['not run']} not run here (GPU or template, reason beside "
+           f"each), {n['not a command']} not commands")
     assert n["run"] >= 10
 
 
