@@ -27,7 +27,7 @@ def report():
 
 def _leftovers() -> dict:
     """Marked processes still running, less this process's own resource tracker (started by
-    the rank pools' spawn context; it ends when pytest does)."""
+    the rank pools' multiprocessing context, forkserver; it ends when pytest does)."""
     return {pid: cmd for pid, cmd in _procs.marked(_SESSION).items()
             if not (_procs.parent(pid) == os.getpid() and "resource_tracker" in cmd)}
 
