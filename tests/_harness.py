@@ -105,6 +105,19 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
 
     # Two CI cores shared by up to 8 ranks: more intra-op threads only add contention.
     torch.set_num_threads(1)
+    # A worker serves many tests, and Megatron's fused functions (bias-dropout-add, bias-GeLU,
+    # SwiGLU) are torch.compile'd: each new shape, dtype or requires_grad compiles another
+    # variant. Past dynamo's limit of 8 a new variant runs eagerly instead, and eager dropout
+    # draws other masks than the compiled one. A full-recompute run then differed from the
+    # same run without recompute from iteration 1 on (its no-grad forward ran eagerly, its
+    # recomputation compiled), though only in workers that had served earlier tests; in a fresh
+    # process every variant compiles (NVIDIA/Megatron-LM#1888 is the same limit in training).
+    # A limit no session reaches keeps every task's results those of a fresh process without
+    # compiling again for each task (torch._dynamo.reset() per task cost ~10 % more time).
+    import torch._dynamo
+
+    torch._dynamo.config.recompile_limit = 4096
+    torch._dynamo.config.accumulated_recompile_limit = 1 << 16
     dist.init_process_group(
         "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=90)
     )

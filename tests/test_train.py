@@ -15,7 +15,7 @@ import pytest
 from megatron_metp import launch
 from megatron_metp.training import cli
 from megatron_metp.training.train_report import Reporter
-from tests._harness import run_in_own_workers, run_ranks
+from tests._harness import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -282,8 +282,8 @@ def _three_recompute_runs():
                      "--recompute-num-layers", "1"]))}
 
 
-# In the full tier for time (the default tier is <= 10 minutes on 2 cores; ~35 s of three
-# 4-rank runs in fresh workers): tests/test_metp_model.py::test_metp_full_recompute_is_bit_identical
+# In the full tier for time (the default tier is <= 10 minutes on 2 cores; ~20 s of three
+# 4-rank runs): tests/test_metp_model.py::test_metp_full_recompute_is_bit_identical
 # keeps METP's full recompute, bit for bit, in the default tier.
 @pytest.mark.full
 def test_full_recompute_trains_the_same_losses(report):
@@ -292,13 +292,7 @@ def test_full_recompute_trains_the_same_losses(report):
     checkpointed (uniform 1) and with only the first (block 1). Megatron's CheckpointFunction
     restores the RNG streams before it runs the forward again, so the dropout masks, the rings'
     order and every kernel repeat exactly: the losses must be equal bit for bit."""
-    # One set of fresh workers for the three runs: in one default-tier run (fresh clone,
-    # 2026-11-25) both recomputed runs differed from the plain one from iteration 1 on, after
-    # the shared 4-rank workers had served earlier tests; alone, or after test_train.py's or
-    # test_packed.py's tests, they are equal. Some state a previous test leaves in a worker
-    # (not found yet) reaches the recompute path; fresh workers keep this test about
-    # recompute (the three runs one after another in them are equal: checked 2026-11-25).
-    runs = run_in_own_workers(4, _three_recompute_runs, timeout=300)[0]
+    runs = run_ranks(4, _three_recompute_runs, timeout=300)[0]
     report(f"metp train full recompute (TP 2 x DP 2, dropout 0.1): losses {runs}")
     assert len(runs["none"]) == 4
     assert runs["uniform-1"] == runs["none"] and runs["block-1"] == runs["none"]
