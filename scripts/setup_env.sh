@@ -61,4 +61,6 @@ if [ ! -f "$STAMP" ] || ! cmp -s pyproject.toml "$STAMP"; then
   $PIP install -e ".[test]" 2>&1 | quiet
   cp pyproject.toml "$STAMP"
 fi
-PYTHONWARNINGS=ignore "$VENV/bin/python" -c "import sys, torch, megatron.core, megatron_metp; from importlib.metadata import version as v; print('$VENV: Python', sys.version.split()[0], '| torch', torch.__version__, '| megatron-core', v('megatron-core'))" 2>&1 | quiet
+# The versions from the installed metadata: importing megatron.core to print them took ~5 s of
+# every run_main.sh / run_tests.sh call (torch's import is checked above, the plugin's here).
+PYTHONWARNINGS=ignore "$VENV/bin/python" -c "import sys, megatron_metp; from importlib.metadata import version as v; print('$VENV: Python', sys.version.split()[0], '| torch', v('torch'), '| megatron-core', v('megatron-core'))" 2>&1 | quiet
