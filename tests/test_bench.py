@@ -207,10 +207,12 @@ def test_calibration_of_stock_tp_and_its_profile():
     # sequence (s = 256 tokens, h = 64) by its weight shards (qkv, fc1), and those GEMMs are
     # found under their own shapes.
     ops = k["ops"]
-    assert ops == sorted(ops, key=lambda r: -r["time_s"]) and len(ops) <= 25
+    assert ops == sorted(ops, key=lambda r: -r["time_s"])
     assert all(r["op"].startswith("aten::") and r["count"] >= 1 for r in ops)
     assert any(r["op"] == "aten::mm" and r["shapes"][0] == [256, 64] for r in ops), ops
-    assert sum(r["time_s"] for r in ops) <= k["time_s"] * (1 + 1e-9)
+    # Every op is listed, so that the time can be split by kind: on a CPU both sums are the
+    # same aten ops' self times, grouped two ways (float summation order only).
+    assert sum(r["time_s"] for r in ops) == pytest.approx(k["time_s"], rel=1e-9)
 
 
 def test_calibration_runs_the_frontiers_configurations():

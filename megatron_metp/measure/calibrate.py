@@ -126,8 +126,9 @@ def _kind(name: str) -> str:
 def _profile(step, device: torch.device, top: int = 25) -> Dict:
     """One ``step()`` under ``torch.profiler``: device kernels (on a CPU, aten ops' self time)
     summed by name, the ``top`` longest listed, and totals per class (:func:`_kind`). ``ops``
-    attributes the same time to the aten ops that launched it, by name and input shapes (the
-    ``top`` longest): a kernel's name alone rarely says which line of the layer it came from."""
+    attributes the same time to the aten ops that launched it, by name and input shapes (every
+    op, longest first, so that the time can be split by kind of op): a kernel's name alone
+    rarely says which line of the layer it came from."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -161,10 +162,10 @@ def _profile(step, device: torch.device, top: int = 25) -> Dict:
         k["time_s"] += r["time_s"]
     return {"source": "CUDA kernels" if cuda else "aten ops (self CPU time)",
             "count": sum(r["count"] for r in rows), "time_s": sum(r["time_s"] for r in rows),
-            "by_kind": totals, "top": rows[:top], "ops": _ops_by_shape(prof, cuda, top)}
+            "by_kind": totals, "top": rows[:top], "ops": _ops_by_shape(prof, cuda)}
 
 
-def _ops_by_shape(prof, cuda: bool, top: int) -> list:
+def _ops_by_shape(prof, cuda: bool) -> list:
     """The profiled step's aten ops grouped by name and input shapes, each with the device time
     of the kernels it launched (on a CPU: its self CPU time), longest first."""
     rows = []
@@ -176,7 +177,7 @@ def _ops_by_shape(prof, cuda: bool, top: int) -> list:
         if t > 0:
             rows.append({"op": avg.key, "shapes": [list(x) for x in avg.input_shapes if x],
                          "count": avg.count, "time_s": t * 1e-6})
-    return sorted(rows, key=lambda r: -r["time_s"])[:top]
+    return sorted(rows, key=lambda r: -r["time_s"])
 
 
 def _setting(res: Dict) -> str:

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# A lent GPU's checks as one prepared run (docs/calibration/README.md): the GPU tier, the
+# bandwidth of each kind of elementwise op, and `metp bench --calibrate --calibrate-profile` of
+# LLaMA-7B rank 7 of p = 8 for the frontier's configurations at 128k and 256k, each family's
+# default beside them. Everything lands in $OUT (default out/gpu): run.log and the JSON files.
+#
+#   bash scripts/gpu_session.sh
+#
+# It uses the python3 that holds a CUDA torch, as found, and installs nothing from the network:
+# wheels in .whl/ (megatron-core for that Python) are installed into /tmp/site first. Each step
+# has its own time limit, most informative first, so a run cut short still reports the rest.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out/gpu}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+exec > >(tee "$OUT/run.log") 2>&1
+T0=$(date +%s)
+step() {
+  local limit=$1 t rc
+  shift
+  t=$(date +%s)
+  echo "=== [$(( t - T0 )) s] $* (limit ${limit} s)"
+  timeout "$limit" "$@"
+  rc=$?
+  echo "=== rc $rc in $(( $(date +%s) - t )) s"
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+step 60 python3 -c "import sys, torch, megatron.core as m; print('Python', sys.version.split()[0], '| torch', torch.__version__, '| megatron-core', m.__version__, '|', torch.cuda.get_device_name(), '| cuDNN', torch.backends.cudnn.version())"
+step 170 python3 -m pytest -q -rs --durations=8 tests/test_gpu.py tests/test_kernels.py
+step 45 python3 scripts/elementwise_bandwidth.py --json "$OUT/elementwise.json"
+CAL="python3 -m megatron_metp.training.cli bench --calibrate --calibrate-model llama-7b"
+# 128k: the frontier's METP (whole pass, save+fc1) and stock's fastest fitting (TP 8 + SP with
+# layernorm and mlp recompute), then each family's default; 32k beside them (stock fits there).
+step 50 $CAL --calibrate-mode metp --calibrate-metp-ring-pass whole --calibrate-metp-qkv-backward save+fc1 --seq-lengths 32768,131072 --iters 3 --calibrate-profile --json "$OUT/prof_metp_save_fc1.json"
+step 50 $CAL --calibrate-mode tp --calibrate-recompute-modules layernorm mlp --seq-lengths 131072 --iters 3 --calibrate-profile --json "$OUT/prof_tp_ln_mlp.json"
+step 50 $CAL --calibrate-mode metp --seq-lengths 32768,131072 --iters 3 --calibrate-profile --json "$OUT/prof_metp.json"
+step 50 $CAL --calibrate-mode tp --seq-lengths 32768 --iters 3 --calibrate-profile --json "$OUT/prof_tp.json"
+# 256k: the frontier's METP (whole pass, save, layernorm recompute) and stock's full recompute
+# (the per-layer cost of the 23 of 32 layers stock recomputes there).
+step 60 $CAL --calibrate-mode metp --calibrate-metp-ring-pass whole --calibrate-metp-qkv-backward save --calibrate-recompute-modules layernorm --seq-lengths 262144 --iters 3 --json "$OUT/fr_metp_256k.json"
+step 60 $CAL --calibrate-mode tp --calibrate-recompute-full --seq-lengths 262144 --iters 3 --json "$OUT/fr_tp_full_256k.json"
+echo "=== done in $(( $(date +%s) - T0 )) s"
