@@ -2,7 +2,7 @@
 # A lent GPU's checks as one prepared run (docs/calibration/README.md): the GPU tier, the
 # bandwidth of each kind of elementwise op, and `metp bench --calibrate --calibrate-profile` of
 # LLaMA-7B rank 7 of p = 8 for the frontier's configurations at 128k and 256k, each family's
-# default beside them. Everything lands in $OUT (default out/gpu): run.log and the JSON files.
+# default beside them, and stock's plain layer at 32k and 256k. Everything lands in $OUT (default out/gpu): run.log and the JSON files.
 #
 #   bash scripts/gpu_session.sh
 #
@@ -42,7 +42,9 @@ CAL="python3 -m megatron_metp.training.cli bench --calibrate --calibrate-model l
 step 50 $CAL --calibrate-mode metp --calibrate-metp-ring-pass whole --calibrate-metp-qkv-backward save+fc1 --seq-lengths 32768,131072 --iters 3 --calibrate-profile --json "$OUT/prof_metp_save_fc1.json"
 step 50 $CAL --calibrate-mode tp --calibrate-recompute-modules layernorm mlp --seq-lengths 131072 --iters 3 --calibrate-profile --json "$OUT/prof_tp_ln_mlp.json"
 step 50 $CAL --calibrate-mode metp --seq-lengths 32768,131072 --iters 3 --calibrate-profile --json "$OUT/prof_metp.json"
-step 50 $CAL --calibrate-mode tp --seq-lengths 32768 --iters 3 --calibrate-profile --json "$OUT/prof_tp.json"
+# stock's plain layer: 32k (fits without recompute) and 256k (the 9 of 32 layers stock does not
+# recompute there)
+step 70 $CAL --calibrate-mode tp --seq-lengths 32768,262144 --iters 3 --calibrate-profile --json "$OUT/prof_tp.json"
 # 256k: the frontier's METP (whole pass, save, layernorm recompute) and stock's full recompute
 # (the per-layer cost of the 23 of 32 layers stock recomputes there).
 step 60 $CAL --calibrate-mode metp --calibrate-metp-ring-pass whole --calibrate-metp-qkv-backward save --calibrate-recompute-modules layernorm --seq-lengths 262144 --iters 3 --json "$OUT/fr_metp_256k.json"
