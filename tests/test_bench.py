@@ -172,8 +172,11 @@ def test_calibration_path_runs_one_rank_with_comm_stubbed(report):
     for r, out in res.items():
         assert out["rank"] == r and out["measured_s"] > 0 and out["estimate_s"] > 0
         assert len(out["samples_s"]) == 2 and out["compute_ops"] > 0
+        # The comparison with the estimate leaves out the fake process group's copies.
+        assert 0 < out["stub_copies_s"] < out["measured_s"]
+        assert out["measured_net_s"] == pytest.approx(out["measured_s"] - out["stub_copies_s"])
         assert out["measured_over_estimate"] == pytest.approx(
-            out["measured_s"] / out["estimate_s"])
+            out["measured_net_s"] / out["estimate_s"])
     # The balanced layout: both ranks run the same kernels; their bookkeeping differs by a few
     # ops (a piece of half the keys starts its dK/dV accumulator from zeros, a whole block from
     # its own gradients), so the counts agree to within 5 %.
@@ -237,6 +240,24 @@ def test_calibration_runs_the_frontiers_configurations():
 
     plain, full, mlp = (run("tp"), run("tp", full_recompute=True),
                         run("tp", recompute_modules=["layernorm", "mlp"]))
+    # The fake process group's copies, found by the profiler under the c10d ops, are the ones
+    # torch's FakeProcessGroup makes: one per chunk of an all-gather's output (p = 2) and one
+    # per reduce-scatter; the collectives are counted independently, by the op trace's
+    # dispatch mode, for the same configuration.
+    from megatron_metp.measure.op_trace import trace_layer
+    from megatron_metp.measure.planner import FakeWorld
+
+    for (_, _, out), kw in ((plain, {}), (full, dict(full_recompute=True)),
+                            (mlp, dict(recompute_modules=["layernorm", "mlp"]))):
+        world = FakeWorld(rank=1)
+        try:
+            comms = [o for o in trace_layer(cfg, "tp", 2, 256, world=world, **kw)
+                     if o.kind == "comm"]
+        finally:
+            world.teardown()
+        expected = sum(o.group_size if o.name == "all_gather" else 1 for o in comms
+                       if o.name in ("all_gather", "reduce_scatter"))
+        assert out["kernels"]["stub_copies"]["count"] == expected > 0, (kw, comms)
     assert plain[0] < mlp[0] < full[0] and plain[1] < mlp[1] < full[1], (plain, mlp, full)
     assert full[2]["full_recompute"] and mlp[2]["recompute_modules"] == ["layernorm", "mlp"]
     rec, kept = run("metp"), run("metp", qkv_backward="save+fc1")
