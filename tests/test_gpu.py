@@ -180,10 +180,11 @@ def test_calibration_one_gpu_against_the_timeline(tmp_path, report):
     # Rank 7 of 8's share of one LLaMA-7B layer (bf16, METP, every head group in one pass at
     # 32k; the per-head-group loop with head slices at 128k), measured on one GPU with its
     # communication stubbed, against the timeline's compute + host ESTIMATE on the GPU's data
-    # sheet (H100 numbers are used on any GPU; another GPU is reported, not judged). The band
-    # is wide on purpose: the estimate assumes 50 % of bf16 peak for every GEMM and kernel, 80 %
-    # of HBM for the rest, 10 us of host time per op; a ratio outside [0.25, 4] means it does
-    # not describe this GPU at all, and the numbers in docs/timeline need revisiting.
+    # sheet (H100 numbers are used on any GPU; another GPU is reported, not judged), the
+    # measured step less the fake process group's copies (measured_net_s). The band is wide on
+    # purpose: the estimate's efficiencies are fitted (measure/fitted.py) and one number each;
+    # a ratio outside [0.25, 4] means it does not describe this GPU at all, and the numbers in
+    # docs/timeline need revisiting.
     out = tmp_path / "calibration.json"
     proc = subprocess.run(
         [sys.executable, "-m", "megatron_metp.training.cli", "bench", "--calibrate",

@@ -12,8 +12,10 @@ HOST_OP_US = 30.0             # host microseconds to issue one traced op
 
 # How much faster than stock's fastest fitting configuration a plugin family must be ESTIMATED
 # before ``--tensor-parallel-mode auto`` leaves stock for it (``measure.auto``). Not a fitted
-# input of the model but its measured error: on the second H200 calibration
-# (docs/calibration/README.md) the model favoured METP by 6-7 % on the frontier's own 128k and
-# 256k configurations and by 8-16 % on the default layers at 32k-128k, per rank. A lead inside
-# that is not a lead; 10 % covers the configurations auto chooses between.
+# input of the model but its measured error: on the third calibration (an H100, with the op
+# trace's view fix and the fake process group's copies left out; docs/calibration/README.md)
+# the model favoured METP by 6 % on the frontier's own 128k and 256k configurations and by 8 %
+# at 32k, per rank (the second, on an H200 without those fixes: 6-7 %, and 8-16 % on the
+# default layers). A lead inside that is not a lead; 10 % covers the configurations auto
+# chooses between.
 AUTO_LEAD_MARGIN = 1.10
