@@ -1,5 +1,6 @@
-"""The docs tier (issue 34): every command block in README.md, docs/*.md and
-scripts/slurm/README.md runs, as written, in a test.
+"""The docs tier (issue 34): every command block in README.md, docs/*.md,
+docs/calibration/README.md, docs/timeline/README.md and scripts/slurm/README.md runs, as
+written, in a test.
 
 Each block carries a marker on the line before it (an HTML comment, so it does not render):
 
@@ -34,7 +35,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 FILES = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")),
-         "docs/calibration/README.md", "scripts/slurm/README.md"]
+         "docs/calibration/README.md", "docs/timeline/README.md", "scripts/slurm/README.md"]
 _MARK = re.compile(r"^\s*<!-- docs-tier: (.*?) -->\s*$")
 _FAILS = re.compile(r'^fails (\d+) "([^"]*)"$')
 
