@@ -2,13 +2,18 @@
 # A lent GPU's checks as one prepared run (docs/calibration/README.md): the GPU tier, the
 # bandwidth of each kind of elementwise op, and `metp bench --calibrate --calibrate-profile` of
 # LLaMA-7B rank 7 of p = 8 for the frontier's configurations at 128k and 256k, each family's
-# default beside them, and stock's plain layer at 32k and 256k. Everything lands in $OUT (default out/gpu): run.log and the JSON files.
+# default beside them, and stock's plain layer at 32k and 256k. Everything lands in $OUT
+# (default out/gpu): run.log and the JSON files.
 #
 #   bash scripts/gpu_session.sh
 #
 # It uses the python3 that holds a CUDA torch, as found, and installs nothing from the network:
-# wheels in .whl/ (megatron-core for that Python) are installed into /tmp/site first. Each step
-# has its own time limit, most informative first, so a run cut short still reports the rest.
+# wheels in .whl/ are installed into /tmp/site first, e.g. megatron-core for a Python 3.12
+# machine without network, fetched beforehand on one with it:
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --platform manylinux_2_28_x86_64 -d .whl megatron-core==0.19.2
+# Each step has its own time limit, most informative first, so a run cut short still reports
+# the rest (about 4 minutes in all on an H100 or H200).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/gpu}
@@ -39,9 +44,9 @@ step 45 python3 scripts/elementwise_bandwidth.py --json "$OUT/elementwise.json"
 CAL="python3 -m megatron_metp.training.cli bench --calibrate --calibrate-model llama-7b"
 # 128k: the frontier's METP (whole pass, save+fc1) and stock's fastest fitting (TP 8 + SP with
 # layernorm and mlp recompute), then each family's default; 32k beside them (stock fits there).
-step 50 $CAL --calibrate-mode metp --calibrate-metp-ring-pass whole --calibrate-metp-qkv-backward save+fc1 --seq-lengths 32768,131072 --iters 3 --calibrate-profile --json "$OUT/prof_metp_save_fc1.json"
-step 50 $CAL --calibrate-mode tp --calibrate-recompute-modules layernorm mlp --seq-lengths 131072 --iters 3 --calibrate-profile --json "$OUT/prof_tp_ln_mlp.json"
-step 50 $CAL --calibrate-mode metp --seq-lengths 32768,131072 --iters 3 --calibrate-profile --json "$OUT/prof_metp.json"
+step 70 $CAL --calibrate-mode metp --calibrate-metp-ring-pass whole --calibrate-metp-qkv-backward save+fc1 --seq-lengths 32768,131072 --iters 3 --calibrate-profile --json "$OUT/prof_metp_save_fc1.json"
+step 70 $CAL --calibrate-mode tp --calibrate-recompute-modules layernorm mlp --seq-lengths 131072 --iters 3 --calibrate-profile --json "$OUT/prof_tp_ln_mlp.json"
+step 70 $CAL --calibrate-mode metp --seq-lengths 32768,131072 --iters 3 --calibrate-profile --json "$OUT/prof_metp.json"
 # stock's plain layer: 32k (fits without recompute) and 256k (the 9 of 32 layers stock does not
 # recompute there)
 step 70 $CAL --calibrate-mode tp --seq-lengths 32768,262144 --iters 3 --calibrate-profile --json "$OUT/prof_tp.json"

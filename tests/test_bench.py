@@ -158,7 +158,8 @@ def test_bench_bad_input_names_the_flag():
 
 def test_calibration_path_runs_one_rank_with_comm_stubbed(report):
     # metp bench --calibrate on CPU: rank r's share of a tiny-gpt layer on the fake process
-    # group (communication returns at once), measured, next to its traced estimate. On CPU this
+    # group (communication returns at once; its copies are left out), measured, next to its
+    # traced estimate. On CPU this
     # checks the path; the comparison that calibrates the timeline is the GPU tier's.
     import warnings
 

@@ -4,10 +4,13 @@ stubbed, next to the per-rank ESTIMATE ``metp plan --timeline`` makes for it
 
 How the communication is stubbed: this process joins torch.distributed's ``fake`` backend as rank
 ``r`` of ``p`` (``planner.FakeWorld``, Megatron's and the plugin's groups on it). Every
-collective and P2P op then returns at once and leaves its output buffer as it was, so the layer
-runs exactly rank r's kernels (its ring pieces, its GEMMs, in its order) on real tensors on one
-device, with no transfer. Values received are whatever the buffers held: the timing is real,
-the numbers are not (none are checked).
+collective and P2P op then returns at once, so the layer runs exactly rank r's kernels (its ring
+pieces, its GEMMs, in its order) on real tensors on one device, with no transfer. Values
+received are not a peer's: P2P receives leave their buffers as they were, and torch's
+``FakeProcessGroup`` copies the input into every chunk of an all-gather's output and a chunk
+into a reduce-scatter's. Those copies run on the device inside the timed step; one profiled
+step finds them under the c10d ops, and ``measured_net_s`` leaves them out. The timing is
+real, the numbers are not (none are checked).
 
 The estimate is the same layer traced under FakeTensorMode for the same rank (``op_trace``),
 its communication and waits removed, replayed by ``timeline.simulate`` on the device's machine
@@ -231,7 +234,8 @@ def markdown(res: Dict) -> str:
             f"{res['measured_s'] * 1e3:,.2f} ms (best of {len(res['samples_s'])}, communication "
             f"stubbed), {res['measured_net_s'] * 1e3:,.2f} ms without the fake process group's "
             f"copies ({res['kernels']['stub_copies']['count']} in "
-            f"{res['stub_copies_s'] * 1e3:,.2f} ms); ESTIMATE {res['estimate_s'] * 1e3:,.2f} ms on {res['machine']} "
+            f"{res['stub_copies_s'] * 1e3:,.2f} ms); ESTIMATE {res['estimate_s'] * 1e3:,.2f} ms "
+            f"on {res['machine']} "
             f"(compute {res['estimate_compute_s'] * 1e3:,.2f}, host "
             f"{res['estimate_host_s'] * 1e3:,.2f}; {res['compute_ops']} ops); measured / "
             f"estimate = {res['measured_over_estimate']:.2f}")

@@ -167,7 +167,7 @@ class OpRecorder(CommCounter):
         schema = func._schema
         view = any(r.alias_info is not None and not r.alias_info.is_write
                    for r in schema.returns)
-        if (view or name.startswith(("empty", "new_empty")) or name in _NO_KERNEL):
+        if view or name.startswith(("empty", "new_empty")) or name in _NO_KERNEL:
             return
         flops = 0.0
         if is_attention_kernel(name):
