@@ -589,8 +589,11 @@ def backward_pieces(pieces: List[Piece], dout, q, k, v, out, lse, dq_acc, *, del
     returns the block's ``(dk, dv)`` (None, None when ``pieces`` is empty; k's dtype for the
     whole block, the statistics dtype when summed from pieces). ``out`` or
     ``delta`` as :func:`megatron_metp.kernels.attention_backward` takes them.
-    ``raw``: return each piece's ``(key columns, dk, dv)`` as the kernel gave them, for a caller
-    that adds them into an accumulator of its own later (:func:`add_pieces`)."""
+    ``raw``: return ``(dq_acc, pieces)``, each piece's ``(key columns, dk, dv)`` as the kernel
+    gave them, for a caller that adds them into an accumulator of its own later
+    (:func:`add_pieces`); there ``dq_acc`` may be None, and is then made from the first piece as
+    :func:`forward_pieces` makes its accumulators (a converted copy of a whole block's dQ, exact,
+    rather than zeros and an add: one pass instead of two; None while ``pieces`` is empty)."""
     pieces_out = []
     dk = dv = None
     for qs, ks, causal in pieces:
@@ -599,8 +602,14 @@ def backward_pieces(pieces: List[Piece], dout, q, k, v, out, lse, dq_acc, *, del
             None if out is None else out[:, :, qs], lse[:, :, qs], causal=causal,
             softmax_scale=softmax_scale, backend=backend,
             delta=None if delta is None else delta[:, :, qs])
-        # .add_ on the view: `x[i] += y` would also copy the sum onto itself (__setitem__).
-        dq_acc[:, :, qs].add_(dq_b)
+        if dq_acc is None and raw and qs == ALL:
+            dq_acc = dq_b.to(kernels.acc_dtype(q.dtype))
+        else:
+            if dq_acc is None and raw:
+                dq_acc = torch.zeros(q.shape, dtype=kernels.acc_dtype(q.dtype), device=q.device)
+            # .add_ on the view: `x[i] += y` would also copy the sum onto itself (__setitem__).
+            dq_acc[:, :, qs].add_(dq_b)
+        del dq_b
         if raw:
             pieces_out.append((ks, dk_b, dv_b))
             continue
@@ -615,7 +624,7 @@ def backward_pieces(pieces: List[Piece], dout, q, k, v, out, lse, dq_acc, *, del
         dk[:, :, ks].add_(dk_b)
         dv[:, :, ks].add_(dv_b)
     if raw:
-        return pieces_out
+        return dq_acc, pieces_out
     return dk, dv
 
 

@@ -674,6 +674,64 @@ def _save_against_recompute():
     return out
 
 
+@pytest.mark.parametrize("rope", ["unfused", "interleaved", "fused"])
+@pytest.mark.parametrize("percent", [1.0, 0.5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_gradient_is_rope_by_minus_theta_bit_for_bit(rope, percent, dtype, monkeypatch):
+    # The saved one pass (--metp-qkv-backward save, no q/k norm) keeps Q/K after RoPE and
+    # takes RoPE's input gradient as RoPE by -theta (_Plan.unrotate) instead of running RoPE
+    # again under autograd. The reference is autograd's own backward of Megatron's
+    # apply_rotary_pos_emb; both compute g * cos + R^T(g * sin) with the same products and
+    # one add, so they must agree exactly, for both rotation layouts, a partial rotary
+    # dimension (the rest passes through) and a YaRN-style mscale; "fused": --apply-rope-fusion,
+    # the stock baseline's setting, through cpu_compat's twin of Transformer Engine's kernel.
+    import types
+
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from megatron_metp import cpu_compat
+    from megatron_metp.metp.attention_plan import _Plan
+    from megatron_metp.model import make_config
+
+    d, s = 32, 24
+    interleaved = rope == "interleaved"
+    config = make_config("llama", rotary_interleaved=interleaved)
+    if rope == "fused":
+        # Set after construction: TransformerConfig's own check looks for TE's kernel.
+        config.apply_rope_fusion = True
+        monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb",
+                            cpu_compat.fused_apply_rotary_pos_emb_cpu)
+    # Megatron's RotaryEmbedding moves its frequencies to torch.cuda.current_device() (the
+    # rank workers' cpu_compat does the same; this test runs in the pytest process).
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: torch.device("cpu"))
+    freqs = RotaryEmbedding(d, rotary_percent=percent, rotary_interleaved=interleaved,
+                            use_cpu_initialization=True).get_emb(s)   # before CP sharding
+    # A one-rank CP group: the bshd path reads none of it, but Megatron asks its parallel
+    # state for one when given None, and none is initialised in the pytest process.
+    cp = types.SimpleNamespace(size=lambda: 1, rank=lambda: 0)
+    for mscale in (1.0, 1.25):
+        gen = torch.Generator().manual_seed(3)
+        # [s, b, heads, d], and a head-major view as the ring hands dQ over
+        x = torch.randn(s, 2, 3, d, generator=gen).to(dtype).requires_grad_(True)
+        g = torch.randn(2, 3, s, d, generator=gen).to(dtype).permute(2, 0, 1, 3)
+        y = apply_rotary_pos_emb(x, freqs, config=config, mscale=mscale, cp_group=cp)
+        (want,) = torch.autograd.grad(y, x, g)
+        plan = types.SimpleNamespace(freqs=(freqs, freqs), _neg_freqs=None, config=config,
+                                     mscale=mscale, cp_group=cp)
+        got = _Plan.unrotate(plan, g, 1)
+        assert got.shape == want.shape and torch.equal(got, want), (mscale, dtype)
+        # And it is the inverse turn: RoPE then RoPE by -theta gives the input back (fp64
+        # angles and values, where only rounding of cos^2 + sin^2 = 1 is left, ~1e-16: 1e-12
+        # is 1e4 ulps of headroom; a wrong sign or pairing is off by order 1).
+        x64, f64 = x.detach().double(), freqs.double()
+        back = _Plan.unrotate(types.SimpleNamespace(
+            freqs=(f64, f64), _neg_freqs=None, config=config, mscale=1.0, cp_group=cp),
+            apply_rotary_pos_emb(x64, f64, config=config, cp_group=cp), 0)
+        assert (back - x64).abs().max().item() < 1e-12
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_saved_qkv_skips_the_recompute_gemm_bit_for_bit(world, report):
     # --metp-qkv-backward save: the backward reads the forward's Q/K/V projection instead of

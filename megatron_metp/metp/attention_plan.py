@@ -183,6 +183,7 @@ class _Plan:
         # The one pass keeps its Q/K/V projection for backward (QKV_BACKWARD "save" or
         # "save+fc1": "auto" is resolved by the launcher, before the model exists).
         self.save_qkv = self.whole and module.qkv_backward in ("save", "save+fc1")
+        self._neg_freqs = None   # unrotate's -freqs, made on first use
 
     def row_blocks(self, w_qkv, b_qkv, gs: slice):
         """The q / k / v row blocks of query groups ``gs`` of head group j's ``w_qkv`` (and its
@@ -220,6 +221,29 @@ class _Plan:
     @property
     def has_post(self) -> bool:
         return self.q_norm is not None or self.k_norm is not None or self.freqs is not None
+
+    @property
+    def post_is_rotation(self) -> bool:
+        """Whether :meth:`post` is RoPE alone, or nothing: a rotation of each (q, k) pair of
+        channels, linear in its input, so its vector-Jacobian product needs no input
+        (:meth:`unrotate`)."""
+        return self.q_norm is None and self.k_norm is None
+
+    def unrotate(self, grad, which: int):
+        """The gradient of RoPE's input from its output's (``which``: 0 for q, 1 for k).
+
+        RoPE turns each channel pair by an angle; the VJP of a rotation is its transpose, the
+        turn by minus that angle, which is RoPE again with ``-freqs``. Megatron's frequencies
+        are duplicated over each rotated pair (``cat((f, f))``, or interleaved), so this is the
+        same arithmetic, product for product and in the same order, as autograd's backward of
+        ``apply_rotary_pos_emb`` (``cos(-f) = cos f``, ``sin(-f) = -sin f``): bit for bit
+        (tests/test_metp_attention.py). Only for :attr:`post_is_rotation`."""
+        if self.freqs is None:
+            return grad
+        if self._neg_freqs is None:
+            self._neg_freqs = (-self.freqs[0], -self.freqs[1])
+        return apply_rotary_pos_emb(grad, self._neg_freqs[which], config=self.config,
+                                    mscale=self.mscale, cp_group=self.cp_group)
 
     def post(self, q, k):
         """q/k layernorm (Megatron's --qk-layernorm) and RoPE at the tokens' global positions."""

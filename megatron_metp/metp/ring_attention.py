@@ -165,11 +165,20 @@ def ring_attention_forward(
     return out.to(q.dtype), lse
 
 
+def _whole(raw) -> bool:
+    """Whether a block's raw piece gradients (``packing.backward_pieces``) are one whole block."""
+    return len(raw) == 1 and raw[0][0] == ALL
+
+
 def _start_dkv(raw, k, acc):
     """A ``[2, *k.shape]`` accumulator (dK, dV) in ``acc`` from a block's raw piece gradients
-    (``packing.backward_pieces``): the whole block's stacked, or zeros plus the pieces."""
-    if len(raw) == 1 and raw[0][0] == ALL:
-        return torch.stack(raw[0][1:]).to(acc)
+    (``packing.backward_pieces``): the whole block's converted into it (one pass each), or zeros
+    plus the pieces."""
+    if _whole(raw):
+        dkv = torch.empty((2, *k.shape), dtype=acc, device=k.device)
+        dkv[0].copy_(raw[0][1])
+        dkv[1].copy_(raw[0][2])
+        return dkv
     return add_pieces(torch.zeros((2, *k.shape), dtype=acc, device=k.device), raw)
 
 
@@ -207,8 +216,8 @@ def ring_attention_backward(
     dkv_comm = RingComm(group) if p > 1 else None
     _block_pieces(layout, causal, block(rank), block(rank), q.shape[2])   # before any post
     kv = DoubleBuffer(_kv_buffer(k, v) if p > 1 else (k, v))
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    q_dtype = q.dtype
+    dq = None   # fp32 (fp64) dQ, made from the first block's (packing.backward_pieces)
+    q_dtype, q_shape = q.dtype, q.shape
     # This rank's rows in the layout the kernel takes, once for the p blocks (cuDNN copies
     # strided dO / Q / O at every call otherwise).
     dout, q, out = backward_rows(dout, q, out, k, v, backend)
@@ -221,13 +230,16 @@ def ring_attention_backward(
         src = (rank - j) % p
         if j < p - 1:
             _post_next(kv_comm, kv)
-        raw = backward_pieces(
+        dq, raw = backward_pieces(
             _block_pieces(layout, causal, block(rank), block(src), q.shape[2]), dout, q,
             kv.current[0], kv.current[1], out, lse, dq, softmax_scale=softmax_scale,
             backend=backend, raw=True)
         if j == 0:
-            # The owner's contribution never travels (zero for a rank of padding only).
-            own = _start_dkv(raw, k, acc)
+            # The owner's contribution never travels (zero for a rank of padding only). A whole
+            # block's stays as the kernel gave it (k's dtype) until the last hop's sum is added
+            # to it, in the accumulator's dtype and rounded once (the same values as
+            # converting it first: that conversion is exact).
+            own = raw[0][1:] if _whole(raw) and p > 1 else _start_dkv(raw, k, acc)
             del raw
         else:
             if j == 1:
@@ -249,16 +261,21 @@ def ring_attention_backward(
             kv_comm.wait()
             kv.advance()
     del dout, q, out   # the dense copies, where backward_rows made them
-    dq = dq.to(q_dtype)
+    dq = dq.to(q_dtype) if dq is not None else torch.zeros(q_shape, dtype=q_dtype,
+                                                           device=k.device)
     if with_dq is not None:
         # The last dK/dV hop (posted at step p-1) is in flight and ``with_dq`` does not need it.
         # The K/V receive buffers are dropped first: they would otherwise outlive the ring.
         del kv
         with_dq(dq)
-    if p > 1:
-        dkv_comm.wait()
-        own.add_(recv)
-    return dq, own[0].to(k.dtype), own[1].to(v.dtype)
+    if p == 1:
+        return dq, own[0].to(k.dtype), own[1].to(v.dtype)
+    dkv_comm.wait()
+    # The owner's part plus the travelled sum, computed in the accumulator's dtype and written
+    # in k's: one pass, where adding in place and converting after took two.
+    dk = torch.add(recv[0], own[0], out=torch.empty_like(k, memory_format=torch.contiguous_format))
+    dv = torch.add(recv[1], own[1], out=torch.empty_like(v, memory_format=torch.contiguous_format))
+    return dq, dk, dv
 
 
 class RingAttentionFunction(torch.autograd.Function):

@@ -44,15 +44,17 @@ def _scatter_rows(full: Optional[torch.Tensor], plan: _Plan):
     return mine, dist.reduce_scatter_tensor(mine, full, group=plan.weight_group, async_op=True)
 
 
-def _split_qkv(qkv: torch.Tensor, plan: _Plan, s: int, b: int):
+def _split_qkv(qkv: torch.Tensor, plan: _Plan, s: int, b: int, copy_q: bool = True):
     """``[s, b, ng, n/ng + 2, d]`` (Megatron's per-query-group rows, all groups) -> q
-    ``[s, b, n, d]`` (a copy) and k, v ``[s, b, ng, d]`` (views)."""
+    ``[s, b, n, d]`` (a copy, or a view if ``copy_q`` is False and there is one query head per
+    group) and k, v ``[s, b, ng, d]`` (views)."""
     rep = plan.heads_p // plan.groups_p
     ng = qkv.shape[2]
+    q = qkv[:, :, :, :rep].reshape(s, b, ng * rep, plan.d)
     # contiguous(): with one query head per group the reshape is a view, which would keep the
-    # whole projection output alive through the ring.
-    q = qkv[:, :, :, :rep].reshape(s, b, ng * rep, plan.d).contiguous()
-    return q, qkv[:, :, :, rep], qkv[:, :, :, rep + 1]
+    # whole projection output alive through the ring; not needed where a q norm or RoPE makes
+    # a new tensor of it first.
+    return q.contiguous() if copy_q else q, qkv[:, :, :, rep], qkv[:, :, :, rep + 1]
 
 
 def _project_gathered(x2d, w_qkv, b_qkv, plan: _Plan):
@@ -101,14 +103,21 @@ class _MetpWholeFunction(torch.autograd.Function):
             s, b, -1, plan.heads_p // plan.groups_p + 2, plan.d)
         # W_proj^T's rows are the heads in order: gathered while the ring computes.
         wpt, wpt_handle = _gather_rows(w_proj.t(), plan, async_op=True)
-        q, k, v = _split_qkv(qkv, plan, s, b)
+        q, k, v = _split_qkv(qkv, plan, s, b,
+                             copy_q=plan.q_norm is None and plan.freqs is None)
         if plan.has_post:
             q, k = plan.post(q, k)
         # K and V into the buffer the ring sends; the projection's output is freed before it.
         k, v = stack_kv(_bnsd(k), _bnsd(v))
-        # QKV_BACKWARD "save": the projection stays for backward; else it is freed here, before
-        # the ring's buffers exist, and backward recomputes it.
-        kept = qkv if plan.save_qkv else None
+        # QKV_BACKWARD "save": what the ring reads stays for backward, else it is freed here
+        # and backward recomputes it. With RoPE alone (or nothing) after the projection, that is
+        # Q after RoPE and the K/V buffer (the ring never writes it: comm.DoubleBuffer), as many
+        # values as the projection, (n + 2 ng) d per token: backward then runs neither the
+        # split's copies nor RoPE again, and takes RoPE's gradient as a turn by -θ
+        # (_Plan.unrotate). A q/k norm needs its input for its gradient: the projection is kept.
+        rotated = plan.save_qkv and plan.post_is_rotation
+        kept = qkv if plan.save_qkv and not rotated else None
+        ring_in = (q, k._base) if rotated else (None, None)
         del qkv
         a, lse = ring_attention_forward(plan.group, _bnsd(q), k, v, plan.causal,
                                         plan.scale, plan.backend, plan.blocks, plan.layout)
@@ -118,13 +127,14 @@ class _MetpWholeFunction(torch.autograd.Function):
         out = _flat(a).mm(wpt)
         ctx.plan = plan
         ctx.has_bias = b_qkv is not None
-        ctx.save_for_backward(x, w_qkv, b_qkv, w_proj, a, lse, kept)
+        ctx.save_for_backward(x, w_qkv, b_qkv, w_proj, a, lse, kept, *ring_in)
+        del ring_in
         return out.view(s, b, h)
 
     @staticmethod
     def backward(ctx, dout):
         plan: _Plan = ctx.plan
-        x, w_qkv, b_qkv, w_proj, a, lse, kept = ctx.saved_tensors
+        x, w_qkv, b_qkv, w_proj, a, lse, kept, q_rot, kv_rot = ctx.saved_tensors
         norm_params = [prm for m in (plan.q_norm, plan.k_norm) if m is not None
                        for prm in m.parameters()]
         n_q = len(list(plan.q_norm.parameters())) if plan.q_norm is not None else 0
@@ -134,7 +144,8 @@ class _MetpWholeFunction(torch.autograd.Function):
         wpt, wpt_handle = _gather_rows(w_proj.t(), plan, async_op=True)
         w_full, w_handle = _gather_rows(w_qkv, plan, async_op=True)
         # The bias only enters the recompute: a saved projection needs no gather of it.
-        b_full, b_handle = _gather_rows(b_qkv if kept is None else None, plan, async_op=True)
+        saved = kept is not None or q_rot is not None
+        b_full, b_handle = _gather_rows(None if saved else b_qkv, plan, async_op=True)
         # Weight gradients are summed over p ranks: in fp32 for bf16/fp16 weights, so the sum
         # adds no rounding TP's single matmul does not have.
         gacc = torch.promote_types(w_proj.dtype, torch.float32)
@@ -147,54 +158,77 @@ class _MetpWholeFunction(torch.autograd.Function):
         da = dout2d.mm(wpt.t()).view(s, b, -1, plan.d).permute(1, 2, 0, 3)
         del wpt
         rep = plan.heads_p // plan.groups_p
-        if kept is None:
-            for hnd in (w_handle, b_handle):
-                if hnd is not None:
-                    hnd.wait()
-            w_handle = None
-            # Recompute Q/K/V (Alg. 6 line 6); only the q/k norm and RoPE go through autograd.
-            qkv = F.linear(x2d, w_full, b_full).view(s, b, -1, rep + 2, plan.d)
-        else:
-            # Saved in forward (QKV_BACKWARD "save"); the W_qkv gather is awaited at dX.
-            qkv = kept
-        del kept
-        ng = qkv.shape[2]
-        qkv_shape, qkv_dtype = qkv.shape, qkv.dtype
-        q_lin, k_lin, v = _split_qkv(qkv, plan, s, b)   # q a copy; k, v views of qkv
-        with torch.enable_grad():
-            if plan.has_post:
-                q_lin.requires_grad_(True)
-                # K's own copy for its norm / RoPE gradient: a view would keep qkv alive.
-                k_lin = k_lin.clone().requires_grad_(True)
-            q, k = plan.post(q_lin, k_lin) if plan.has_post else (q_lin, k_lin)
-        k_ring, v_ring = stack_kv(_bnsd(k.detach()), _bnsd(v))
-        del qkv, v   # with k (a view of it) when nothing needs k's gradient graph
-        if not plan.has_post:
-            del k, k_lin
-        # dQ, dK, dV in Megatron's row layout, for one GEMM; allocated when the ring hands
-        # over dQ (after its kernels), as the per-head-group loop allocates its buffers.
+        # dQ, dK, dV in Megatron's row layout, for one GEMM; allocated when the ring hands over
+        # dQ (after its kernels), as the per-head-group loop allocates its buffers.
         grads = {}
+        if q_rot is not None:
+            # Saved after RoPE: the ring's backward reads what its forward read, and RoPE's
+            # gradient is the turn by -θ, applied to dQ while the last dK/dV hop travels.
+            shape, q_dtype = (s, b, q_rot.shape[2] // rep, rep + 2, plan.d), q_rot.dtype
 
-        def q_side(dq, q=q, q_lin=q_lin):
-            dq = _sbnd(dq)
+            def q_side_rot(dq):
+                grads["qkv"] = torch.empty(shape, dtype=q_dtype, device=dq.device)
+                grads["qkv"][:, :, :, :rep] = plan.unrotate(_sbnd(dq), 0).view(
+                    *shape[:3], rep, plan.d)
+
+            _, dk, dv = ring_attention_backward(
+                plan.group, da, _bnsd(q_rot), kv_rot[0], kv_rot[1], a, lse, plan.causal,
+                plan.scale, plan.backend, with_dq=q_side_rot, blocks=plan.blocks,
+                layout=plan.layout)
+            del da, q_side_rot, q_rot, kv_rot
+            dqkv = grads.pop("qkv")
+            dqkv[:, :, :, rep] = plan.unrotate(_sbnd(dk), 1)
+            dqkv[:, :, :, rep + 1] = _sbnd(dv)
+            del dk, dv
+        else:
+            # The projection, saved (with a q/k norm) or run again: split, q/k norm and
+            # RoPE again through autograd, then the ring's backward.
+            if kept is None:
+                for hnd in (w_handle, b_handle):
+                    if hnd is not None:
+                        hnd.wait()
+                w_handle = None
+                # Recompute Q/K/V (Alg. 6 line 6); only the q/k norm and RoPE go through
+                # autograd.
+                qkv = F.linear(x2d, w_full, b_full).view(s, b, -1, rep + 2, plan.d)
+            else:
+                # Saved in forward (QKV_BACKWARD "save"); the W_qkv gather is awaited at dX.
+                qkv = kept
+            del kept
+            ng = qkv.shape[2]
+            qkv_shape, qkv_dtype = qkv.shape, qkv.dtype
+            q_lin, k_lin, v = _split_qkv(qkv, plan, s, b)   # q a copy; k, v views of qkv
+            with torch.enable_grad():
+                if plan.has_post:
+                    q_lin.requires_grad_(True)
+                    # K's own copy for its norm / RoPE gradient: a view would keep qkv alive.
+                    k_lin = k_lin.clone().requires_grad_(True)
+                q, k = plan.post(q_lin, k_lin) if plan.has_post else (q_lin, k_lin)
+            k_ring, v_ring = stack_kv(_bnsd(k.detach()), _bnsd(v))
+            del qkv, v   # with k (a view of it) when nothing needs k's gradient graph
+            if not plan.has_post:
+                del k, k_lin
+
+            def q_side(dq, q=q, q_lin=q_lin):
+                dq = _sbnd(dq)
+                if plan.has_post:
+                    dq = _post_grad(q, q_lin, norm_params[:n_q], dq, dnorm[:n_q])
+                grads["qkv"] = torch.empty(qkv_shape, dtype=qkv_dtype, device=dq.device)
+                grads["qkv"][:, :, :, :rep] = dq.view(s, b, ng, rep, plan.d)
+
+            _, dk, dv = ring_attention_backward(
+                plan.group, da, _bnsd(q.detach()), k_ring, v_ring, a, lse,
+                plan.causal, plan.scale, plan.backend, with_dq=q_side, blocks=plan.blocks,
+                layout=plan.layout)
+            del da, q_side, k_ring, v_ring
+            dk = _sbnd(dk)
             if plan.has_post:
-                dq = _post_grad(q, q_lin, norm_params[:n_q], dq, dnorm[:n_q])
-            grads["qkv"] = torch.empty(qkv_shape, dtype=qkv_dtype, device=dq.device)
-            grads["qkv"][:, :, :, :rep] = dq.view(s, b, ng, rep, plan.d)
-
-        _, dk, dv = ring_attention_backward(
-            plan.group, da, _bnsd(q.detach()), k_ring, v_ring, a, lse,
-            plan.causal, plan.scale, plan.backend, with_dq=q_side, blocks=plan.blocks,
-            layout=plan.layout)
-        del da, q_side, k_ring, v_ring
-        dk = _sbnd(dk)
-        if plan.has_post:
-            dk = _post_grad(k, k_lin, norm_params[n_q:], dk, dnorm[n_q:])
-            del k, k_lin
-        dqkv = grads.pop("qkv")
-        dqkv[:, :, :, rep] = dk
-        dqkv[:, :, :, rep + 1] = _sbnd(dv)
-        del q, q_lin, dk, dv
+                dk = _post_grad(k, k_lin, norm_params[n_q:], dk, dnorm[n_q:])
+                del k, k_lin
+            dqkv = grads.pop("qkv")
+            dqkv[:, :, :, rep] = dk
+            dqkv[:, :, :, rep + 1] = _sbnd(dv)
+            del q, q_lin, dk, dv
         dqkv2d = dqkv.view(s * b, -1)
         # The weight gradient first, so that its reduce-scatter runs behind dX's GEMM.
         dw, dw_handle = _scatter_rows(dqkv2d.t().mm(x2d).to(gacc), plan)
