@@ -91,9 +91,10 @@ RING_PASSES = ("auto", "whole", "head-group")
 
 # What the one-pass backward does for Q/K/V (--metp-qkv-backward; the per-head-group loop always
 # recomputes). "recompute" (Alg. 6 line 6): one more Q/K/V GEMM per layer in backward, nothing
-# kept. "save": the forward's Q/K/V projection (before q/k norm and RoPE, (n + 2 ng) d values
-# per token) is kept for backward, which then skips that GEMM and the bias gather: 2 (n + 2 ng)
-# d bytes more per token and layer (bf16; 3 bsh/p x 2 bytes for MHA). "auto": the launchers
+# kept. "save": what the forward's ring read (Q after RoPE and the K/V buffer; with a q/k norm,
+# the projection before it), (n + 2 ng) d values per token, is kept for backward, which then
+# skips that GEMM, the bias gather and RoPE's second run: 2 (n + 2 ng) d bytes more per token and
+# layer (bf16; 3 bsh/p x 2 bytes for MHA). "auto": the launchers
 # (`metp train`, Megatron-LM's argument hook) and `metp plan` ask the planner
 # (measure.planner.resolve_metp_attention) and save when the run still fits the GPU's memory
 # with the saved Q/K/V; a model built without a launcher keeps "auto", which recomputes.

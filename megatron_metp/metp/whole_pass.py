@@ -1,9 +1,9 @@
 """METP attention, every head group in one K/V ring pass (``--metp-ring-pass whole``): the
-weights are all-gathered once (W_qkv in two row halves, the second behind the first half's
-GEMM), Q/K/V and the output projection are single GEMMs and one ring carries every head's K/V;
-the weight gradients are reduce-scattered. ``--metp-qkv-backward save`` keeps the Q/K/V
-projection for backward instead of recomputing it. The module and its shapes:
-``metp.attention``.
+weights are all-gathered once (W_qkv as its query rows and its key/value rows, the larger part
+behind the smaller part's GEMM), Q, K/V and the output projection are one GEMM each and one
+ring carries every head's K/V; the weight gradients are reduce-scattered.
+``--metp-qkv-backward save`` keeps what the ring read for backward instead of recomputing it.
+The module and its shapes: ``metp.attention``.
 """
 
 from __future__ import annotations
@@ -57,28 +57,46 @@ def _split_qkv(qkv: torch.Tensor, plan: _Plan, s: int, b: int, copy_q: bool = Tr
     return q.contiguous() if copy_q else q, qkv[:, :, :, rep], qkv[:, :, :, rep + 1]
 
 
-def _project_gathered(x2d, w_qkv, b_qkv, plan: _Plan):
-    """``x2d W_qkv^T + b`` with the full (gathered) ``W_qkv``, gathered as two halves of every
-    rank's rows, so that the first half's GEMM runs while the second half travels (one
-    gather would be exposed at the start of the attention). Each output is one GEMM's, as in
-    TP (no split of the reduction); one copy puts the halves back in Megatron's row order."""
-    if plan.p == 1:
-        return F.linear(x2d, w_qkv, b_qkv)
-    rows, sb = w_qkv.shape[0], x2d.shape[0]
-    cut = rows // 2
-    w_lo, lo = _gather_rows(w_qkv[:cut], plan, async_op=True)
-    w_hi, hi = _gather_rows(w_qkv[cut:], plan, async_op=True)
-    b_full, bh = _gather_rows(b_qkv, plan, async_op=True)
-    lo.wait()
-    first = x2d.mm(w_lo.t()).view(sb, plan.p, cut)
-    del w_lo
-    hi.wait()
-    second = x2d.mm(w_hi.t()).view(sb, plan.p, rows - cut)
-    out = torch.cat((first, second), dim=2).view(sb, plan.p * rows)
-    if bh is not None:
-        bh.wait()
-        out.add_(b_full)
-    return out
+def _qkv_parts(w_qkv, b_qkv, plan: _Plan):
+    """This rank's ``linear_qkv`` rows split into its query heads' rows and its key/value rows
+    (each ``[rows, h]``, with their bias rows or None), in Megatron's order within each."""
+    rep, d = plan.heads_p // plan.groups_p, plan.d
+    w4 = w_qkv.view(plan.groups_p, rep + 2, d, -1)
+    b3 = b_qkv.view(plan.groups_p, rep + 2, d) if b_qkv is not None else None
+    return [(w4[:, rows].reshape(-1, w4.shape[-1]),
+             b3[:, rows].reshape(-1) if b3 is not None else None)
+            for rows in (slice(0, rep), slice(rep, rep + 2))]
+
+
+def _project_gathered(x2d, w_qkv, b_qkv, plan: _Plan, s: int, b: int):
+    """Q ``[s, b, n, d]`` and K, V ``[s, b, ng, d]`` of every head from this rank's tokens
+    ``x2d`` and the gathered ``W_qkv``, as two GEMMs: one on the query rows of every rank, one
+    on the key/value rows. Each part's weight rows are gathered on their own, the smaller
+    first, so that the larger part travels while the smaller part's GEMM runs (one gather
+    would be exposed at the start of the attention). Every rank's rows stack in rank order,
+    so each output is Megatron's head order as it stands, with no copy to put rows back in
+    order: returns Q and ``[s, b, ng, 2, d]`` (K and V of each query group), the GEMMs'
+    outputs themselves."""
+    d = plan.d
+    parts = _qkv_parts(w_qkv, b_qkv, plan)
+    order = sorted(range(2), key=lambda i: parts[i][0].shape[0])
+    gathered = {}
+    for i in order:
+        w_full, wh = _gather_rows(parts[i][0], plan, async_op=True)
+        b_full, bh = _gather_rows(parts[i][1], plan, async_op=True)
+        gathered[i] = (w_full, wh, b_full, bh)
+    out = [None, None]
+    for i in order:
+        w_full, wh, b_full, bh = gathered.pop(i)
+        if wh is not None:
+            wh.wait()
+        out[i] = x2d.mm(w_full.t())
+        del w_full
+        if b_full is not None:
+            if bh is not None:
+                bh.wait()
+            out[i].add_(b_full)
+    return out[0].view(s, b, -1, d), out[1].view(s, b, -1, 2, d)
 
 
 class _MetpWholeFunction(torch.autograd.Function):
@@ -99,26 +117,25 @@ class _MetpWholeFunction(torch.autograd.Function):
     def forward(ctx, plan: _Plan, x, w_qkv, b_qkv, w_proj, *norm_params):
         s, b, h = x.shape
         x2d = x.reshape(s * b, h)
-        qkv = _project_gathered(x2d, w_qkv, b_qkv, plan).view(
-            s, b, -1, plan.heads_p // plan.groups_p + 2, plan.d)
+        q_lin, kv_lin = _project_gathered(x2d, w_qkv, b_qkv, plan, s, b)
         # W_proj^T's rows are the heads in order: gathered while the ring computes.
         wpt, wpt_handle = _gather_rows(w_proj.t(), plan, async_op=True)
-        q, k, v = _split_qkv(qkv, plan, s, b,
-                             copy_q=plan.q_norm is None and plan.freqs is None)
+        q, k = q_lin, kv_lin[:, :, :, 0]
         if plan.has_post:
             q, k = plan.post(q, k)
         # K and V into the buffer the ring sends; the projection's output is freed before it.
-        k, v = stack_kv(_bnsd(k), _bnsd(v))
+        k, v = stack_kv(_bnsd(k), _bnsd(kv_lin[:, :, :, 1]))
         # QKV_BACKWARD "save": what the ring reads stays for backward, else it is freed here
         # and backward recomputes it. With RoPE alone (or nothing) after the projection, that is
         # Q after RoPE and the K/V buffer (the ring never writes it: comm.DoubleBuffer), as many
         # values as the projection, (n + 2 ng) d per token: backward then runs neither the
         # split's copies nor RoPE again, and takes RoPE's gradient as a turn by -θ
-        # (_Plan.unrotate). A q/k norm needs its input for its gradient: the projection is kept.
-        rotated = plan.save_qkv and plan.post_is_rotation
-        kept = qkv if plan.save_qkv and not rotated else None
-        ring_in = (q, k._base) if rotated else (None, None)
-        del qkv
+        # (_Plan.unrotate). A q/k norm needs its input for its gradient: the projection's two
+        # parts are kept.
+        ctx.rotated = plan.save_qkv and plan.post_is_rotation
+        keep = ((q, k._base) if ctx.rotated else (q_lin, kv_lin) if plan.save_qkv
+                else (None, None))
+        del q_lin, kv_lin
         a, lse = ring_attention_forward(plan.group, _bnsd(q), k, v, plan.causal,
                                         plan.scale, plan.backend, plan.blocks, plan.layout)
         del q, k, v
@@ -127,14 +144,14 @@ class _MetpWholeFunction(torch.autograd.Function):
         out = _flat(a).mm(wpt)
         ctx.plan = plan
         ctx.has_bias = b_qkv is not None
-        ctx.save_for_backward(x, w_qkv, b_qkv, w_proj, a, lse, kept, *ring_in)
-        del ring_in
+        ctx.save_for_backward(x, w_qkv, b_qkv, w_proj, a, lse, *keep)
+        del keep
         return out.view(s, b, h)
 
     @staticmethod
     def backward(ctx, dout):
         plan: _Plan = ctx.plan
-        x, w_qkv, b_qkv, w_proj, a, lse, kept, q_rot, kv_rot = ctx.saved_tensors
+        x, w_qkv, b_qkv, w_proj, a, lse, keep_q, keep_kv = ctx.saved_tensors
         norm_params = [prm for m in (plan.q_norm, plan.k_norm) if m is not None
                        for prm in m.parameters()]
         n_q = len(list(plan.q_norm.parameters())) if plan.q_norm is not None else 0
@@ -144,8 +161,8 @@ class _MetpWholeFunction(torch.autograd.Function):
         wpt, wpt_handle = _gather_rows(w_proj.t(), plan, async_op=True)
         w_full, w_handle = _gather_rows(w_qkv, plan, async_op=True)
         # The bias only enters the recompute: a saved projection needs no gather of it.
-        saved = kept is not None or q_rot is not None
-        b_full, b_handle = _gather_rows(None if saved else b_qkv, plan, async_op=True)
+        b_full, b_handle = _gather_rows(None if keep_q is not None else b_qkv, plan,
+                                        async_op=True)
         # Weight gradients are summed over p ranks: in fp32 for bf16/fp16 weights, so the sum
         # adds no rounding TP's single matmul does not have.
         gacc = torch.promote_types(w_proj.dtype, torch.float32)
@@ -161,7 +178,9 @@ class _MetpWholeFunction(torch.autograd.Function):
         # dQ, dK, dV in Megatron's row layout, for one GEMM; allocated when the ring hands over
         # dQ (after its kernels), as the per-head-group loop allocates its buffers.
         grads = {}
-        if q_rot is not None:
+        if ctx.rotated:
+            q_rot, kv_rot = keep_q, keep_kv
+            del keep_q, keep_kv
             # Saved after RoPE: the ring's backward reads what its forward read, and RoPE's
             # gradient is the turn by -θ, applied to dQ while the last dK/dV hop travels.
             shape, q_dtype = (s, b, q_rot.shape[2] // rep, rep + 2, plan.d), q_rot.dtype
@@ -183,7 +202,7 @@ class _MetpWholeFunction(torch.autograd.Function):
         else:
             # The projection, saved (with a q/k norm) or run again: split, q/k norm and
             # RoPE again through autograd, then the ring's backward.
-            if kept is None:
+            if keep_q is None:
                 for hnd in (w_handle, b_handle):
                     if hnd is not None:
                         hnd.wait()
@@ -191,13 +210,15 @@ class _MetpWholeFunction(torch.autograd.Function):
                 # Recompute Q/K/V (Alg. 6 line 6); only the q/k norm and RoPE go through
                 # autograd.
                 qkv = F.linear(x2d, w_full, b_full).view(s, b, -1, rep + 2, plan.d)
+                q_lin, k_lin, v = _split_qkv(qkv, plan, s, b)   # q a copy; k, v views of qkv
             else:
-                # Saved in forward (QKV_BACKWARD "save"); the W_qkv gather is awaited at dX.
-                qkv = kept
-            del kept
-            ng = qkv.shape[2]
-            qkv_shape, qkv_dtype = qkv.shape, qkv.dtype
-            q_lin, k_lin, v = _split_qkv(qkv, plan, s, b)   # q a copy; k, v views of qkv
+                # The forward's two GEMM outputs (QKV_BACKWARD "save" with a q/k norm); the
+                # W_qkv gather is awaited at dX.
+                qkv = keep_kv
+                q_lin, k_lin, v = keep_q.detach(), qkv[:, :, :, 0], qkv[:, :, :, 1]
+            del keep_q, keep_kv
+            ng = q_lin.shape[2] // rep
+            qkv_shape, qkv_dtype = (s, b, ng, rep + 2, plan.d), q_lin.dtype
             with torch.enable_grad():
                 if plan.has_post:
                     q_lin.requires_grad_(True)
