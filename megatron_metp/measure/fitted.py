@@ -15,7 +15,8 @@ HOST_OP_US = 30.0             # host microseconds to issue one traced op
 # input of the model but its measured error: on the third calibration (an H100, with the op
 # trace's view fix and the fake process group's copies left out; docs/calibration/README.md)
 # the model favoured METP by 6 % on the frontier's own 128k and 256k configurations and by 8 %
-# at 32k, per rank (the second, on an H200 without those fixes: 6-7 %, and 8-16 % on the
+# at 32k, per rank; on the fourth (H100s, after METP's non-GEMM cuts of 9a825ed) by 5 % and 6 %
+# at 128k and 256k (the second, on an H200 without those fixes: 6-7 %, and 8-16 % on the
 # default layers). A lead inside that is not a lead; 10 % covers the configurations auto
 # chooses between.
 AUTO_LEAD_MARGIN = 1.10
