@@ -44,17 +44,15 @@ def _scatter_rows(full: Optional[torch.Tensor], plan: _Plan):
     return mine, dist.reduce_scatter_tensor(mine, full, group=plan.weight_group, async_op=True)
 
 
-def _split_qkv(qkv: torch.Tensor, plan: _Plan, s: int, b: int, copy_q: bool = True):
-    """``[s, b, ng, n/ng + 2, d]`` (Megatron's per-query-group rows, all groups) -> q
-    ``[s, b, n, d]`` (a copy, or a view if ``copy_q`` is False and there is one query head per
-    group) and k, v ``[s, b, ng, d]`` (views)."""
+def _split_qkv(qkv: torch.Tensor, plan: _Plan, s: int, b: int):
+    """``[s, b, ng, n/ng + 2, d]`` (Megatron's per-query-group rows, all groups: the backward's
+    recomputed projection) -> q ``[s, b, n, d]`` (a copy) and k, v ``[s, b, ng, d]`` (views)."""
     rep = plan.heads_p // plan.groups_p
     ng = qkv.shape[2]
-    q = qkv[:, :, :, :rep].reshape(s, b, ng * rep, plan.d)
     # contiguous(): with one query head per group the reshape is a view, which would keep the
-    # whole projection output alive through the ring; not needed where a q norm or RoPE makes
-    # a new tensor of it first.
-    return q.contiguous() if copy_q else q, qkv[:, :, :, rep], qkv[:, :, :, rep + 1]
+    # whole projection output alive through the ring.
+    q = qkv[:, :, :, :rep].reshape(s, b, ng * rep, plan.d).contiguous()
+    return q, qkv[:, :, :, rep], qkv[:, :, :, rep + 1]
 
 
 def _qkv_parts(w_qkv, b_qkv, plan: _Plan):
