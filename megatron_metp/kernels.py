@@ -150,6 +150,12 @@ def _expand_kv(t: torch.Tensor, rep: int) -> torch.Tensor:
     return t if rep == 1 else t.repeat_interleave(rep, dim=1)
 
 
+def _unit_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when its last dimension is unit-stride (any strides elsewhere), else a dense
+    copy: what cuDNN's attention kernels read in place."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def _reduce_kv(grad: torch.Tensor, rep: int) -> torch.Tensor:
     if rep == 1:
         return grad
@@ -339,14 +345,24 @@ def attention_backward(
             dout, q, k, v, out, lse_k, 0.0, causal, scale=scale
         )
     if backend == "torch_cudnn":
-        # Dense inputs: no bias and no cumulative sequence lengths (None: undefined tensors);
-        # with dropout 0 the philox seed/offset are never read. One layout for every operand
-        # (cuDNN's backward wants dout laid out as out).
+        # No bias and no cumulative sequence lengths (None: undefined tensors); with dropout 0
+        # the philox seed/offset are never read. cuDNN reads any strides with unit-stride rows,
+        # as its forward does: the rings' blocks are often half of a [b, n, s, d] tensor (the
+        # balanced layout's pieces), and copying those halves dense cost 14-21 copies per
+        # 128k layer (the H100 probe of docs/calibration/README.md: K/V halves in place give
+        # dK and dV equal to the dense call's bit for bit, dQ within cuDNN's accumulation
+        # order). K and V go as they are (their strides key PyTorch's cached cuDNN graph).
+        # dO, Q and O go as they are only when all three have Q's strides (the rings' rows:
+        # one slice of kernels.backward_rows' dense tensors): PyTorch keys that graph on Q's
+        # strides, not on O's or dO's, so those must follow from Q's. Else all three dense.
+        rows = (dout, q, out)
+        if not (dout.stride() == q.stride() == out.stride() and q.stride(-1) == 1):
+            rows = tuple(t.contiguous() for t in rows)
         s_q, s_k = q.shape[2], k.shape[2]
         seed = torch.zeros((), dtype=torch.int64, device=q.device)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            dout.contiguous(), q.contiguous(), _expand_kv(k, rep).contiguous(),
-            _expand_kv(v, rep).contiguous(), out.contiguous(),
+            rows[0], rows[1], _unit_rows(_expand_kv(k, rep)),
+            _unit_rows(_expand_kv(v, rep)), rows[2],
             lse.float().reshape(*q.shape[:3], 1).contiguous(), seed, seed, None, None, None,
             s_q, s_k, 0.0, causal, scale=scale)
         return dq, _reduce_kv(dk, rep), _reduce_kv(dv, rep)

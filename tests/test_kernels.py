@@ -162,6 +162,12 @@ def _ring_of_two_blocks(backend, q, k, v, dout, causal):
         o, l = kernels.attention_forward(qb, k[:, :, sl], v[:, :, sl], causal=c, backend=backend)
         out, lse = kernels.merge_partial(out, lse, o, l)
     out = out.to(q.dtype)
+    if causal:
+        # As the ring hands them over: dO, Q and O one slice of whole-row tensors (the kernels
+        # read such views in place where they can, kernels.attention_backward).
+        whole = torch.zeros_like(q)
+        whole[:, :, half:] = out
+        out = whole[:, :, half:]
     dq, dks, dvs = 0, [], []
     for sl, c in blocks:
         g = kernels.attention_backward(db, qb, k[:, :, sl], v[:, :, sl], out, lse, causal=c,
@@ -195,6 +201,65 @@ def test_two_block_ring_with_merged_statistics_matches_fp64(backend, causal, rep
                                    atol=3.5e-2 * r.abs().max().item(),
                                    msg=lambda m: f"{backend} {name}: {m}")
     report(f"kernels {backend} two-block ring, merged statistics, bf16 causal={causal}: ok")
+
+
+def _copies_of_cudnn_backward(k, v, q, dout, out, lse):
+    """Copies ``attention_backward(backend="torch_cudnn")`` makes before the kernel, as (op,
+    shape), on fake tensors (cuDNN's op has a meta kernel: no GPU needed)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Log(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out_ = func(*args, **(kwargs or {}))
+            name = func.overloadpacket.__name__
+            # Of the operands of d values per row; the lse statistics ([b, n, s], one value a
+            # row) are reshaped for the op, a copy of 1/d of a row block's size.
+            if (name in ("clone", "copy_", "_to_copy", "contiguous", "repeat_interleave")
+                    and args[0].shape[-1] > 1):
+                seen.append((name, tuple(args[0].shape)))
+            return out_
+
+    with Log():
+        kernels.attention_backward(dout, q, k, v, out, lse, causal=False,
+                                   backend="torch_cudnn")
+    return seen
+
+
+def test_cudnn_backward_reads_the_rings_half_blocks_in_place():
+    # METP's balanced layout hands the kernel half of a block: K/V rows of the ring's
+    # [b, n, s, d] buffer against all of this rank's queries, or half of this rank's query rows
+    # (dO, Q and O sliced alike from kernels.backward_rows' dense tensors) against a whole
+    # block. cuDNN's backward reads such views in place, as its forward does (the H100 probe of
+    # docs/calibration/README.md), so no copy may appear. Copies must still be made where the
+    # kernel needs them: K/V rows that are not unit-stride, and dO / O whose strides are not
+    # Q's (PyTorch's cached cuDNN graph is keyed on Q's strides only). On fake tensors: the
+    # op's meta kernel runs on any machine (the GPU tier checks the numbers:
+    # test_two_block_ring_with_merged_statistics_matches_fp64 passes such halves).
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        b, n, s, d = 1, 4, 16, 64
+        half = slice(0, s // 2)
+        kv = torch.empty(2, b, n, s, d, dtype=torch.bfloat16)
+        q, dout, out = (torch.empty(b, n, s, d, dtype=torch.bfloat16) for _ in range(3))
+        lse = torch.empty(b, n, s)
+        k, v = kv[0][:, :, half], kv[1][:, :, half]
+        assert not k.is_contiguous()
+        assert _copies_of_cudnn_backward(k, v, q, dout, out, lse) == []
+        # Half of the query rows against a whole block.
+        qh, dh, oh = q[:, :, half], dout[:, :, half], out[:, :, half]
+        assert not qh.is_contiguous()
+        assert _copies_of_cudnn_backward(kv[0], kv[1], qh, dh, oh, lse[:, :, half]) == []
+        # Columns strided (a transposed view): K and V are copied, once each.
+        kt = torch.empty(b, n, d, s // 2, dtype=torch.bfloat16).transpose(2, 3)
+        assert kt.stride(-1) != 1
+        got = _copies_of_cudnn_backward(kt, kt, q, dout, out, lse)
+        assert [shape for _, shape in got] == [tuple(kt.shape)] * 2, got
+        # O dense but Q and dO halves: all three go dense (the two views are copied).
+        got = _copies_of_cudnn_backward(kv[0], kv[1], qh, dh, oh.contiguous(), lse[:, :, half])
+        assert [shape for _, shape in got] == [tuple(qh.shape)] * 2, got
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU tier: needs CUDA")
