@@ -224,6 +224,38 @@ def test_a_matmul_is_charged_its_gemm_alone():
     assert ops[0].bytes == 4 * (s * b * h + f * h + s * b * f)
 
 
+def test_strided_and_broadcast_elementwise_ops_are_marked_and_charged_slower():
+    # The trace marks an element-wise op whose operands are strided or broadcast (the merges'
+    # per-row rescale, a transposing copy, an add into a view of a larger accumulator), which a
+    # GPU runs in its unvectorised kernel, and nothing else: a dense add, a dense copy, a cat, a
+    # reduction, a GEMM. The machine charges marked ops at strided_mem_efficiency.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from megatron_metp.measure.op_trace import OpRecorder
+
+    with FakeTensorMode():
+        a, b = torch.empty(4, 8, 16), torch.empty(4, 8, 16)
+        row = torch.empty(4, 8, 1)
+        acc = torch.empty(4, 16, 16)
+        with OpRecorder() as rec:
+            a.mul_(row)                          # broadcast
+            a.transpose(0, 1).contiguous()       # transposing copy
+            acc[:, :8].add_(b)                   # into a strided view
+            torch.add(a, b)                      # dense
+            a.clone()                            # dense copy
+            torch.cat([a, b], dim=-1)            # a join, never element-wise
+            a.sum(dim=-1)                        # a reduction
+            torch.mm(a[0], b[0].t())             # a GEMM
+    marks = [(o.name, o.strided) for o in rec.ops if o.kind == "compute"]
+    assert marks == [("mul_", True), ("clone", True), ("add_", True), ("add", False),
+                     ("clone", False), ("cat", False), ("sum", False), ("mm", False)], marks
+    m = Machine("m", 1e12, 1e9, LINK, LINK, mem_efficiency=0.8, strided_mem_efficiency=0.5)
+    dense = TraceOp("compute", "add", bytes=1e6)
+    strided = TraceOp("compute", "add", bytes=1e6, strided=True)
+    assert m.compute_time(dense) == pytest.approx(1e6 / (1e9 * 0.8))
+    assert m.compute_time(strided) == pytest.approx(1e6 / (1e9 * 0.5))
+
+
 def test_stock_layer_trace_holds_no_kernel_less_op(traces):
     # Megatron's linear layers call torch.matmul on 3-D activations; their _unsafe_view
     # outputs were charged as copies (8 in tiny-gpt's tp layer here, 12 in wallfacer's; 17 GB

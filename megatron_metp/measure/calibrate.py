@@ -43,7 +43,8 @@ def machine_for(device: torch.device, gpu: str, efficiency: float, host_op_us: f
     none = Link("none", 1e18, 0.0, efficiency=1.0)   # no communication in this replay
     return Machine(f"this CPU ({threads} threads)", matmul_flops(dtype=torch.bfloat16),
                    copy_bandwidth(threads), none, none, efficiency=1.0,
-                   attention_efficiency=1.0, mem_efficiency=1.0, op_overhead=op_overhead())
+                   attention_efficiency=1.0, mem_efficiency=1.0, strided_mem_efficiency=1.0,
+                   op_overhead=op_overhead())
 
 
 def calibrate(cfg, mode: str, p: int, rank: int, seq_length: int, device: torch.device, *,

@@ -10,8 +10,10 @@ runs. Events (``TraceOp.kind``):
 ==========  ================================================================================
 compute     an aten op: ``flops`` (``torch.utils.flop_counter``'s formulas for mm / addmm / bmm
             / baddbmm; our own for the SDPA flash ops, see :func:`attention_flops`) and
-            ``bytes`` (its tensor inputs read + outputs written); views, ``empty`` and the
-            ops that launch no kernel (``_NO_KERNEL``) are not compute events
+            ``bytes`` (its tensor inputs read + outputs written); ``strided``: an element-wise
+            op (no FLOPs counted) on a strided or broadcast operand (:func:`is_strided`);
+            views, ``empty`` and the ops that launch no kernel (``_NO_KERNEL``) are not
+            compute events
 comm        a c10d collective or P2P op as posted: ``bytes`` = payload (CommCounter's
             convention), ``group`` (the process group: one NCCL communicator, one stream),
             ``group_size``, ``comm_id``
@@ -38,7 +40,8 @@ from torch.utils.flop_counter import flop_registry
 from megatron_metp import cpu_compat
 from megatron_metp.measure.comm_counter import CommCounter
 
-__all__ = ["TraceOp", "OpRecorder", "attention_flops", "trace_layer", "group_roles"]
+__all__ = ["TraceOp", "OpRecorder", "attention_flops", "trace_layer", "group_roles",
+           "is_strided"]
 
 # Ops that launch no kernel and move no bytes although their schemas return a fresh tensor
 # (no alias annotation) or a written alias: ``_unsafe_view`` is the view ``torch.matmul`` puts
@@ -49,6 +52,11 @@ __all__ = ["TraceOp", "OpRecorder", "attention_flops", "trace_layer", "group_rol
 _NO_KERNEL = frozenset({"_unsafe_view", "set_", "resize_", "detach", "lift_fresh", "alias"})
 
 GEMMS = ("mm", "addmm", "bmm", "baddbmm")
+
+# Not element-wise although their output may have their largest operand's shape: never
+# ``TraceOp.strided`` (nor are the plugin's and the stand-ins' fused ops outside ``aten``,
+# Transformer Engine's norms and SwiGLU on a GPU).
+_JOINS = frozenset({"cat", "stack"})
 
 
 @dataclass
@@ -61,6 +69,7 @@ class TraceOp:
     group: str = ""
     group_size: int = 1
     comm_id: int = -1
+    strided: bool = False     # compute: an element-wise op on strided / broadcast operands
 
     def to_dict(self) -> dict:
         return {k: v for k, v in asdict(self).items() if v not in ("", -1, 0, 0.0)
@@ -97,6 +106,23 @@ def _tensors(x) -> List[torch.Tensor]:
 
 def _nbytes(ts) -> int:
     return sum(t.numel() * t.element_size() for t in ts)
+
+
+def is_strided(inputs: List[torch.Tensor], outputs: List[torch.Tensor]) -> bool:
+    """An element-wise op (its output has the shape of its largest operand) that reads or writes
+    a non-contiguous operand or broadcasts a smaller one: on a GPU PyTorch's TensorIterator then
+    runs its unvectorised, index-computing kernel, measured at ~0.6 of HBM where dense ops reach
+    ~0.8 (``measure.fitted.STRIDED_MEM_EFFICIENCY``). A copy between layouts is one (a
+    transposing copy); a reduction and single values are not (nor, by the caller, a cat)."""
+    ins = [t for t in inputs if t.numel() > 1]
+    outs = [t for t in outputs if t.numel() > 1]
+    if not ins or not outs:
+        return False
+    shape = max(ins + outs, key=lambda t: t.numel()).shape
+    if outs[0].shape != shape:
+        return False
+    return (any(not t.is_contiguous() for t in ins + outs)
+            or any(t.shape != shape for t in ins))
 
 
 class _RecordedWork(dist.Work):
@@ -186,9 +212,13 @@ class OpRecorder(CommCounter):
         outs = _tensors(out)
         if not outs:
             return  # metadata queries (aten.device, sym sizes): no kernel
-        moved = _nbytes(_tensors(list(args) + list(kwargs.values()))) + _nbytes(outs)
+        ins = _tensors(list(args) + list(kwargs.values()))
+        moved = _nbytes(ins) + _nbytes(outs)
         if flops or moved:
-            self.ops.append(TraceOp("compute", name, self.phase, flops=flops, bytes=float(moved)))
+            self.ops.append(TraceOp("compute", name, self.phase, flops=flops, bytes=float(moved),
+                                    strided=(not flops and func.namespace == "aten"
+                                             and name not in _JOINS
+                                             and is_strided(ins, outs))))
 
 
 def group_roles() -> Dict[str, str]:

@@ -73,11 +73,12 @@ def add_arguments(parser) -> None:
       help="plan WallFacer with teams of C (C^2 divides p; default 1): C - 1 more "
            "query/key/value shards at the attention peak")
     a("--efficiency", type=float, default=GEMM_EFFICIENCY,
-      help="fraction of bf16 peak FLOP/s for GEMMs in the time ESTIMATES (default 0.75, fitted "
-           "to one H200 calibration: docs/calibration/README.md)")
+      help=f"fraction of bf16 peak FLOP/s for GEMMs in the time ESTIMATES (default "
+           f"{GEMM_EFFICIENCY}, fitted to the H100 calibrations: docs/calibration/README.md)")
     a("--attention-efficiency", type=float, default=ATTENTION_EFFICIENCY,
       help="fraction of bf16 peak FLOP/s for fused attention kernels in the time ESTIMATES "
-           "(default 0.66: cuDNN's Hopper kernel, measured in the same calibration)")
+           f"(default {ATTENTION_EFFICIENCY}: cuDNN's Hopper kernel, measured in the same "
+           "calibrations)")
     a("--time-seq-length", default="128k", help="sequence of the comm/time table")
     a("--count-send-buffers", action="store_true",
       help="add the largest P2P send per layer, as if a live request held it (upper bound)")

@@ -37,15 +37,18 @@ DGX reaches about 80 % of the NVLink per-direction figure for large messages (~2
 300 on A100, ~360-370 GB/s of 450 on H100 without NVLink SHARP); the same fraction is assumed for
 InfiniBand. Alpha (per call): 10 us on NVLink, 20 us over InfiniBand: the order of NCCL-tests'
 small-message (8 B-64 KiB) times inside a DGX and across two; assumptions, not measured here.
-Compute efficiency (fitted to the one GPU calibration on record, ``docs/calibration/README.md``:
-one H200, LLaMA-7B rank 7 of 8 at 4k, 32k and 128k, stock tp and METP, communication stubbed):
-GEMMs at 0.75 of bf16 peak (``--efficiency``; measured 0.85-0.87 for stock's GEMMs and 0.63-0.70
-for METP's ring-sliced ones: a single figure is ~10 % optimistic for METP's and pessimistic for
-stock's), fused attention kernels at 0.66 (``--attention-efficiency``; cuDNN's Hopper kernel,
-which stock's SDPA and, since the calibration, METP's ring both run: 0.64-0.66 measured), HBM at
-0.8 (the elementwise rest: 35-39 ms measured against 41 estimated for METP at 128k, 16 against 17
-for stock). Until that calibration the model assumed 0.5 for every kernel; it over-estimated
-stock's step by 1.3x and under-estimated METP's by up to 1.26x.
+Compute efficiency (``measure.fitted``, fitted to the GPU calibrations on record,
+``docs/calibration/README.md``: LLaMA-7B rank 7 of 8, stock tp and METP, communication stubbed;
+one H200 at 4k-128k, then two H100 measurements at 32k-256k): GEMMs at 0.86 of bf16 peak
+(``--efficiency``; 0.84-0.88 measured on the H100s for both families' GEMMs, since METP's ring
+steps run whole-token GEMMs; the H200 fit was 0.75, between stock's 0.85-0.87 and METP's then
+ring-sliced 0.63-0.70), fused attention kernels at 0.66 (``--attention-efficiency``; cuDNN's
+Hopper kernel, which stock's SDPA and METP's ring both run: 0.64-0.68 measured), HBM at 0.8 for
+the other ops (a dense copy measures 0.80), and at 0.60 for element-wise ops on strided or
+broadcast operands (``TraceOp.strided``: PyTorch's unvectorised kernels, fitted by op to the
+fourth measurement's profiles; METP's online-softmax merges and ring accumulators, RoPE's
+products). Until the first calibration the model assumed 0.5 for every kernel; it
+over-estimated stock's step by 1.3x and under-estimated METP's by up to 1.26x.
 
 Host: one CPU thread issues the ops in program order, ``host_op_s`` each (compute and comm
 alike; a wait costs nothing on the host: ``Work.wait()`` on NCCL only orders streams). No op starts
@@ -64,11 +67,13 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional
 
-from megatron_metp.measure.fitted import ATTENTION_EFFICIENCY, GEMM_EFFICIENCY, HOST_OP_US
+from megatron_metp.measure.fitted import (ATTENTION_EFFICIENCY, GEMM_EFFICIENCY, HOST_OP_US,
+                                           MEM_EFFICIENCY, STRIDED_MEM_EFFICIENCY)
 from megatron_metp.measure.op_trace import GEMMS, TraceOp, is_attention_kernel
 
 __all__ = ["Link", "Machine", "GPUS", "simulate", "Schedule", "tp_comm_overlap", "comm_time",
-           "GEMM_EFFICIENCY", "ATTENTION_EFFICIENCY", "HOST_OP_US",
+           "GEMM_EFFICIENCY", "ATTENTION_EFFICIENCY", "HOST_OP_US", "MEM_EFFICIENCY",
+           "STRIDED_MEM_EFFICIENCY",
            "chrome_trace"]
 
 ESTIMATE = "ESTIMATE (simulated, not measured on a GPU)"
@@ -94,16 +99,19 @@ class Machine:
     intra: Link
     inter: Link
     efficiency: float = GEMM_EFFICIENCY   # fraction of peak FLOP/s (all but attention)
-    mem_efficiency: float = 0.8   # fraction of HBM bandwidth
+    mem_efficiency: float = MEM_EFFICIENCY   # fraction of HBM bandwidth
     gpus_per_node: int = 8
     op_overhead: float = 0.0      # seconds per compute op (GPUs: 0, launches are queued ahead)
     host_op_s: float = 0.0        # host seconds to issue one op (module docstring)
     attention_efficiency: float = ATTENTION_EFFICIENCY   # fraction of peak, attention kernels
+    # fraction of HBM bandwidth for element-wise ops on strided / broadcast operands
+    strided_mem_efficiency: float = STRIDED_MEM_EFFICIENCY
 
     def compute_time(self, op: TraceOp) -> float:
         eff = self.attention_efficiency if is_attention_kernel(op.name) else self.efficiency
+        mem = self.strided_mem_efficiency if op.strided else self.mem_efficiency
         return self.op_overhead + max(op.flops / (self.peak_flops * eff),
-                                      op.bytes / (self.hbm_bandwidth * self.mem_efficiency))
+                                      op.bytes / (self.hbm_bandwidth * mem))
 
     def link(self, group_size: int) -> Link:
         return self.intra if group_size <= self.gpus_per_node else self.inter

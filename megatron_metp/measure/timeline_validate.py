@@ -154,5 +154,5 @@ def _machine_from_bench(res: dict, mem_bw: float, op_overhead: float = 0.0) -> M
     gloo = Link("gloo (measured ring step)", ring["bandwidth"], ring["latency"], efficiency=1.0)
     return Machine("this CPU (measured)", ov["flops_per_s"], mem_bw, gloo, gloo,
                    efficiency=1.0, attention_efficiency=1.0, mem_efficiency=1.0,
-                   gpus_per_node=1 << 20,
+                   strided_mem_efficiency=1.0, gpus_per_node=1 << 20,
                    op_overhead=op_overhead)
