@@ -31,6 +31,8 @@ STRIDED_MEM_EFFICIENCY = 0.60
 # the model favoured METP by 6 % on the frontier's own 128k and 256k configurations and by 8 %
 # at 32k, per rank; on the fourth (H100s, after METP's non-GEMM cuts of 9a825ed) by 5 % and 6 %
 # at 128k and 256k (the second, on an H200 without those fixes: 6-7 %, and 8-16 % on the
-# default layers). A lead inside that is not a lead; 10 % covers the configurations auto
-# chooses between.
+# default layers). Refitted to those H100 measurements (GEMM_EFFICIENCY, STRIDED_MEM_EFFICIENCY
+# above), the model still favours METP by 2.9 % and 4.9 % on the same layers, and the
+# measured devices ran no Transformer Engine. A lead inside that is not a lead; 10 % covers
+# the configurations auto chooses between, and is kept until a GPU measures the refit.
 AUTO_LEAD_MARGIN = 1.10
