@@ -73,7 +73,7 @@ def add_arguments(parser) -> None:
       help="plan WallFacer with teams of C (C^2 divides p; default 1): C - 1 more "
            "query/key/value shards at the attention peak")
     a("--efficiency", type=float, default=GEMM_EFFICIENCY,
-      help=f"fraction of bf16 peak FLOP/s for GEMMs in the time ESTIMATES (default "
+      help="fraction of bf16 peak FLOP/s for GEMMs in the time ESTIMATES (default "
            f"{GEMM_EFFICIENCY}, fitted to the H100 calibrations: docs/calibration/README.md)")
     a("--attention-efficiency", type=float, default=ATTENTION_EFFICIENCY,
       help="fraction of bf16 peak FLOP/s for fused attention kernels in the time ESTIMATES "

@@ -193,10 +193,7 @@ class _MetpWholeFunction(torch.autograd.Function):
                 plan.scale, plan.backend, with_dq=q_side_rot, blocks=plan.blocks,
                 layout=plan.layout)
             del da, q_side_rot, q_rot, kv_rot
-            dqkv = grads.pop("qkv")
-            dqkv[:, :, :, rep] = plan.unrotate(_sbnd(dk), 1)
-            dqkv[:, :, :, rep + 1] = _sbnd(dv)
-            del dk, dv
+            dk = plan.unrotate(_sbnd(dk), 1)
         else:
             # The projection, saved (with a q/k norm) or run again: split, q/k norm and
             # RoPE again through autograd, then the ring's backward.
@@ -244,10 +241,12 @@ class _MetpWholeFunction(torch.autograd.Function):
             if plan.has_post:
                 dk = _post_grad(k, k_lin, norm_params[n_q:], dk, dnorm[n_q:])
                 del k, k_lin
-            dqkv = grads.pop("qkv")
-            dqkv[:, :, :, rep] = dk
-            dqkv[:, :, :, rep + 1] = _sbnd(dv)
-            del q, q_lin, dk, dv
+            del q, q_lin
+        # dK (through RoPE / the q/k norm) and dV into the rows the q side allocated.
+        dqkv = grads.pop("qkv")
+        dqkv[:, :, :, rep] = dk
+        dqkv[:, :, :, rep + 1] = _sbnd(dv)
+        del dk, dv
         dqkv2d = dqkv.view(s * b, -1)
         # The weight gradient first, so that its reduce-scatter runs behind dX's GEMM.
         dw, dw_handle = _scatter_rows(dqkv2d.t().mm(x2d).to(gacc), plan)
