@@ -88,11 +88,13 @@ def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         help="WallFacer team size C (C^2 must divide the WallFacer size P; default 1 = ring "
              "attention); 'auto' profiles every valid C and placement at start-up")
     group.add_argument(
-        "--metp-ring-pass", choices=("auto", "whole", "head-group"), default="auto",
+        "--metp-ring-pass", choices=("auto", "whole", "head-group", "a2a"), default="auto",
         help="METP attention: every head group in one K/V ring pass (whole: fewer, larger "
              "operations, all heads' Q/K/V at once), one per head group (head-group: the "
-             "paper's Alg. 5-6, least memory), or auto (the planner's choice from memory "
-             "headroom: whole wherever the run fits this GPU with it)")
+             "paper's Alg. 5-6, least memory), the whole pass with all-to-alls in place of "
+             "its ring (a2a: Megatron's --cp-comm-type a2a exchange; one sequence per micro "
+             "batch, no context parallelism), or auto (the planner's choice from memory "
+             "headroom: a2a, then whole, wherever the run fits this GPU with it)")
     group.add_argument(
         "--metp-qkv-backward", choices=("auto", "recompute", "save", "save+fc1"), default="auto",
         help="METP's one ring pass: keep Q/K/V for backward (save: one GEMM less per layer, "

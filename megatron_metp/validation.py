@@ -509,6 +509,10 @@ def _check_metp(ns: Namespace, tp: int, cp: int, mode: str) -> None:
         _fail(f"--tensor-parallel-mode metp_mlp does not compose with --context-parallel-size "
               f"{cp} (its attention is Megatron's local core attention, which has no context "
               f"parallelism): use --tensor-parallel-mode metp, or --context-parallel-size 1")
+    if cp > 1 and getattr(ns, "metp_ring_pass", None) == "a2a":
+        _fail(f"--metp-ring-pass a2a conflicts with --context-parallel-size {cp}: its "
+              f"all-to-alls run over the TP group only, and under CP the K/V travel METP's "
+              f"TP x CP ring; use --metp-ring-pass whole (or auto), or --context-parallel-size 1")
     if cp > 1:
         other = [t for t in _cp_comm_types(ns) if t != "p2p"]
         if other:

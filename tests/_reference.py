@@ -124,9 +124,11 @@ def _split_qkv(qkv, b, s, n, ng, d):
     return q, qkv[..., n // ng * d : (n // ng + 1) * d], qkv[..., (n // ng + 1) * d :]
 
 
-def attention_sublayer(full: Dict[str, torch.Tensor], config, x, g, rope_on: bool):
-    """The causal self-attention sublayer from TP = 1 weights ``full`` (linear_qkv, linear_proj,
-    optional biases) on x [s, b, h], by fp64 autograd against the output gradient ``g``.
+def attention_sublayer(full: Dict[str, torch.Tensor], config, x, g, rope_on: bool,
+                       causal: bool = True):
+    """The self-attention sublayer (causal unless told) from TP = 1 weights ``full``
+    (linear_qkv, linear_proj, optional biases) on x [s, b, h], by fp64 autograd against the
+    output gradient ``g``.
 
     Returns (out [s, b, h], dx, {name: dweight})."""
     w = {n: t.double().requires_grad_(True) for n, t in full.items()}
@@ -139,7 +141,7 @@ def attention_sublayer(full: Dict[str, torch.Tensor], config, x, g, rope_on: boo
     q, k, v = _split_qkv(qkv, B, S, n, ng, d)
     if rope_on:
         q, k = rope(q, torch.arange(S)), rope(k, torch.arange(S))
-    ctx, _ = attention(q, k, v, scale=1 / math.sqrt(d), causal=True, layout="bshd")
+    ctx, _ = attention(q, k, v, scale=1 / math.sqrt(d), causal=causal, layout="bshd")
     out = ctx.reshape(B, S, n * d).transpose(0, 1) @ w["linear_proj.weight"].T
     if "linear_proj.bias" in w:
         out = out + w["linear_proj.bias"]

@@ -147,12 +147,12 @@ def test_remap_and_validate_on_what_megatron_parsed(monkeypatch):
     assert (ns.tensor_model_parallel_size, ns.context_parallel_size, ns.sequence_parallel) == (
         4, 1, True)
     # --metp-ring-pass auto and --metp-qkv-backward auto are planned here, before Megatron
-    # builds anything: the small model fits 80 GiB with the one pass, its Q/K/V and its MLP's
-    # fc1 output saved. A named value is kept as given (and the other still planned).
-    assert (ns.metp_ring_pass, ns.metp_qkv_backward) == ("whole", "save+fc1")
+    # builds anything: the small model fits 80 GiB with the all-to-all pass, its Q/K/V and its
+    # MLP's fc1 output saved. A named value is kept as given (and the other still planned).
+    assert (ns.metp_ring_pass, ns.metp_qkv_backward) == ("a2a", "save+fc1")
     ns = mlm.remap_and_validate(_megatron_like_parse(argv + ["--metp-qkv-backward", "recompute"],
                                                      provider), argv)
-    assert (ns.metp_ring_pass, ns.metp_qkv_backward) == ("whole", "recompute")
+    assert (ns.metp_ring_pass, ns.metp_qkv_backward) == ("a2a", "recompute")
     ns = mlm.remap_and_validate(_megatron_like_parse(argv + ["--metp-ring-pass", "head-group"],
                                                      provider), argv)
     assert (ns.metp_ring_pass, ns.metp_qkv_backward) == ("head-group", "recompute")

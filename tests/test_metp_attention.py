@@ -601,7 +601,7 @@ def _ring_pass_from_config():
 
     setup(tp=2, mode="metp")
     got = {}
-    for value in ("auto", "whole", "head-group"):
+    for value in ("auto", "whole", "head-group", "a2a"):
         config = make_config("llama", hidden_size=64, num_attention_heads=8, num_query_groups=4,
                              metp_ring_pass=value)
         got[value] = _build(config, "metp").ring_pass
@@ -618,8 +618,8 @@ def test_ring_pass_reaches_the_module_from_the_config():
     # --metp-ring-pass travels on the TransformerConfig (metp train, metp plan, the Megatron-LM
     # route) and is read once, at construction; an unknown value fails there.
     got = run_ranks(2, _ring_pass_from_config)[0]
-    assert {k: got[k] for k in ("auto", "whole", "head-group")} == {
-        "auto": "auto", "whole": "whole", "head-group": "head-group"}
+    assert {k: got[k] for k in ("auto", "whole", "head-group", "a2a")} == {
+        "auto": "auto", "whole": "whole", "head-group": "head-group", "a2a": "a2a"}
     assert "sometimes" in got["bad"] and "head-group" in got["bad"]
 
 

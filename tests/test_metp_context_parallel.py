@@ -125,6 +125,8 @@ def test_cli_metp_tp4_cp2_passes_preflight_and_launches(monkeypatch, capsys):
     # 36 tokens: 18 per CP rank, not 4 TP blocks of whole tokens
     (CP_FLAGS + ["--seq-length", "36"], "--seq-length"),
     (CP_FLAGS + ["--cp-comm-type", "a2a"], "--cp-comm-type"),
+    # METP's all-to-all attention runs over the TP group; under CP the K/V ride the TP x CP ring
+    (CP_FLAGS + ["--metp-ring-pass", "a2a"], "--metp-ring-pass a2a"),
 ])
 def test_cli_refuses_metp_cp_by_name(argv, flag, monkeypatch, capsys):
     rc, launched = _main(argv, monkeypatch)

@@ -604,21 +604,29 @@ def test_planner_saves_qkv_when_memory_allows(report):
     assert not res["262144/save"]["fits"] and res["262144/recompute"]["fits"]
     assert res["262144/auto"]["chosen"] == "recompute"
     assert (res["resolve"], res["resolve_long"], res["resolve_head_group"]) == (
-        ["whole", "save+fc1"], ["whole", "recompute"], ["head-group", "recompute"])
-    # --metp-ring-pass auto follows memory headroom: fastest first (the one pass, Q/K/V saved),
-    # each choice needs less than the one before, and a budget picks the first that fits it:
-    # at exactly a choice's need that choice, just below it the next (the last, the per-head-
-    # group pass, is kept even when nothing fits, as the most frugal).
+        ["a2a", "save+fc1"], ["a2a", "recompute"], ["head-group", "recompute"])
+    # --metp-ring-pass auto follows memory headroom: fastest first (the all-to-all pass, then
+    # the one ring pass, each with Q/K/V and fc1 saved, then Q/K/V, then neither), and a budget
+    # picks the first that fits it (the last, the per-head-group pass, is kept even when nothing
+    # fits, as the most frugal). Within a pass each choice needs less than the one before; the
+    # all-to-all pass needs no more than the ring's for the same Q/K/V choice (no fp32 merge or
+    # dK/dV state), so the ring pass is chosen only where a named a2a does not apply.
     order = [f"{r}/{q}" for r, q in res["choices"]]
-    assert order == ["whole/save+fc1", "whole/save", "whole/recompute", "head-group/recompute"]
-    need = [res["need"][k] for k in order]
-    assert need[0] > need[1] > need[2] > need[3], need
-    for i, k in enumerate(order):
-        gib = need[i] / 2**30
-        assert res["picked"][repr(gib)][:2] == k.split("/"), (k, res["picked"])
-        below = res["picked"][repr(gib - 0.01)]
-        assert below[:2] == (order[i + 1].split("/") if i + 1 < len(order) else k.split("/"))
-        assert below[2] == (i + 1 < len(order))
+    assert order == ["a2a/save+fc1", "a2a/save", "a2a/recompute", "whole/save+fc1",
+                     "whole/save", "whole/recompute", "head-group/recompute"]
+    need = {k: res["need"][k] for k in order}
+    for pass_ in ("a2a", "whole"):
+        run = [need[f"{pass_}/{q}"] for q in ("save+fc1", "save", "recompute")]
+        assert run[0] > run[1] > run[2], (pass_, run)
+    for q in ("save+fc1", "save", "recompute"):
+        assert need[f"a2a/{q}"] <= need[f"whole/{q}"], (q, need)
+    assert need["head-group/recompute"] == min(need.values()), need   # the most frugal
+    for k in order:
+        for gib in (need[k] / 2**30, need[k] / 2**30 - 0.01):
+            fits = [c for c in order if need[c] / 2**30 <= gib]
+            want = fits[0] if fits else order[-1]
+            assert res["picked"][repr(gib)][:2] == want.split("/"), (gib, want, res["picked"])
+            assert res["picked"][repr(gib)][2] == bool(fits)
     report("plan llama-7b p=8 s=32k, METP attention from memory headroom: "
            + ", ".join(f"{k} {res['need'][k] / 2**30:.2f} GiB" for k in order))
     a, b = res["32768/recompute"], res["32768/save"]

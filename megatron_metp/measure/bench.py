@@ -124,7 +124,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the layer inside Megatron's CheckpointFunction, as "
                         "--recompute-granularity full --recompute-method uniform "
                         "--recompute-num-layers 1")
-    c.add_argument("--calibrate-metp-ring-pass", choices=("auto", "whole", "head-group"),
+    c.add_argument("--calibrate-metp-ring-pass", choices=("auto", "whole", "head-group", "a2a"),
                    default="auto", help="METP's --metp-ring-pass in the calibrated layer")
     c.add_argument("--calibrate-metp-qkv-backward", choices=("recompute", "save", "save+fc1"),
                    default="recompute", help="METP's --metp-qkv-backward in the calibrated layer")

@@ -85,10 +85,11 @@ def add_arguments(parser) -> None:
     a("--recompute-modules", default=None, metavar="M1,M2",
       help="Megatron's selective recompute in every mode (--recompute-granularity selective), "
            "e.g. layernorm: norm outputs are recomputed in backward")
-    a("--metp-ring-pass", choices=("auto", "whole", "head-group"), default="auto",
+    a("--metp-ring-pass", choices=("auto", "whole", "head-group", "a2a"), default="auto",
       help="METP attention: every head group in one K/V ring pass (whole: fewer, larger "
            "operations, all heads' Q/K/V at once), one pass per head group (head-group: the "
-           "paper's Alg. 5-6, least memory), or auto (whole up to 32k tokens per rank)")
+           "paper's Alg. 5-6, least memory), the whole pass with all-to-alls in place of its "
+           "ring (a2a), or auto (the first of a2a, whole, head-group that fits --memory-gb)")
     a("--metp-qkv-backward", choices=("auto", "recompute", "save", "save+fc1"), default="auto",
       help="METP's one ring pass: keep Q/K/V for backward (save: one GEMM less per layer, "
            "2(n+2ng)d bytes more per token and layer) or recompute them (the paper's Alg. 6); "

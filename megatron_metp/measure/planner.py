@@ -520,8 +520,10 @@ class Planner:
     def metp_choices(self, cfg, mode: str, p: int, s: int) -> List[tuple]:
         """METP attention's (ring pass, Q/K/V backward) pairs to plan at this point, fastest
         first, the last the most frugal (it fits if any does). ``--metp-ring-pass auto``: the
-        one ring pass over every head group ("whole": weights gathered once, one message per
-        hop) before one pass per head group ("head-group", sliced into query groups near the
+        whole pass with all-to-alls in place of its K/V ring ("a2a", ``metp.a2a_attention``:
+        one attention kernel over the whole sequence for n/p heads, no merges), then the one
+        ring pass over every head group ("whole": weights gathered once, one message per
+        hop), before one pass per head group ("head-group", sliced into query groups near the
         longest sequence, ``metp.attention.head_chunks``); ``--metp-qkv-backward auto``: the
         whole pass with Q/K/V and the MLP's fc1 outputs saved, then Q/K/V alone, before
         recomputing them (the per-head-group loop always recomputes Q/K/V; a named
@@ -533,8 +535,8 @@ class Planner:
             return [("", "")]
         ring = check_ring_pass(self.settings.metp_ring_pass)
         want = check_qkv_backward(self.settings.metp_qkv_backward)
-        rings = (["whole", "head-group"] if p > 1 else ["head-group"]) if ring == "auto" \
-            else [ring]
+        rings = (["a2a", "whole", "head-group"] if p > 1 else ["head-group"]) \
+            if ring == "auto" else [ring]
         out = []
         for r in rings:
             # The per-head-group loop recomputes Q/K/V whatever is asked; the MLP keeps its fc1
@@ -730,7 +732,12 @@ def resolve_metp_attention(cfg, p: int, s: int, *, micro_batch: int = 1,
     finally:
         planner.world.teardown()
     choices = planner.metp_choices(cfg, "metp", p, s)
-    what = {("whole", "save+fc1"): "one ring pass over every head group, Q/K/V and the MLP's "
+    what = {("a2a", "save+fc1"): "all-to-all attention over every head group, Q/K/V and the "
+                                 "MLP's fc1 output saved",
+            ("a2a", "save"): "all-to-all attention over every head group, Q/K/V saved",
+            ("a2a", "recompute"): "all-to-all attention over every head group, Q/K/V "
+                                  "recomputed",
+            ("whole", "save+fc1"): "one ring pass over every head group, Q/K/V and the MLP's "
                                    "fc1 output saved",
             ("whole", "save"): "one ring pass over every head group, Q/K/V saved",
             ("whole", "recompute"): "one ring pass over every head group, Q/K/V recomputed",

@@ -280,7 +280,7 @@ class MetpSelfAttention(SelfAttention):
         # A packed batch's balanced layout carries its own block rule; under CP its ring blocks
         # are numbered as the balanced ones (token_layout.balanced_block).
         plan = _Plan(self, freqs, causal, s_shard * hidden_states.shape[1], layout,
-                     balanced and layout is None, balanced_blocks=balanced)
+                     balanced and layout is None, balanced_blocks=balanced, s_shard=s_shard)
         norm_params = [prm for m in (self.q_layernorm, self.k_layernorm) if m is not None
                        for prm in m.parameters()]
         fn = _MetpWholeFunction if plan.whole else _MetpMHAFunction

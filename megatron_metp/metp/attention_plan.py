@@ -52,6 +52,11 @@ def check_metp_attention_config(config: TransformerConfig, p: int) -> None:
             f"--tensor-model-parallel-size (got {p}): each TP rank must hold tokens of one of the "
             f"CP rank's two load-balanced chunks; use an even TP size, or --context-parallel-size 1"
         )
+    if cp != 1 and getattr(config, "metp_ring_pass", None) == "a2a":
+        raise ValueError(
+            f"--metp-ring-pass a2a conflicts with --context-parallel-size {cp}: its all-to-alls "
+            f"run over the TP group only; use --metp-ring-pass whole (or auto), or "
+            f"--context-parallel-size 1")
     if config.attention_dropout and config.attention_dropout > 0:
         raise ValueError(
             f"--tensor-parallel-mode metp: attention dropout is not implemented by the ring "
@@ -87,7 +92,9 @@ ATTN_MIN_TOKENS = 8192
 # whole pass wherever the run fits with it, the per-head-group loop only where nothing coarser
 # does). `MetpSelfAttention.ring_pass` overrides.
 WHOLE_MAX_TOKENS = 32768
-RING_PASSES = ("auto", "whole", "head-group")
+# "a2a": the whole pass with all-to-alls in place of its K/V ring (metp.a2a_attention), where
+# that applies (_Plan.a2a; elsewhere the whole pass's ring). Named, never chosen by "auto".
+RING_PASSES = ("auto", "whole", "head-group", "a2a")
 
 # What the one-pass backward does for Q/K/V (--metp-qkv-backward; the per-head-group loop always
 # recomputes). "recompute" (Alg. 6 line 6): one more Q/K/V GEMM per layer in backward, nothing
@@ -121,7 +128,7 @@ def whole_pass(ring_pass: str, tokens: int, p: int) -> bool:
     """Whether one ring pass takes every head group (``RING_PASSES``; ``tokens`` per rank)."""
     if check_ring_pass(ring_pass) == "auto":
         return p > 1 and tokens <= WHOLE_MAX_TOKENS
-    return ring_pass == "whole"
+    return ring_pass in ("whole", "a2a")
 
 
 def head_chunks(groups_p: int, heads_p: int, d: int, h: int, p: int, n: int) -> List[slice]:
@@ -153,7 +160,8 @@ class _Plan:
     """
 
     def __init__(self, module: torch.nn.Module, freqs_shard_s, causal: bool, tokens: int,
-                 layout=None, balanced: bool = False, balanced_blocks: bool = False):
+                 layout=None, balanced: bool = False, balanced_blocks: bool = False,
+                 s_shard: int = 0):
         # Packed documents (megatron_metp.packing), the balanced layout's block rule
         # (megatron_metp.token_layout), or None (contiguous blocks).
         self.layout = BALANCED if balanced else layout
@@ -181,6 +189,12 @@ class _Plan:
         self.chunks = head_chunks(self.groups_p, self.heads_p, self.d, module.config.hidden_size,
                                   self.p, tokens)
         self.whole = whole_pass(module.ring_pass, tokens, self.p)
+        # --metp-ring-pass a2a (metp.a2a_attention): one sequence per micro batch, balanced when
+        # causal, no CP (the METP group is the TP group), an even number of tokens per rank.
+        # Packed documents and CP rings keep the whole pass's ring.
+        self.a2a = (module.ring_pass == "a2a" and self.p > 1 and module.kv_blocks is None
+                    and (self.layout is BALANCED if causal else layout is None)
+                    and s_shard % 2 == 0)
         # The one pass keeps its Q/K/V projection for backward (QKV_BACKWARD "save" or
         # "save+fc1": "auto" is resolved by the launcher, before the model exists).
         self.save_qkv = self.whole and module.qkv_backward in ("save", "save+fc1")

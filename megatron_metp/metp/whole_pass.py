@@ -14,9 +14,30 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron_metp.metp.a2a_attention import (a2a_attention_backward, a2a_attention_forward,
+                                              post_backward_inputs)
 from megatron_metp.metp.attention_plan import _Plan, _bnsd, _flat, _post_grad, _sbnd
 from megatron_metp.metp.ring_attention import (ring_attention_backward, ring_attention_forward,
                                                stack_kv)
+
+
+def _attend(plan: _Plan, q, k, v):
+    """``(out, lse)``: the K/V ring, or its all-to-all replacement (``--metp-ring-pass a2a``)."""
+    if plan.a2a:
+        return a2a_attention_forward(plan.group, q, k, v, plan.causal, plan.scale, plan.backend)
+    return ring_attention_forward(plan.group, q, k, v, plan.causal, plan.scale, plan.backend,
+                                  plan.blocks, plan.layout)
+
+
+def _attend_backward(plan: _Plan, dout, q, k, v, out, lse, with_dq, posted=None):
+    """``(dq, dk, dv)`` of :func:`_attend`; ``posted``: the all-to-alls' exchanges of saved
+    inputs posted earlier (``a2a_attention.post_backward_inputs``)."""
+    if plan.a2a:
+        return a2a_attention_backward(plan.group, dout, q, k, v, out, lse, plan.causal,
+                                      plan.scale, plan.backend, with_dq=with_dq, posted=posted)
+    return ring_attention_backward(plan.group, dout, q, k, v, out, lse, plan.causal, plan.scale,
+                                   plan.backend, with_dq=with_dq, blocks=plan.blocks,
+                                   layout=plan.layout)
 
 
 def _gather_rows(t: Optional[torch.Tensor], plan: _Plan, async_op: bool = False):
@@ -134,8 +155,7 @@ class _MetpWholeFunction(torch.autograd.Function):
         keep = ((q, k._base) if ctx.rotated else (q_lin, kv_lin) if plan.save_qkv
                 else (None, None))
         del q_lin, kv_lin
-        a, lse = ring_attention_forward(plan.group, _bnsd(q), k, v, plan.causal,
-                                        plan.scale, plan.backend, plan.blocks, plan.layout)
+        a, lse = _attend(plan, _bnsd(q), k, v)
         del q, k, v
         if wpt_handle is not None:
             wpt_handle.wait()
@@ -164,6 +184,13 @@ class _MetpWholeFunction(torch.autograd.Function):
         # Weight gradients are summed over p ranks: in fp32 for bf16/fp16 weights, so the sum
         # adds no rounding TP's single matmul does not have.
         gacc = torch.promote_types(w_proj.dtype, torch.float32)
+        # --metp-ring-pass a2a: the exchanges of what backward's attention reads and we already
+        # hold (O, its lse; Q/K/V when saved after RoPE) travel behind the two GEMMs below.
+        posted = None
+        if plan.a2a:
+            saved = ((_bnsd(keep_q), keep_kv[0], keep_kv[1]) if ctx.rotated
+                     else (None, None, None))
+            posted = post_backward_inputs(plan.group, *saved, out=a, lse=lse)
         a2d = _flat(a)
         # dW_proj^T = A^T dO (this rank's tokens), reduce-scattered while the ring runs.
         dwpt, dwpt_handle = _scatter_rows(a2d.t().mm(dout2d).to(gacc), plan)
@@ -188,10 +215,8 @@ class _MetpWholeFunction(torch.autograd.Function):
                 grads["qkv"][:, :, :, :rep] = plan.unrotate(_sbnd(dq), 0).view(
                     *shape[:3], rep, plan.d)
 
-            _, dk, dv = ring_attention_backward(
-                plan.group, da, _bnsd(q_rot), kv_rot[0], kv_rot[1], a, lse, plan.causal,
-                plan.scale, plan.backend, with_dq=q_side_rot, blocks=plan.blocks,
-                layout=plan.layout)
+            _, dk, dv = _attend_backward(plan, da, _bnsd(q_rot), kv_rot[0], kv_rot[1], a, lse,
+                                         q_side_rot, posted)
             del da, q_side_rot, q_rot, kv_rot
             dk = plan.unrotate(_sbnd(dk), 1)
         else:
@@ -232,10 +257,8 @@ class _MetpWholeFunction(torch.autograd.Function):
                 grads["qkv"] = torch.empty(qkv_shape, dtype=qkv_dtype, device=dq.device)
                 grads["qkv"][:, :, :, :rep] = dq.view(s, b, ng, rep, plan.d)
 
-            _, dk, dv = ring_attention_backward(
-                plan.group, da, _bnsd(q.detach()), k_ring, v_ring, a, lse,
-                plan.causal, plan.scale, plan.backend, with_dq=q_side, blocks=plan.blocks,
-                layout=plan.layout)
+            _, dk, dv = _attend_backward(plan, da, _bnsd(q.detach()), k_ring, v_ring, a, lse,
+                                         q_side, posted)
             del da, q_side, k_ring, v_ring
             dk = _sbnd(dk)
             if plan.has_post:

@@ -97,10 +97,11 @@ def _train_parser(p: argparse.ArgumentParser) -> Callable:
     a("--clip-grad", type=float, default=None)
     a("--hidden-dropout", type=float, default=None)
     a("--attention-dropout", type=float, default=None)
-    a("--metp-ring-pass", choices=("auto", "whole", "head-group"), default=None,
+    a("--metp-ring-pass", choices=("auto", "whole", "head-group", "a2a"), default=None,
       help="METP attention: every head group in one K/V ring pass (whole), one per head group "
-           "(head-group: least memory), or auto (default: the planner's choice from memory "
-           "headroom, whole wherever the run fits --auto-memory-gib with it)")
+           "(head-group: least memory), the whole pass with all-to-alls in place of its ring "
+           "(a2a), or auto (default: the planner's choice from memory headroom, a2a then whole "
+           "wherever the run fits --auto-memory-gib with it)")
     a("--metp-qkv-backward", choices=("auto", "recompute", "save", "save+fc1"), default=None,
       help="METP's one ring pass: keep Q/K/V for backward (save: one GEMM less per layer, "
            "more memory) or recompute them (recompute: the paper's Alg. 6); save+fc1: keep "

@@ -46,41 +46,79 @@ def check_heads(n: int, n_kv: int, cp: int) -> None:
             f"multiples of it; use --cp-comm-type p2p or a smaller context-parallel size")
 
 
-def _exchange(send: torch.Tensor, group) -> torch.Tensor:
+def _exchange(send: torch.Tensor, group, async_op: bool = False):
     """One all-to-all of ``send`` [cp, ...]: row j goes to rank j; row i of the result came
-    from rank i."""
+    from rank i. Returns ``(recv, work)``; ``work`` is None unless ``async_op`` (wait on it
+    before reading ``recv``)."""
     recv = torch.empty_like(send)
     if dist.get_world_size(group) == 1:
         recv.copy_(send)
-    else:
-        dist.all_to_all_single(recv, send, group=group)
-    return recv
+        return recv, None
+    return recv, dist.all_to_all_single(recv, send, group=group, async_op=async_op)
+
+
+class Pending:
+    """An exchange in flight (:func:`post_seq_to_heads`, :func:`post_heads_to_seq`):
+    :meth:`result` waits for it and lays the received rows out."""
+
+    def __init__(self, recv, work, finish, send):
+        self._recv, self._work, self._finish = recv, work, finish
+        self._send = send   # alive until the exchange completes
+
+    def result(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+        out = self._finish(self._recv)
+        self._recv = self._send = self._work = None
+        return out
+
+
+def post_seq_to_heads(x: torch.Tensor, group, async_op: bool = True) -> Pending:
+    """Post :func:`seq_to_heads`'s exchange of ``x``; its result when :meth:`Pending.result`
+    is asked for."""
+    cp = dist.get_world_size(group)
+    sl, b, n, d = x.shape
+    send = x.reshape(sl, b, cp, n // cp, d).permute(2, 0, 1, 3, 4).contiguous()
+    recv, work = _exchange(send, group, async_op)     # [cp (source rank), s/cp, b, n/cp, d]
+
+    def finish(recv):
+        halves = recv.view(cp, 2, sl // 2, b, n // cp, d)
+        # Rank i sent chunks i and 2cp-1-i: the first halves are chunks 0..cp-1, the second
+        # halves in reverse rank order chunks cp..2cp-1. One cat of the 2cp chunk views puts
+        # them in order (a flip would copy the second halves once more first).
+        chunks = [halves[i, 0] for i in range(cp)] + [halves[i, 1] for i in reversed(range(cp))]
+        whole = torch.cat(chunks, dim=0)                      # [2cp c, b, n/cp, d]
+        return whole.view(cp * sl, b, n // cp, d).permute(1, 2, 0, 3)
+
+    return Pending(recv, work, finish, send)
 
 
 def seq_to_heads(x: torch.Tensor, group) -> torch.Tensor:
     """``[s/cp, b, n, d]`` (this rank's two chunks, all heads) -> ``[b, n/cp, s, d]`` (the
     whole sequence in order, this rank's heads)."""
+    return post_seq_to_heads(x, group, async_op=False).result()
+
+
+def post_heads_to_seq(y: torch.Tensor, group, async_op: bool = True) -> Pending:
+    """Post :func:`heads_to_seq`'s exchange of ``y``."""
     cp = dist.get_world_size(group)
-    sl, b, n, d = x.shape
-    send = x.reshape(sl, b, cp, n // cp, d).permute(2, 0, 1, 3, 4).contiguous()
-    recv = _exchange(send, group)                        # [cp (source rank), s/cp, b, n/cp, d]
-    halves = recv.view(cp, 2, sl // 2, b, n // cp, d)
-    # Rank i sent chunks i and 2cp-1-i: the first halves are chunks 0..cp-1, the second halves
-    # reversed are chunks cp..2cp-1.
-    whole = torch.cat([halves[:, 0], halves[:, 1].flip(0)], dim=0)   # [2cp, c, b, n/cp, d]
-    return whole.reshape(cp * sl, b, n // cp, d).permute(1, 2, 0, 3)
+    b, hh, s, d = y.shape
+    c = s // (2 * cp)
+    chunks = y.permute(2, 0, 1, 3).reshape(2 * cp, c, b, hh, d)   # splits s: a view
+    # Rank i gets chunks i and 2cp-1-i: one stack of the 2cp chunk views in that order.
+    send = torch.stack([chunks[k] for i in range(cp) for k in (i, 2 * cp - 1 - i)]).view(
+        cp, 2, c, b, hh, d)
+    recv, work = _exchange(send, group, async_op)        # [cp (head group), 2, c, b, hh, d]
+
+    def finish(recv):
+        return recv.permute(1, 2, 3, 0, 4, 5).reshape(2 * c, b, cp * hh, d)
+
+    return Pending(recv, work, finish, send)
 
 
 def heads_to_seq(y: torch.Tensor, group) -> torch.Tensor:
     """The inverse of :func:`seq_to_heads`: ``[b, n/cp, s, d] -> [s/cp, b, n, d]``."""
-    cp = dist.get_world_size(group)
-    b, hh, s, d = y.shape
-    c = s // (2 * cp)
-    chunks = y.permute(2, 0, 1, 3).reshape(2 * cp, c, b, hh, d)
-    # Rank i gets chunks i and 2cp-1-i.
-    send = torch.stack([chunks[:cp], chunks[cp:].flip(0)], dim=1)   # [cp, 2, c, b, hh, d]
-    recv = _exchange(send, group)                          # [cp (head group), 2, c, b, hh, d]
-    return recv.permute(1, 2, 3, 0, 4, 5).reshape(2 * c, b, cp * hh, d)
+    return post_heads_to_seq(y, group, async_op=False).result()
 
 
 class UlyssesAttnFunc(torch.autograd.Function):

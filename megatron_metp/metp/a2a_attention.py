@@ -1,0 +1,154 @@
+r"""METP attention with all-to-alls in place of the K/V ring (``--metp-ring-pass a2a``).
+
+The whole pass (``metp.whole_pass``) as it is, weights all-gathered once and every head's Q/K/V
+from one GEMM on this rank's tokens, with the ring's inner loop (``metp.ring_attention``)
+swapped for DeepSpeed-Ulysses' exchange, the algorithm of Megatron-LM's ``--cp-comm-type a2a``:
+
+1. Q, K and V each go through one all-to-all over the METP group: rank r gives up its tokens of
+   the other ranks' heads and receives every rank's tokens of its own n/p heads (n_kv/p K/V
+   heads). METP's balanced layout (rank r: chunks r and 2p-1-r of 2p) is Megatron's CP
+   layout, so ``ulysses.attention`` puts the received chunks in sequence order.
+2. One attention over the whole sequence through the kernel boundary (``megatron_metp.kernels``):
+   no block pieces, no fp32 merges, no travelling fp32 dK/dV.
+3. The output and its log-sum-exp go back through one all-to-all each, heads for sequence.
+
+Backward: dO, Q, K, V, O and the log-sum-exp in (the forward's tensors, saved sequence-sharded by
+the whole pass as for the ring), one attention backward, dQ, dK, dV out.
+
+The functions take and return exactly what the ring's do (:func:`a2a_attention_forward` /
+:func:`a2a_attention_backward` against ``ring_attention_forward`` / ``ring_attention_backward``),
+so the whole pass saves the same tensors either way and the memory plan differs only in the
+transients: the whole-sequence tensors of this rank's heads (the bytes of the local shards) and
+the exchange's send and receive buffers, one tensor at a time.
+
+What it costs against the ring, per layer: 6 all-to-alls of Q's size forward and backward
+(Q, K, V, dO, O in; O, dQ, dK, dV out: 9 with K/V counted), (p-1)/p of each on the wire and
+posted on the critical path, where the ring's p-1 hops hide behind the blocks' kernels; two
+layout copies per exchange (``ulysses.attention``). What it saves: the ring's p - 1 merges into
+the fp32 output (two strided passes over it each), the p - 1 fp32 dQ and 2(p-1) fp32 dK/dV adds,
+the half-block kernel calls, and the K/V (forward) and K/V + fp32 dK/dV (backward) ring traffic.
+``metp plan --timeline --metp-ring-pass a2a`` gives both sides (ESTIMATE).
+
+Where it applies: one sequence per micro batch in the balanced layout (causal), or any layout
+without a mask (non-causal: attention is the same under one permutation of queries, keys and
+values), with no context parallelism (the METP group is the TP group) and an even number of
+tokens per rank. n and n_kv divisible by p, as METP requires anyway. Elsewhere (packed
+documents, under CP) the whole pass keeps its ring: ``_Plan.a2a``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron_metp import kernels
+from megatron_metp.ulysses.attention import Pending, post_heads_to_seq, post_seq_to_heads
+
+
+def _post_to_heads(t: torch.Tensor, group) -> Pending:
+    """Post ``[b, n, s/p, d]`` (this rank's tokens, any strides) -> ``[b, n/p, s, d]``."""
+    return post_seq_to_heads(t.permute(2, 0, 1, 3), group)
+
+
+class _Seq:
+    """A :class:`Pending` heads-to-sequence exchange whose result is ``[b, n, s/p, d]`` (a view
+    of a ``[s/p, b, n, d]`` tensor), or ``[b, n, s/p]`` for the log-sum-exp (``squeeze``)."""
+
+    def __init__(self, t: torch.Tensor, group, squeeze: bool = False):
+        self._pending = post_heads_to_seq(t.unsqueeze(-1) if squeeze else t, group)
+        self._squeeze = squeeze
+
+    def result(self) -> torch.Tensor:
+        out = self._pending.result().permute(1, 2, 0, 3)
+        return out[..., 0] if self._squeeze else out
+
+
+class _Heads:
+    """The lse's sequence-to-heads exchange: ``[b, n, s/p]`` -> ``[b, n/p, s]``."""
+
+    def __init__(self, lse: torch.Tensor, group):
+        self._pending = _post_to_heads(lse.unsqueeze(-1), group)
+
+    def result(self) -> torch.Tensor:
+        return self._pending.result()[..., 0]
+
+
+def a2a_attention_forward(
+    group: dist.ProcessGroup,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    softmax_scale: Optional[float] = None,
+    backend: Optional[str] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Attention of this rank's queries ``q [b, n, s/p, d]`` to every rank's keys (``k, v
+    [b, n_kv, s/p, d]``); returns ``(out [b, n, s/p, d] in q's dtype, lse [b, n, s/p] fp32)``,
+    as ``ring_attention_forward`` does. The three exchanges are posted together."""
+    posted = [_post_to_heads(t, group) for t in (q, k, v)]
+    qh, kh, vh = (x.result() for x in posted)
+    del posted
+    out_h, lse_h = kernels.attention_forward(qh, kh, vh, causal=causal,
+                                             softmax_scale=softmax_scale, backend=backend)
+    del qh, kh, vh
+    out, lse = _Seq(out_h, group), _Seq(lse_h.to(kernels.acc_dtype(q.dtype)), group, True)
+    del out_h, lse_h
+    return out.result(), lse.result()
+
+
+def post_backward_inputs(group: dist.ProcessGroup, q=None, k=None, v=None, out=None,
+                         lse=None) -> Dict[str, object]:
+    """Post the exchanges of the backward's saved inputs that the caller already has, before
+    the work that makes dO (the whole pass: the output projection's two GEMMs), so that they
+    travel behind it; hand the result to :func:`a2a_attention_backward` (``posted``). Tensors
+    as :func:`a2a_attention_backward` takes them; None: posted there instead."""
+    posted = {}
+    for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):   # out: in q's dtype
+        if t is not None:
+            posted[name] = _post_to_heads(t, group)
+    if lse is not None:
+        posted["lse"] = _Heads(lse, group)
+    return posted
+
+
+def a2a_attention_backward(
+    group: dist.ProcessGroup,
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    softmax_scale: Optional[float] = None,
+    backend: Optional[str] = None,
+    with_dq: Optional[Callable[[torch.Tensor], None]] = None,
+    posted: Optional[Dict[str, object]] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`a2a_attention_forward`: ``(dq, dk, dv)`` for this rank's tokens, in
+    the inputs' dtypes. ``with_dq(dq)``: the caller's work on ``dq``, run while dK and dV travel
+    back (the ring's contract). ``posted``: :func:`post_backward_inputs`' exchanges (the
+    others are posted here, in the same order on every rank)."""
+    posted = dict(posted or {})
+    for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
+        if name not in posted:
+            posted[name] = _post_to_heads(t.to(q.dtype) if name == "out" else t, group)
+    if "lse" not in posted:
+        posted["lse"] = _Heads(lse, group)
+    dout_h = _post_to_heads(dout.to(q.dtype), group)
+    qh, kh, vh, outh, lseh = (posted.pop(n).result() for n in ("q", "k", "v", "out", "lse"))
+    douth = dout_h.result()
+    del dout_h
+    # The kernels' layout for the one call (cuDNN's dense operands, flash-attn's [b, s, n, d]).
+    douth, qh, outh = kernels.backward_rows(douth, qh, outh, kh, vh, backend)
+    dqh, dkh, dvh = kernels.attention_backward(douth, qh, kh, vh, outh, lseh, causal=causal,
+                                               softmax_scale=softmax_scale, backend=backend)
+    del douth, qh, kh, vh, outh, lseh
+    back = [_Seq(t, group) for t in (dqh.to(q.dtype), dkh.to(k.dtype), dvh.to(v.dtype))]
+    del dqh, dkh, dvh
+    dq = back[0].result()
+    if with_dq is not None:
+        with_dq(dq)
+    return dq, back[1].result(), back[2].result()
