@@ -13,7 +13,7 @@
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #     --platform manylinux_2_28_x86_64 -d .whl megatron-core==0.19.2
 # Each step has its own time limit, most informative first, so a run cut short still reports
-# the rest (about 4 minutes in all on an H100 or H200).
+# the rest (about 5 minutes in all on an H100 or H200).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/gpu}
@@ -42,6 +42,10 @@ step 60 python3 -c "import sys, torch, megatron.core as m; print('Python', sys.v
 step 170 python3 -m pytest -q -rs --durations=8 tests/test_gpu.py tests/test_kernels.py
 step 45 python3 scripts/elementwise_bandwidth.py --json "$OUT/elementwise.json"
 CAL="python3 -m megatron_metp.training.cli bench --calibrate --calibrate-model llama-7b"
+# METP's all-to-all attention (--metp-ring-pass a2a, auto's first choice since 16th stop), which
+# no GPU has run yet: its layer at 32k and 128k, Q/K/V and fc1 saved (the exchanges are
+# stubbed, as every calibration's communication is: compute only).
+step 70 $CAL --calibrate-mode metp --calibrate-metp-ring-pass a2a --calibrate-metp-qkv-backward save+fc1 --seq-lengths 32768,131072 --iters 3 --calibrate-profile --json "$OUT/prof_metp_a2a.json"
 # 128k: the frontier's METP (whole pass, save+fc1) and stock's fastest fitting (TP 8 + SP with
 # layernorm and mlp recompute), then each family's default; 32k beside them (stock fits there).
 step 70 $CAL --calibrate-mode metp --calibrate-metp-ring-pass whole --calibrate-metp-qkv-backward save+fc1 --seq-lengths 32768,131072 --iters 3 --calibrate-profile --json "$OUT/prof_metp_save_fc1.json"

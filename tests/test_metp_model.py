@@ -4,6 +4,8 @@ parameter gradient after Megatron's DDP and finalize_model_grads. GPT-style (Lay
 biases, learned positions) and LLaMA-style (RMSNorm, SwiGLU, RoPE, GQA) on 2 and 4 ranks.
 """
 
+import contextlib
+
 import pytest
 import torch
 
@@ -30,14 +32,28 @@ def _cases(p):
     return {"gpt": ("gpt", {}), "llama": ("llama", llama)}
 
 
-def _compare(p):
+@contextlib.contextmanager
+def _counting_a2a():
+    """Count the whole pass's calls of the all-to-all attention (--metp-ring-pass a2a)."""
+    from megatron_metp.metp import whole_pass
+
+    calls, orig = [], whole_pass.a2a_attention_forward
+    whole_pass.a2a_attention_forward = lambda *a, **k: calls.append(1) or orig(*a, **k)
+    try:
+        yield calls
+    finally:
+        whole_pass.a2a_attention_forward = orig
+
+
+def _compare(p, ring_pass=None):
     from megatron_metp.metp.attention import MetpSelfAttention
 
     M.setup(tp=p, mode="metp")
     out = {}
     for case, (style, overrides) in _cases(p).items():
         tp_model = M.build("tp", style, **overrides)
-        metp_model = M.build("metp", style, **overrides)
+        metp_model = M.build("metp", style, **overrides,
+                             **({"metp_ring_pass": ring_pass} if ring_pass else {}))
         layers = metp_model.decoder.layers
         assert all(isinstance(layer.self_attention, MetpSelfAttention) for layer in layers)
         # The balanced causal layout is what runs here (rank r: chunks r and 2p-1-r).
@@ -63,7 +79,11 @@ def _compare(p):
         b = M.batch()
         res = {}
         for mode, model in (("tp", tp_model), ("metp", metp_model)):
-            r = M.step(M.wrap_ddp(model), b)
+            with _counting_a2a() as a2a_calls:
+                r = M.step(M.wrap_ddp(model), b)
+            # --metp-ring-pass a2a: every layer's attention took the all-to-alls.
+            assert len(a2a_calls) == (len(layers) if mode == "metp" and ring_pass == "a2a"
+                                      else 0), (mode, ring_pass, a2a_calls)
             r["grads"] = M.full_grads(model, r["grads"])
             res[mode] = r
         ref, got = res["tp"], res["metp"]
@@ -81,12 +101,15 @@ def _compare(p):
 
 # p = 8: the balanced layout's 16 chunks of the 16-token sequence, one token each (issue 25);
 # in the full tier for time (~34 s of 8 ranks on 2 cores; p = 2 and 4 are the same claim).
-@pytest.mark.parametrize("world", [2, 4, pytest.param(8, marks=pytest.mark.full)])
-def test_metp_model_equals_tp_model(world, report):
-    results = run_ranks(world, _compare, world)
+# "a2a": METP's attention with all-to-alls in place of its K/V ring (--metp-ring-pass a2a).
+@pytest.mark.parametrize("world,ring_pass", [(2, None), (4, None), (4, "a2a"),
+                                             pytest.param(8, None, marks=pytest.mark.full)])
+def test_metp_model_equals_tp_model(world, ring_pass, report):
+    results = run_ranks(world, _compare, world, ring_pass)
     for case, (dloss, (lmax, lmean), gmax, n) in results[0].items():
-        report(f"metp model {case} p={world} vs tp: |dloss|={dloss:.1e} logits max/mean err "
-               f"{lmax:.1e}/{lmean:.1e} max grad err {gmax:.1e} over {n} params")
+        report(f"metp model {case} p={world}{' a2a' if ring_pass else ''} vs tp: "
+               f"|dloss|={dloss:.1e} logits max/mean err {lmax:.1e}/{lmean:.1e} max grad err "
+               f"{gmax:.1e} over {n} params")
 
 
 # ------------------------------------------------------------------------------------------
@@ -145,7 +168,7 @@ def test_layernorm_recompute_is_exact_for_metp_and_tp(report):
 FULL_RECOMPUTE = {"uniform-1": ("uniform", 1), "uniform-2": ("uniform", 2), "block-1": ("block", 1)}
 
 
-def _full_recompute_compare(p):
+def _full_recompute_compare(p, ring_pass=None):
     M.setup(tp=p, mode="metp")
     out = {}
     for case, (style, overrides) in _cases(p).items():
@@ -153,6 +176,8 @@ def _full_recompute_compare(p):
         for name, rc in [("none", None)] + list(FULL_RECOMPUTE.items()):
             extra = dict(recompute_granularity="full", recompute_method=rc[0],
                          recompute_num_layers=rc[1]) if rc else {}
+            if ring_pass:
+                extra["metp_ring_pass"] = ring_pass
             model = M.build("metp", style, **overrides, **extra)
             assert model.decoder.config.recompute_granularity == ("full" if rc else None)
             calls = []
@@ -162,10 +187,13 @@ def _full_recompute_compare(p):
                 orig = mrandom.CheckpointFunction.apply
                 mrandom.CheckpointFunction.apply = lambda *a, _o=orig: calls.append(1) or _o(*a)
             try:
-                r = M.step(M.wrap_ddp(model), M.batch())
+                with _counting_a2a() as a2a_calls:
+                    r = M.step(M.wrap_ddp(model), M.batch())
             finally:
                 if rc:
                     mrandom.CheckpointFunction.apply = orig
+            # a2a: every layer's forward took the all-to-alls, and its recompute again.
+            assert bool(a2a_calls) == (ring_pass == "a2a"), (name, a2a_calls)
             # uniform 1: one chunk per layer (2); uniform 2: one chunk; block 1: the first layer.
             assert len(calls) == {None: 0, ("uniform", 1): 2, ("uniform", 2): 1,
                                   ("block", 1): 1}[rc], (name, calls)
@@ -181,12 +209,13 @@ def _full_recompute_compare(p):
     return out
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_metp_full_recompute_is_bit_identical(world, report):
-    res = run_ranks(world, _full_recompute_compare, world)
+@pytest.mark.parametrize("world,ring_pass", [(2, None), (4, None), (2, "a2a")])
+def test_metp_full_recompute_is_bit_identical(world, ring_pass, report):
+    res = run_ranks(world, _full_recompute_compare, world, ring_pass)
     for case, (loss, n) in res[0].items():
-        report(f"metp full recompute p={world} {case}: {', '.join(FULL_RECOMPUTE)} equal the "
-               f"run without recompute bit for bit (loss {loss:.6f}, {n} gradients)")
+        report(f"metp full recompute p={world}{' a2a' if ring_pass else ''} {case}: "
+               f"{', '.join(FULL_RECOMPUTE)} equal the run without recompute bit for bit "
+               f"(loss {loss:.6f}, {n} gradients)")
 
 
 # ------------------------------------------------------------------------------------------

@@ -21,13 +21,20 @@ so the whole pass saves the same tensors either way and the memory plan differs 
 transients: the whole-sequence tensors of this rank's heads (the bytes of the local shards) and
 the exchange's send and receive buffers, one tensor at a time.
 
-What it costs against the ring, per layer: 6 all-to-alls of Q's size forward and backward
-(Q, K, V, dO, O in; O, dQ, dK, dV out: 9 with K/V counted), (p-1)/p of each on the wire and
-posted on the critical path, where the ring's p-1 hops hide behind the blocks' kernels; two
-layout copies per exchange (``ulysses.attention``). What it saves: the ring's p - 1 merges into
-the fp32 output (two strided passes over it each), the p - 1 fp32 dQ and 2(p-1) fp32 dK/dV adds,
-the half-block kernel calls, and the K/V (forward) and K/V + fp32 dK/dV (backward) ring traffic.
-``metp plan --timeline --metp-ring-pass a2a`` gives both sides (ESTIMATE).
+What it costs against the ring, per layer: 14 all-to-alls over the METP group, 12 of a Q- or
+K/V-sized tensor and 2 of the log-sum-exp (forward: Q, K, V in, O and its lse out; backward: Q,
+K, V, O, lse and dO in, dQ, dK, dV out), (p-1)/p of each on the wire; and two layout copies per
+exchange (``ulysses.attention``). The forward's exchanges wait on the compute stream; the
+backward's of what the whole pass saved (O and its lse; Q/K/V too when saved after RoPE) are
+posted before the output projection's two GEMMs and travel behind them
+(:func:`post_backward_inputs`), where the ring's p - 1 hops hide behind its blocks' kernels.
+What it saves: the ring's p - 1 merges into the fp32 output (two strided passes over it each),
+the p - 1 fp32 dQ and 2(p-1) fp32 dK/dV adds, the half-block kernel calls, and the ring's K/V
+(forward) and K/V + fp32 dK/dV (backward) traffic: p - 1 hops of 2 n_kv d (forward) and 6 n_kv d
+(backward) values per token against 12 exchanges of at most n d. And memory: no fp32 state
+the size of the output and of dK/dV (LLaMA-7B at p = 8, 128k: 60.9 GiB planned per GPU
+against 62.1 with the ring, Q/K/V and fc1 saved). ``metp plan --timeline --metp-ring-pass
+a2a`` gives the time (ESTIMATE).
 
 Where it applies: one sequence per micro batch in the balanced layout (causal), or any layout
 without a mask (non-causal: attention is the same under one permutation of queries, keys and

@@ -82,13 +82,14 @@ def post_seq_to_heads(x: torch.Tensor, group, async_op: bool = True) -> Pending:
     recv, work = _exchange(send, group, async_op)     # [cp (source rank), s/cp, b, n/cp, d]
 
     def finish(recv):
-        halves = recv.view(cp, 2, sl // 2, b, n // cp, d)
+        # [b, n/cp, c, d] views of the 2cp received chunks.
+        halves = recv.view(cp, 2, sl // 2, b, n // cp, d).permute(0, 1, 3, 4, 2, 5)
         # Rank i sent chunks i and 2cp-1-i: the first halves are chunks 0..cp-1, the second
         # halves in reverse rank order chunks cp..2cp-1. One cat of the 2cp chunk views puts
-        # them in order (a flip would copy the second halves once more first).
+        # them in order (a flip would copy the second halves once more first), into a dense
+        # [b, n/cp, s, d]: the layout cuDNN's attention reads without a copy of its own.
         chunks = [halves[i, 0] for i in range(cp)] + [halves[i, 1] for i in reversed(range(cp))]
-        whole = torch.cat(chunks, dim=0)                      # [2cp c, b, n/cp, d]
-        return whole.view(cp * sl, b, n // cp, d).permute(1, 2, 0, 3)
+        return torch.cat(chunks, dim=2)
 
     return Pending(recv, work, finish, send)
 
