@@ -762,11 +762,11 @@ def saved_notes(values) -> List[str]:
     values = set(values)
     out = []
     if "save" in values:
-        out.append("\n† METP keeps the one ring pass's Q/K/V for backward there "
-                   "(--metp-qkv-backward save: it fits).")
+        out.append("\n† METP keeps its one pass's Q/K/V (ring or all-to-all) for backward "
+                   "there (--metp-qkv-backward save: it fits).")
     if "save+fc1" in values:
-        out.append("\n‡ METP keeps the one ring pass's Q/K/V and the MLP's fc1 output for "
-                   "backward there (--metp-qkv-backward save+fc1: it fits).")
+        out.append("\n‡ METP keeps its one pass's Q/K/V (ring or all-to-all) and the MLP's fc1 "
+                   "output for backward there (--metp-qkv-backward save+fc1: it fits).")
     if out:
         out.append("Elsewhere METP recomputes them.")
     return out

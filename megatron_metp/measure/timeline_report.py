@@ -162,7 +162,8 @@ def timeline_rows(cfgs, ps, modes, seqs, gpus, efficiency, gpus_per_node, keep=N
                                 host_s=sch.host, host_bound=sch.host_bound,
                                 ranks_traced=len(runs), rank_compute_s=busy,
                                 rank_compute_max_over_mean=max(busy) / (sum(busy) / len(busy)),
-                                qkv_backward=qkv if mode == "metp" else ""))
+                                qkv_backward=qkv if mode == "metp" else "",
+                                ring_pass=ring if mode == "metp" else ""))
                             if keep is not None:
                                 keep.setdefault((cfg.name, g, s), {})[
                                     f"{cfg.name} p={p} s={seq_label(s)} {scen} {g}"] = sch
@@ -179,8 +180,9 @@ def markdown(rows) -> str:
            "compute ops | comm calls | host ms (ESTIMATE) | host-bound | rank compute max/mean |",
            "|---|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     for r in rows:
+        scen = r["scenario"] + (f" ({r['ring_pass']})" if r.get("ring_pass") else "")
         out.append(f"| {r['model']} | {r['p']} | {r['gpu']} | {seq_label(r['seq_length'])} | "
-                   f"{r['scenario']} | {r['step_s'] * 1e3:,.1f} | {r['mfu']:.1%} | "
+                   f"{scen} | {r['step_s'] * 1e3:,.1f} | {r['mfu']:.1%} | "
                    f"{r['exposed_comm_s'] * 1e3:,.1f} | {r['exposed_comm_s'] / r['step_s']:.1%} | "
                    f"{r['executed_flops'] / 1e12:,.1f} | {r['compute_bytes'] / 1e9:,.1f} | "
                    f"{r['compute_ops']:,} | {r['comm_ops']:,} | {r['host_s'] * 1e3:,.1f} | "
