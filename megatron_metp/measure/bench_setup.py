@@ -31,9 +31,11 @@ def setup(mode: str, args, p: int):
 
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     mode, _, extra = mode.partition("+")
-    recompute = dict(recompute_granularity="full", recompute_method="uniform",
-                     recompute_num_layers=1) if extra == "full" else {}
-    kw = dict(num_layers=args.num_layers if args.scope == "model" else 1, **recompute,
+    # "+full": Megatron's full recompute of every layer; "+a2a": --metp-ring-pass a2a.
+    variant = dict(recompute_granularity="full", recompute_method="uniform",
+                   recompute_num_layers=1) if extra == "full" else \
+        dict(metp_ring_pass="a2a") if extra == "a2a" else {}
+    kw = dict(num_layers=args.num_layers if args.scope == "model" else 1, **variant,
               hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
               params_dtype=dtype, bf16=args.bf16,
               stock=True)  # Megatron-LM's default fusions: tp is the stock baseline
@@ -43,7 +45,7 @@ def setup(mode: str, args, p: int):
         kw["num_query_groups"] = args.num_query_groups or args.num_attention_heads
     if mode in ("tp", "metp"):
         initialize_parallel(tensor_model_parallel_size=p, mode=mode)
-        return mode, make_config(args.style, **kw), mode + ("+full" if recompute else "")
+        return mode, make_config(args.style, **kw), mode + (f"+{extra}" if extra else "")
     from megatron_metp.wallfacer.scheduler import initialize_wallfacer
 
     c = 1 if mode == "ring" else team_size(args, p)
