@@ -93,7 +93,9 @@ ATTN_MIN_TOKENS = 8192
 # does). `MetpSelfAttention.ring_pass` overrides.
 WHOLE_MAX_TOKENS = 32768
 # "a2a": the whole pass with all-to-alls in place of its K/V ring (metp.a2a_attention), where
-# that applies (_Plan.a2a; elsewhere the whole pass's ring). Named, never chosen by "auto".
+# that applies (_Plan.a2a; elsewhere the whole pass's ring). The launchers' "auto" (the planner,
+# measure.planner.Planner.metp_choices) tries it first; a model built without a launcher keeps
+# the token rule above, which never takes it.
 RING_PASSES = ("auto", "whole", "head-group", "a2a")
 
 # What the one-pass backward does for Q/K/V (--metp-qkv-backward; the per-head-group loop always
