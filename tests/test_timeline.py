@@ -314,5 +314,6 @@ def test_timeline_prints_no_megatron_spec_notes(tmp_path):
                           "--modes", "metp", "--gpus", "H100", "--timeline-dir", str(tmp_path)],
                          capture_output=True, text=True, timeout=300, cwd=str(root))
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "| tiny-llama | 2 | H100 | 4k | metp |" in out.stdout, out.stdout[-2000:]
+    # The METP row names the attention pass the planner resolved (auto: the all-to-all pass).
+    assert "| tiny-llama | 2 | H100 | 4k | metp (a2a) |" in out.stdout, out.stdout[-2000:]
     assert "Unknown MLP type" not in out.stdout + out.stderr, out.stderr[-2000:]

@@ -49,10 +49,10 @@ def test_default_main_job_loss_falls(tmp_path, report):
     assert "Summary" in proc.stdout and "| metp |" in proc.stdout.replace("  ", " ").replace(
         "|  ", "| ")
     # --metp-ring-pass auto and --metp-qkv-backward auto, resolved by the planner before the
-    # ranks build the model: the tiny model fits 80 GiB with the one pass, its Q/K/V and its
-    # MLP's fc1 output saved.
-    assert ("METP attention (--metp-ring-pass whole --metp-qkv-backward save+fc1): one ring pass "
-            "over every head group, Q/K/V and the MLP's fc1 output saved: planned") \
+    # ranks build the model: the tiny model fits 80 GiB with the all-to-all pass, its Q/K/V and
+    # its MLP's fc1 output saved.
+    assert ("METP attention (--metp-ring-pass a2a --metp-qkv-backward save+fc1): all-to-all "
+            "attention over every head group, Q/K/V and the MLP's fc1 output saved: planned") \
         in proc.stdout, proc.stdout[-3000:]
 
 
