@@ -301,14 +301,16 @@ def _model_close(loss, grads, ref_loss, ref_grads, what):
                                rtol=1e-5, atol_scale=1e-5, what=what)
 
 
-def _metp_model_task(case):
-    """METP, TP = 2, LLaMA-style (RoPE per document, GQA): one packed THD batch."""
+def _metp_model_task(case, ring_pass=None):
+    """METP, TP = 2, LLaMA-style (RoPE per document, GQA): one packed THD batch.
+    ``ring_pass``: --metp-ring-pass, None for the model's own rule."""
     from megatron.core.distributed import finalize_model_grads
 
     from tests import _models as M
 
     M.setup(tp=2, mode="metp")
-    model = M.build("metp", "llama", max_sequence_length=S, num_query_groups=2)
+    model = M.build("metp", "llama", max_sequence_length=S, num_query_groups=2,
+                    **({"metp_ring_pass": ring_pass} if ring_pass else {}))
     full = M.full_state(model)
     ddp = M.wrap_ddp(model)
     b = _packed_batch(case)
@@ -407,14 +409,31 @@ def _metp_cp_model_task(case):
     return dict(loss=loss.item(), ref=ref_loss.item(), grad_err=worst, balanced=balanced)
 
 
+def _metp_a2a_model_task(case):
+    """--metp-ring-pass a2a on a packed batch: the all-to-all attention applies to one sequence
+    per micro batch, so every layer keeps the whole pass's K/V ring (``_Plan.a2a``), and the
+    loss is the documents' one by one."""
+    from megatron_metp.metp import whole_pass
+
+    calls, orig = [], whole_pass.a2a_attention_forward
+    whole_pass.a2a_attention_forward = lambda *a, **k: calls.append(1) or orig(*a, **k)
+    try:
+        out = _metp_model_task(case, ring_pass="a2a")
+    finally:
+        whole_pass.a2a_attention_forward = orig
+    assert calls == [], (case, len(calls))
+    return out
+
+
 _TASKS = {"metp": (2, ["docs", "padded", "balanced_thd"]), "wallfacer": (4, ["docs", "padded", "thd_cp"]),
-          "metp x cp": (4, ["thd_cp", "thd_cp_contiguous"])}
+          "metp x cp": (4, ["thd_cp", "thd_cp_contiguous"]),
+          "metp a2a": (2, ["docs", "balanced_thd"])}
 
 
 @pytest.mark.parametrize("mode", list(_TASKS))
 def test_packed_loss_equals_documents_one_by_one(mode, report):
     task = {"metp": _metp_model_task, "wallfacer": _wallfacer_model_task,
-            "metp x cp": _metp_cp_model_task}[mode]
+            "metp x cp": _metp_cp_model_task, "metp a2a": _metp_a2a_model_task}[mode]
     world, cases = _TASKS[mode]
     for case in cases:
         r = run_ranks(world, task, case)[0]
