@@ -139,11 +139,9 @@ def a2a_attention_backward(
     back (the ring's contract). ``posted``: :func:`post_backward_inputs`' exchanges (the
     others are posted here, in the same order on every rank)."""
     posted = dict(posted or {})
-    for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
-        if name not in posted:
-            posted[name] = _post_to_heads(t.to(q.dtype) if name == "out" else t, group)
-    if "lse" not in posted:
-        posted["lse"] = _Heads(lse, group)
+    missing = {n: t for n, t in (("q", q), ("k", k), ("v", v), ("out", out.to(q.dtype)),
+                                 ("lse", lse)) if n not in posted}
+    posted.update(post_backward_inputs(group, **missing))
     dout_h = _post_to_heads(dout.to(q.dtype), group)
     qh, kh, vh, outh, lseh = (posted.pop(n).result() for n in ("q", "k", "v", "out", "lse"))
     douth = dout_h.result()
