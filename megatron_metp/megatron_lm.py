@@ -102,6 +102,12 @@ def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
              "save+fc1: keep the MLP's fc1 output too (2F' bytes more per token and layer); "
              "auto: the first of save+fc1, save, recompute that still fits this GPU's memory")
     group.add_argument(
+        "--metp-mlp-pass", choices=("auto", "ring", "gathered"), default="auto",
+        help="METP MLP: pass its fc1/fc2 shards around the ring one step at a time (ring: the "
+             "paper's Alg. 1-2, least memory), all-gather them once (gathered: the same bytes "
+             "in a constant number of operations, this rank's whole fc1 output at once), or "
+             "auto (gathered while that output is at most 256 MiB: short sequences)")
+    group.add_argument(
         "--wallfacer-placement", choices=PLACEMENTS, default=PLACEMENTS[0],
         help="team-consecutive: each team of C on consecutive ranks (team collectives in a "
              "node); ring-consecutive: each sub-ring on consecutive ranks (ring P2P in a node)")
@@ -192,7 +198,7 @@ _REMAPPED = ("tensor_model_parallel_size", "context_parallel_size", "sequence_pa
              "cp_comm_type")
 _PLUGIN_DEFAULTS = (("tensor_parallel_mode", "tp"), ("wallfacer_team_size", None),
                     ("wallfacer_placement", PLACEMENTS[0]), ("metp_ring_pass", "auto"),
-                    ("metp_qkv_backward", "auto"))
+                    ("metp_qkv_backward", "auto"), ("metp_mlp_pass", "auto"))
 
 
 def _yaml_view(ns) -> SimpleNamespace:
@@ -475,6 +481,7 @@ def gpt_builder(args, pre_process=True, post_process=True, vp_stage=None, config
     # Read once by METP attention at construction (not a TransformerConfig field).
     config.metp_ring_pass = getattr(args, "metp_ring_pass", "auto")
     config.metp_qkv_backward = getattr(args, "metp_qkv_backward", "auto")
+    config.metp_mlp_pass = getattr(args, "metp_mlp_pass", "auto")
     initialize_plugin_groups(args)  # first: the wallfacer spec carries the groups
     spec = layer_spec_for(args, config, vp_stage)  # a mode missing from this install fails here
     model_cls, extra = GPTModel, {}

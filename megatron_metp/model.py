@@ -110,6 +110,7 @@ def make_config(style: str = "gpt", **overrides: Any) -> TransformerConfig:
     # construction (metp.attention.RING_PASSES): not a TransformerConfig field.
     ring_pass = overrides.pop("metp_ring_pass", "auto")
     qkv_backward = overrides.pop("metp_qkv_backward", "auto")
+    mlp_pass = overrides.pop("metp_mlp_pass", "auto")
     kw: dict = dict(num_layers=2, hidden_size=64, num_attention_heads=4)
     kw.update(_CPU_SAFE)
     kw.update(_PRESETS[style])
@@ -132,6 +133,7 @@ def make_config(style: str = "gpt", **overrides: Any) -> TransformerConfig:
     config = TransformerConfig(**kw)
     config.metp_ring_pass = ring_pass
     config.metp_qkv_backward = qkv_backward
+    config.metp_mlp_pass = mlp_pass
     return config
 
 

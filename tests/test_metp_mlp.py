@@ -29,11 +29,15 @@ S, B, H, FFN = 8, 2, 8, 16
 TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
 
 
-def _config(p, *, gated, bias, dtype=torch.float32, hidden=H, ffn=FFN, **kw):
+def _config(p, *, gated, bias, dtype=torch.float32, hidden=H, ffn=FFN, mlp_pass="ring", **kw):
+    # mlp_pass: these tests hold the paper's weight ring to its Table 1 figures; at their tiny
+    # shapes --metp-mlp-pass auto would take the gathered pass (metp.gathered_mlp), tested here
+    # by name.
     from megatron_metp.model import make_config
 
     return make_config(
         "llama" if gated else "gpt",
+        metp_mlp_pass=mlp_pass,
         hidden_size=hidden,
         ffn_hidden_size=ffn,
         num_attention_heads=4,
@@ -94,7 +98,7 @@ def _run_local(mlp, t, dtype):
     return y.detach(), grads, sl
 
 
-def _against_fp64(p):
+def _against_fp64(p, mlp_pass="ring"):
     from megatron_metp.metp.mlp import MetpMLP
     from megatron_metp.model import initialize_parallel
 
@@ -107,7 +111,8 @@ def _against_fp64(p):
                 # The reference sees the weights the layer holds (rounded to dtype), in fp64.
                 tq = {k: v.to(dtype).double() for k, v in t.items()}
                 ref_out, ref_grads = R.mlp(tq, gated, act)
-                mlp = _build(MetpMLP, _config(p, gated=gated, bias=bias, dtype=dtype))
+                mlp = _build(MetpMLP, _config(p, gated=gated, bias=bias, dtype=dtype,
+                                              mlp_pass=mlp_pass))
                 y, grads, sl = _run_local(mlp, tq, dtype)
                 tol = TOL[dtype]
                 name = f"{'swiglu' if gated else 'gelu'}{'+bias' if bias else ''} {dtype}"
@@ -124,14 +129,17 @@ def _against_fp64(p):
     return errs
 
 
+@pytest.mark.parametrize("mlp_pass", ["ring", "gathered"])
 @pytest.mark.parametrize("p", [1, 2, 4])
-def test_metp_mlp_equals_fp64_reference(p, report):
-    per_rank = run_ranks(p, _against_fp64, p)
+def test_metp_mlp_equals_fp64_reference(p, mlp_pass, report):
+    # The gathered pass (metp.gathered_mlp) sums each output over F in one GEMM and each weight
+    # gradient over the ranks in one reduce-scatter: the same few-ulp argument, the same bounds.
+    per_rank = run_ranks(p, _against_fp64, p, mlp_pass)
     for dtype in ("float32", "float64"):
         rows = [e for errs in per_rank for e in errs if dtype in e[0]]
         mx = max(r[2] for r in rows)
         mean = sum(r[3] for r in rows) / len(rows)
-        report(f"METP MLP vs fp64 reference, p={p}, {dtype} (GeLU/SwiGLU, +-bias, out and every "
+        report(f"METP MLP ({mlp_pass}) vs fp64 reference, p={p}, {dtype} (GeLU/SwiGLU, +-bias, out and every "
                f"grad): max abs err {mx:.2e}, mean abs err {mean:.2e}")
 
 
@@ -144,7 +152,7 @@ CASES = (("gelu+bias", False, True), ("swiglu", True, False))
 FUSED = ("swiglu fused", True, False)
 
 
-def _against_megatron(p):
+def _against_megatron(p, mlp_pass="ring"):
     from megatron.core.transformer.mlp import MLP
 
     from megatron_metp.metp.mlp import MetpMLP
@@ -156,7 +164,8 @@ def _against_megatron(p):
     out = {}
     for name, gated, bias in (*CASES, FUSED):
         t = {k: v.float().double() for k, v in _full_tensors(gated, bias).items()}
-        cfg = _config(p, gated=gated, bias=bias, bias_activation_fusion=name == FUSED[0])
+        cfg = _config(p, gated=gated, bias=bias, bias_activation_fusion=name == FUSED[0],
+                      mlp_pass=mlp_pass)
         tp, metp = _build(MLP, cfg), _build(MetpMLP, cfg)
         assert isinstance(metp._act, FusedSwiGLU) == (name == FUSED[0]), name
         # Same parameter names, shapes, TP attributes and checkpoint keys as the TP MLP.
@@ -299,6 +308,59 @@ def test_metp_mlp_equals_megatron_tp_mlp_and_counts(p, report):
     report(f"bf16 MLP vs fp64 reference, p={p}, max err / max|ref| over out and grads: "
            f"GeLU METP {bf[(False, 'MetpMLP')]:.1e} (TP+SP {bf[(False, 'MLP')]:.1e}), "
            f"SwiGLU METP {bf[(True, 'MetpMLP')]:.1e} (TP+SP {bf[(True, 'MLP')]:.1e})")
+
+
+def _gathered_checks(p):
+    from megatron_metp.metp.gathered_mlp import GatheredMLPFunction
+    from megatron_metp.metp.weight_ring import MetpMLPFunction
+
+    calls = []
+    # Which autograd function each layer ran: the test fails if the gathered pass is not taken.
+    orig = GatheredMLPFunction.apply, MetpMLPFunction.apply
+    GatheredMLPFunction.apply = lambda *a: calls.append("gathered") or orig[0](*a)
+    MetpMLPFunction.apply = lambda *a: calls.append("ring") or orig[1](*a)
+    try:
+        out = _against_megatron(p, "gathered")
+    finally:
+        GatheredMLPFunction.apply, MetpMLPFunction.apply = orig
+    out["calls"] = sorted(set(calls))
+    return out
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_gathered_mlp_equals_megatron_tp_mlp_and_counts(p, report):
+    """--metp-mlp-pass gathered (metp.gathered_mlp) against Megatron's own TP+SP MLP, same
+    weights, fp32 (the bounds of _against_megatron: same products, other summation order). It
+    sends exactly the weight ring's elements (the weights twice, their gradients once), in
+    all-gathers and reduce-scatters instead of p - 1 hops each: 3 + 3 gathers and 3
+    reduce-scatters with fc1's bias, 2 + 2 and 2 without, and no point-to-point call."""
+    res = run_ranks(p, _gathered_checks, p)
+    for r in res:
+        assert r["calls"] == ["gathered"], r["calls"]
+        for name, gated, bias in (*CASES, FUSED):
+            c = r[name]["metp"]
+            assert c["sent"] == pytest.approx(
+                formulas.metp_mlp_comm(H, FFN, p, gated=gated, bias=bias)), name
+            k = 3 if bias else 2
+            assert {op: n for op, (n, _) in c["ops"].items()} == \
+                {"all_gather": 2 * k, "reduce_scatter": k}, (name, c["ops"])
+    errs = {n: max(res[0][n]["errs"].values()) for n, _, _ in (*CASES, FUSED)}
+    report(f"METP MLP (gathered) vs Megatron TP+SP MLP, p={p}, fp32, same weights: max abs err "
+           + ", ".join(f"{n} {e:.2e}" for n, e in errs.items())
+           + f"; ops {res[0]['swiglu']['metp']['ops']}")
+
+
+def test_auto_gathers_only_short_inputs():
+    # --metp-mlp-pass auto (gathered_mlp.GATHERED_MLP_BYTES, 256 MiB): LLaMA-7B at p = 8 in
+    # bf16 (F' = 2 x 11008 = 22016 gathered fc1 rows) gathers up to 6,096 tokens per rank
+    # (s = 48k), where the ring's 301 launches per layer made it host-bound; from 64k the ring.
+    from megatron_metp.metp.gathered_mlp import takes_gathered
+
+    f1 = 22016
+    assert takes_gathered(6096, f1, 2) and not takes_gathered(6097, f1, 2)
+    for s, gathered in ((4096, True), (16384, True), (32768, True), (65536, False),
+                        (131072, False)):
+        assert takes_gathered(s // 8, f1, 2) == gathered, s
 
 
 # ------------------------------------------------------------------------------------------------
@@ -603,6 +665,28 @@ def _kept_fc1_vs_recomputed(p):
         out[name] = dict(same=same, kept=[list(s) for s in saved],
                          recomputed=[list(s) for s in saved_rc], fc1_rows=fc1_rows)
     weight_ring.MLP_WHOLE_BYTES, weight_ring.MLP_MIN_ROWS = whole
+    # The gathered pass (metp.gathered_mlp) keeps its one [n/p, F'] fc1 output.
+    for name, gated, bias in (*CASES, FUSED):
+        t = _full_tensors(gated, bias)
+        cfg = _config(p, gated=gated, bias=bias, bias_activation_fusion=name == FUSED[0],
+                      metp_qkv_backward="save+fc1", mlp_pass="gathered")
+        mlp = _build(MetpMLP, cfg)
+        kept = _run_local(mlp, t, torch.float32)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x.shape) or x,
+                                                      lambda x: x):
+            mlp(torch.zeros(S // p, B, H, requires_grad=True))
+        set_qkv_backward(mlp, "recompute")
+        again = _run_local(mlp, t, torch.float32)
+        saved_rc = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda x: saved_rc.append(x.shape) or x,
+                                                      lambda x: x):
+            mlp(torch.zeros(S // p, B, H, requires_grad=True))
+        same = torch.equal(kept[0], again[0]) and all(
+            torch.equal(kept[1][k], again[1][k]) for k in kept[1])
+        out[f"{name} gathered"] = dict(same=same, kept=[list(s) for s in saved],
+                                       recomputed=[list(s) for s in saved_rc],
+                                       fc1_rows=mlp.linear_fc1.weight.shape[0])
     return out
 
 
@@ -611,13 +695,20 @@ def test_kept_fc1_outputs_change_no_bit(p, report):
     res = run_ranks(p, _kept_fc1_vs_recomputed, p)
     for r in res:
         for name, c in r.items():
+            if name.endswith("gathered"):
+                # One [n/p, F'] tensor (every shard's columns), as many values as the ring's.
+                n = S * B // p
+                assert c["same"], name
+                assert [n, p * c["fc1_rows"]] in c["kept"], (name, c["kept"])
+                assert [n, p * c["fc1_rows"]] not in c["recomputed"], (name, c["recomputed"])
+                continue
             # The backward reads the forward's T instead of running the same GEMM on the same
             # operands again, and the activation's backward sees the same T: every bit equal.
             assert c["same"], name
             n = S * B // p
             assert [p, n, c["fc1_rows"]] in c["kept"], (name, c["kept"])
             assert [p, n, c["fc1_rows"]] not in c["recomputed"], (name, c["recomputed"])
-        assert len(r) == 6
-    report(f"METP MLP, p={p}, fp32: --metp-qkv-backward save+fc1 keeps [p, n/p, F'/p] and "
-           f"equals recomputing fc1 bit for bit (GeLU+bias, SwiGLU, fused SwiGLU; whole and "
-           f"token-chunked ring steps)")
+        assert len(r) == 9
+    report(f"METP MLP, p={p}, fp32: --metp-qkv-backward save+fc1 keeps [p, n/p, F'/p] (ring) or "
+           f"[n/p, F'] (gathered) and equals recomputing fc1 bit for bit (GeLU+bias, SwiGLU, "
+           f"fused SwiGLU; whole and token-chunked ring steps, and the gathered pass)")

@@ -223,6 +223,9 @@ _RATIO_SCRIPT = textwrap.dedent(
             world.setup(mode, p)
             with FakeTensorMode():
                 tcfg = transformer_config(cfg, p, mode)
+                # Table 1 is the weight ring's: at 32k BERT-Large's MLP would take the
+                # gathered pass (--metp-mlp-pass auto), whose whole [s/p, F'] is not 1/p.
+                tcfg.metp_mlp_pass = "ring"
                 a = layer_probe.measure_sublayers(tcfg, mode, {s}, ring_pass=ring_pass)
                 b = layer_probe.measure_sublayers(tcfg, mode, 2 * {s}, ring_pass=ring_pass)
             key = mode + ("-whole" if ring_pass == "whole" else "")

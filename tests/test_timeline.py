@@ -174,7 +174,8 @@ def test_recorder_sees_each_mode_on_its_groups(traces):
     assert _comms(traces["tp"]) == {("all_gather", "tp"), ("reduce_scatter", "tp")}
     # metp: ring P2P on the ring (= TP group); weights on the weight group: at 128 tokens per
     # rank every head group runs in one ring pass, so they are all-gathered and their
-    # gradients reduce-scattered (the per-head-group loop broadcasts and reduces them).
+    # gradients reduce-scattered (the per-head-group loop broadcasts and reduces them); so are
+    # the MLP's (metp.gathered_mlp: short inputs gather its weights too).
     assert _comms(traces["metp"]) == {("send", "tp"), ("recv", "tp"),
                                       ("all_gather", "metp_weight"),
                                       ("reduce_scatter", "metp_weight")}

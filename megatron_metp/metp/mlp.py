@@ -19,6 +19,11 @@ fc1 column / fc2 row shards and reduce-scattering, the tokens stay put and the s
 Activation memory per rank: the forward keeps only ``x_shard_s`` and peaks at one step's
 ``[s/p, b, F'/p]`` intermediate (Table 1: bsh/p + 4bsh/p^2 against TP+SP's bsh + 4bsh/p).
 
+Short sequences (``--metp-mlp-pass``, :data:`MLP_PASSES`): the same shards all-gathered once
+instead of one per ring step (``metp.gathered_mlp``), the same bytes in a constant number of
+operations, at the price of this rank's whole ``[s/p, b, F']`` fc1 output at once; ``auto``
+takes it while that output is small (``gathered_mlp.GATHERED_MLP_BYTES``).
+
 ``f`` is ``config.activation_func`` (GeLU, SiLU, ...), gated as Megatron gates it
 (``act(gate) * (up + glu_linear_offset)``, with ``activation_func_clamp_value``). Megatron's fused
 bias-activation kernels are not called (the ring applies ``f`` per shard and recomputes it in
@@ -36,10 +41,27 @@ from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_tensor_model_parallel_group_if_none
 
+from megatron_metp.metp.gathered_mlp import GatheredMLPFunction, takes_gathered
 from megatron_metp.metp.weight_ring import MetpMLPFunction
 from megatron_metp.errors import MetpConfigError
 
-__all__ = ["MetpMLP", "validate_metp_mlp", "make_activation"]
+__all__ = ["MetpMLP", "validate_metp_mlp", "make_activation", "MLP_PASSES", "set_mlp_pass"]
+
+# How the METP MLP moves its weights: "ring", the paper's weight ring (metp.weight_ring: one
+# shard per step, p steps); "gathered", every shard all-gathered once (metp.gathered_mlp: the
+# same bytes in a constant number of operations, with this rank's whole [n/p, F'] fc1 output at
+# once); "auto", gathered while that output is small (gathered_mlp.GATHERED_MLP_BYTES), else
+# the ring.
+MLP_PASSES = ("auto", "ring", "gathered")
+
+
+def set_mlp_pass(module: torch.nn.Module, value: str) -> None:
+    """Set :data:`MLP_PASSES` on every ``MetpMLP`` in ``module``."""
+    if value not in MLP_PASSES:
+        raise MetpConfigError(f"--metp-mlp-pass {value!r}: pick one of {', '.join(MLP_PASSES)}")
+    for m in module.modules():
+        if isinstance(m, MetpMLP):
+            m.mlp_pass = value
 
 
 def validate_metp_mlp(
@@ -198,11 +220,21 @@ class MetpMLP(MLP):
         # Built by MLP.__init__ from the same group; kept explicitly for the ring.
         self.ring_group = group
         self.ring_size = p
+        # The gathered pass's all-gathers and reduce-scatters go where METP attention's weights
+        # go (a communicator of their own over the same ranks, when initialize_metp made one).
+        from megatron_metp.parallel_state import metp_weight_group
+
+        self.weight_group = metp_weight_group(group)
         self._act = make_activation(config)
         # --metp-qkv-backward save+fc1 (metp.attention.QKV_BACKWARD, carried on the config; read
         # once here): every ring step's fc1 output is kept for the backward, which then runs no
         # fc1 GEMM.
         self.keep_fc1 = getattr(config, "metp_qkv_backward", "auto") == "save+fc1"
+        # --metp-mlp-pass (MLP_PASSES, carried on the config; read once here).
+        self.mlp_pass = getattr(config, "metp_mlp_pass", None) or "auto"
+        if self.mlp_pass not in MLP_PASSES:
+            raise MetpConfigError(f"--metp-mlp-pass {self.mlp_pass!r}: pick one of "
+                                  f"{', '.join(MLP_PASSES)}")
         for name in ("linear_fc1", "linear_fc2"):
             if not isinstance(getattr(getattr(self, name), "weight", None), torch.Tensor):
                 raise MetpConfigError(
@@ -218,13 +250,17 @@ class MetpMLP(MLP):
         fc1, fc2 = self.linear_fc1, self.linear_fc2
         x_shard_s = hidden_states
         s_local, b, h = x_shard_s.shape
-        out_2d = MetpMLPFunction.apply(
+        fn, group = MetpMLPFunction, self.ring_group
+        if self.mlp_pass == "gathered" or (self.mlp_pass == "auto" and takes_gathered(
+                s_local * b, fc1.weight.shape[0] * self.ring_size, x_shard_s.element_size())):
+            fn, group = GatheredMLPFunction, self.weight_group
+        out_2d = fn.apply(
             x_shard_s.reshape(s_local * b, h),
             fc1.weight,
             fc1.bias if fc1.bias is not None and fc1.bias.numel() else None,
             fc2.weight,
             self._act,
-            self.ring_group,
+            group,
             # Nothing to keep for a forward without autograd (full recompute's first pass).
             self.keep_fc1 and torch.is_grad_enabled(),
         )

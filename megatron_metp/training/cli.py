@@ -108,6 +108,11 @@ def _train_parser(p: argparse.ArgumentParser) -> Callable:
            "the MLP's fc1 output too (no fc1 GEMM in backward, F' more values per token); "
            "auto (default): the first of save+fc1, save, recompute with which the planner "
            "finds the run still fits --auto-memory-gib")
+    a("--metp-mlp-pass", choices=("auto", "ring", "gathered"), default=None,
+      help="METP MLP: its weight ring (ring: least memory), its weights all-gathered once "
+           "(gathered: the same bytes in a constant number of operations, this rank's whole "
+           "fc1 output at once), or auto (default: gathered while that output is at most "
+           "256 MiB, i.e. short sequences)")
     a("--recompute-granularity", choices=("selective", "full"), default=None,
       help="Megatron's activation recompute: selective (with --recompute-modules) or full "
            "(whole layers, in every mode: only each chunk's input is kept and the backward runs "

@@ -88,6 +88,7 @@ def resolve_namespace(args: Namespace, cfg: ModelConfig, mode: str,
     ns.recompute_num_layers = args.recompute_num_layers
     ns.metp_ring_pass = getattr(args, "metp_ring_pass", None) or "auto"
     ns.metp_qkv_backward = getattr(args, "metp_qkv_backward", None) or "auto"
+    ns.metp_mlp_pass = getattr(args, "metp_mlp_pass", None) or "auto"
     return ns
 
 
@@ -302,6 +303,7 @@ def _transformer_config(ns: Namespace, cfg: ModelConfig):
         kw["cp_comm_type"] = ns.cp_comm_type
     kw["metp_ring_pass"] = getattr(ns, "metp_ring_pass", None) or "auto"
     kw["metp_qkv_backward"] = getattr(ns, "metp_qkv_backward", None) or "auto"
+    kw["metp_mlp_pass"] = getattr(ns, "metp_mlp_pass", None) or "auto"
     return make_config(style="llama" if cfg.swiglu else "gpt", **kw)
 
 

@@ -1,0 +1,196 @@
+"""METP's MLP with its weights all-gathered once (the short-sequence form of the weight ring).
+
+The weight ring (``metp.weight_ring``, paper Alg. 1-2) moves each fc1/fc2 shard around the ring
+and computes one shard at a time: p steps, each with its GEMMs, its activation, its sends and
+receives, and in backward its travelling fp32 accumulators. That is what keeps METP's MLP
+activations at ``[n/p, F'/p]`` per step, and what makes it cost ~100 launched operations and ~80
+point-to-point calls per layer at p = 8 whatever the sequence. On a GPU every one of them is
+issued by the host (~30 us each, ``docs/calibration/README.md``), so at short sequences the
+ring is host-bound: LLaMA-7B's METP layer at 4k-16k took ~9 ms of host time for ~2-6 ms of
+GPU work (``metp plan --timeline``, ESTIMATE).
+
+This pass moves the same weights with the same per-rank bytes in a constant number of
+operations, as METP's whole attention pass (``metp.whole_pass``) treats the attention's::
+
+    forward    W_in  = all_gather(w_in)   [F', h]   (every rank's [gate_r; up_r] rows, in order)
+               W_out^T = all_gather(w_out^T) [F, h] (travels behind fc1's GEMM)
+               T = X_i W_in^T (+ b_in)   [n/p, F']  one GEMM on this rank's tokens
+               D = f(T), per shard       [n/p, F]   (gated units: each shard's own halves)
+               O_i = D W_out^T^T         [n/p, h]   one GEMM
+    backward   the two gathers again; D = f(T) again (T kept, or one GEMM again);
+               dW_out^T = D^T dO_i, reduce-scattered to the owners (fp32 for half types);
+               dT = f'(T) dD with dD = dO_i W_out^T^T;
+               dW_in = dT^T X_i (and db_in = sum dT), reduce-scattered;
+               dX_i = dT W_in.
+
+Per rank it sends what the ring sends: (p-1)/p of the weights twice and of their fp32
+gradients once. The tokens never move: activations stay sequence-sharded, so the memory
+Table 1 counts is unchanged. What it costs instead: this rank's tokens' whole ``[n/p, F']``
+intermediate at once (the ring's steps hold ``[n/p, F'/p]``; with ``--metp-qkv-backward
+save+fc1`` the ring keeps the p steps' outputs, the same ``[n/p, F']``), the gathered weights
+(3hF values for a gated unit) and their fp32 gradients before the reduce-scatter. So
+``MetpMLP`` takes it only where that intermediate is small (``GATHERED_MLP_BYTES``): short
+sequences, where the ring's launches cost the most and memory the least.
+
+Precision: the GEMMs run in the data's dtype, as the ring's and Megatron's. Weight gradients
+are computed in one GEMM over this rank's tokens, cast to fp32 for half types and summed over
+the p ranks by the reduce-scatter (the ring sums its p contributions in fp32 too).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["GATHERED_MLP_BYTES", "takes_gathered", "GatheredMLPFunction"]
+
+# MetpMLP (--metp-mlp-pass auto) runs this pass while one [n/p, F'] fc1 output (this rank's
+# tokens, every shard) is at most this many bytes: in bf16 at p = 8, LLaMA-7B up to 6,096
+# tokens per rank (s <= 48k), LLaMA-70B to 18k, GPT-175B to 21k, BERT-Large to 256k. Its
+# backward holds about three such tensors (T, dT, and D and dD at half the width each), under
+# 1 GB. The planner's timeline (ESTIMATE, H100, LLaMA-7B p = 8) has it 1.8x / 1.7x / 1.3x
+# faster than the ring at 4k / 8k / 16k (host-bound there: 139 launched operations per layer
+# against 301) and level from 32k, where the ring's launches hide behind its GEMMs; so above
+# this, where memory decides what fits, the ring keeps its [n/p, F'/p] steps.
+GATHERED_MLP_BYTES = 256 * 2**20
+
+
+def takes_gathered(tokens: int, fc1_rows: int, itemsize: int,
+                   limit: Optional[int] = None) -> bool:
+    """Whether ``--metp-mlp-pass auto`` gathers the weights for ``tokens`` tokens on this rank
+    and ``fc1_rows`` gathered fc1 rows (F'), ``itemsize`` bytes per value."""
+    limit = GATHERED_MLP_BYTES if limit is None else limit
+    return tokens * fc1_rows * itemsize <= limit
+
+
+def _accum(dtype: torch.dtype) -> torch.dtype:
+    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
+
+
+def _gather(t: Optional[torch.Tensor], group, p: int):
+    """``(every rank's t stacked along dim 0, handle)``; posted asynchronously."""
+    if t is None:
+        return None, None
+    if p == 1:
+        return t, None
+    t = t.contiguous()
+    full = torch.empty((p * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
+    return full, dist.all_gather_into_tensor(full, t, group=group, async_op=True)
+
+
+def _scatter(full: Optional[torch.Tensor], group, p: int):
+    """``(this rank's rows of the sum of full over the group, handle)``; posted asynchronously."""
+    if full is None:
+        return None, None
+    if p == 1:
+        return full, None
+    mine = torch.empty((full.shape[0] // p, *full.shape[1:]), dtype=full.dtype,
+                       device=full.device)
+    return mine, dist.reduce_scatter_tensor(mine, full, group=group, async_op=True)
+
+
+def _wait(*handles) -> None:
+    for h in handles:
+        if h is not None:
+            h.wait()
+
+
+def _per_shard(t: torch.Tensor, p: int) -> torch.Tensor:
+    """``[n, F']`` -> ``[n, p, F'/p]``: each rank's columns on their own, so that a gated
+    activation halves each shard's [gate_r; up_r] (fc1's stride-2 layout) as on the ring."""
+    return t.view(t.shape[0], p, t.shape[1] // p)
+
+
+def _fc1(x, w_in, b_in):
+    return torch.addmm(b_in, x, w_in.t()) if b_in is not None else torch.mm(x, w_in.t())
+
+
+class GatheredMLPFunction(torch.autograd.Function):
+    """``out = GatheredMLPFunction.apply(x, w_in, b_in, w_out, act, group, keep_fc1)``.
+
+    ``x [n/p, h]`` this rank's tokens; ``w_in [F'/p, h]``, ``b_in [F'/p]`` or None and
+    ``w_out [h, F/p]`` its shards (Megatron's TP layout); returns ``[n/p, h]`` without fc2's
+    bias. Saves ``x`` and the parameters, and with ``keep_fc1`` the fc1 output T (the backward
+    then runs no fc1 GEMM). The group and the choice arrive as arguments: nothing global is
+    read here.
+    """
+
+    @staticmethod
+    def forward(ctx, x, w_in, b_in, w_out, act: Callable, group, keep_fc1: bool = False):
+        p = dist.get_world_size(group) if dist.is_initialized() else 1
+        w_full, wh = _gather(w_in, group, p)
+        b_full, bh = _gather(b_in, group, p)
+        # fc2's shards as rows of W_out^T: stacked in rank order they are W_out^T itself.
+        wot, woh = _gather(w_out.t(), group, p)
+        _wait(wh, bh)
+        t = _fc1(x, w_full, b_full)
+        del w_full, b_full
+        d = act(_per_shard(t, p)).reshape(t.shape[0], -1)
+        if not keep_fc1:
+            del t
+            t = None
+        _wait(woh)
+        out = torch.mm(d, wot)
+        ctx.act, ctx.group, ctx.p = act, group, p
+        ctx.has_bias = b_in is not None
+        ctx.save_for_backward(x, w_in, b_in, w_out, t)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        x, w_in, b_in, w_out, t = ctx.saved_tensors
+        act, group, p = ctx.act, ctx.group, ctx.p
+        g = grad_out.contiguous()
+        gacc = _accum(w_in.dtype)
+        if t is None:
+            # fc1 again: its weights first.
+            w_full, wh = _gather(w_in, group, p)
+            b_full, bh = _gather(b_in, group, p)
+            wot, woh = _gather(w_out.t(), group, p)
+            _wait(wh, bh)
+            t = _fc1(x, w_full, b_full)
+            del b_full
+        else:
+            # T kept: W_out^T is needed first, W_in only for dX at the end.
+            wot, woh = _gather(w_out.t(), group, p)
+            w_full, wh = _gather(w_in, group, p)
+        n = t.shape[0]
+        ts = _per_shard(t, p)
+        back = getattr(act, "backward", None)  # a fused activation's own backward (mlp.py)
+        if back is None:
+            ts = ts.detach().requires_grad_(True)
+            with torch.enable_grad():
+                d3 = act(ts)
+        else:
+            d3 = act(ts)
+        d = d3.reshape(n, -1)
+        # dW_out^T = D^T dO over this rank's tokens; summed over the ranks behind dD's GEMM.
+        dwot, dwot_h = _scatter(torch.mm(d.t(), g).to(gacc), group, p)
+        _wait(woh)
+        dd = torch.mm(g, wot.t())
+        del wot
+        if back is None:
+            (dt,) = torch.autograd.grad(d3, ts, dd.view_as(d3))
+        else:
+            dt = back(dd.view_as(d3), ts)
+        del d, d3, dd, ts, t
+        dt = dt.reshape(n, -1)
+        dw_in, dw_in_h = _scatter(torch.mm(dt.t(), x).to(gacc), group, p)
+        db_in, db_in_h = _scatter(dt.sum(0, dtype=gacc) if ctx.has_bias else None, group, p)
+        _wait(wh)
+        dx = torch.mm(dt, w_full)
+        del w_full, dt
+        _wait(dwot_h, dw_in_h, db_in_h)
+        return (dx, dw_in.to(w_in.dtype), db_in.to(b_in.dtype) if ctx.has_bias else None,
+                dwot.t().contiguous().to(w_out.dtype), None, None, None)
+
+
+def gathered_mlp(x: torch.Tensor, weights: Tuple[torch.Tensor, Optional[torch.Tensor],
+                                                 torch.Tensor],
+                 act: Callable, group, keep_fc1: bool = False) -> torch.Tensor:
+    """:class:`GatheredMLPFunction` on ``(w_in, b_in, w_out)``."""
+    w_in, b_in, w_out = weights
+    return GatheredMLPFunction.apply(x, w_in, b_in, w_out, act, group, keep_fc1)
