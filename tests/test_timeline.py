@@ -69,6 +69,19 @@ def test_send_and_recv_of_one_batch_run_together():
     assert sch.step == pytest.approx(2 * MS)
 
 
+def test_sends_of_one_batch_share_the_outgoing_link():
+    # Two 1 ms sends and two 1 ms receives in one batch (the MLP weight ring's two weights):
+    # each direction carries both, one after the other, the two directions at once: 2 ms, not
+    # 1 ms (every op at the full rate). Then a 0.5 ms compute and a wait on the last send.
+    ops = [comm(0, 1, op="send"), comm(1, 1, op="recv"), comm(2, 1, op="send"),
+           comm(3, 1, op="recv"), wait(0), wait(1), wait(2), wait(3), comp(0.5)]
+    assert simulate(ops, M).step == pytest.approx(2.5 * MS)
+    # One send and three receives: the incoming direction decides, 3 ms.
+    ops = [comm(0, 1, op="send"), comm(1, 1, op="recv"), comm(2, 1, op="recv"),
+           comm(3, 1, op="recv"), wait(0), wait(1), wait(2), wait(3)]
+    assert simulate(ops, M).step == pytest.approx(3 * MS)
+
+
 def test_alpha_beta_formulas():
     link = Link("l", 100e9, 10e-6, efficiency=0.5)  # 50 GB/s achievable
     # all_gather of 8 GB over 8 ranks: 10 us + 7/8 x 8e9 / 50e9 = 0.14001 s

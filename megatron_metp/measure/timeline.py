@@ -10,8 +10,14 @@ measurement on record (below). The model (every number below is an input, stated
   ProcessGroupNCCL makes its stream wait for the current stream) and its group's FIFO is free.
 * A ``wait`` makes the compute stream wait until that comm op ends (``Work.wait()`` on NCCL).
 * Sends and receives posted together on one group (no compute or wait between them: one
-  ``batch_isend_irecv``, one ``ncclGroupStart/End``) run concurrently (full-duplex links); the
-  batch ends with its slowest op.
+  ``batch_isend_irecv``, one ``ncclGroupStart/End``): the sends share the GPU's outgoing
+  bandwidth and the receives its incoming (NVSwitch: one per-direction figure per GPU, whatever
+  the peer), so the sends run one after another, as do the receives, and the two directions
+  at once (full-duplex links); the batch ends with the longer direction. (Until the
+  seventeenth stop every op of a batch ran at the full rate at once, which made a batch of
+  several sends, such as the MLP weight ring's two weights and two fp32 accumulators, up to
+  four times too fast.) Different communicators still run at once, each at the full rate:
+  optimistic where two overlap.
 * Alpha-beta links (NCCL's ring algorithms), S = payload (CommCounter's convention), p = group
   size, B = link bandwidth per direction x bus efficiency, alpha per call:
   all_gather, reduce_scatter, all_to_all: alpha + (p-1)/p S/B;  all_reduce: alpha + 2(p-1)/p S/B;
@@ -176,7 +182,8 @@ def simulate(ops: List[TraceOp], machine: Machine) -> Schedule:
     t = 0.0                                   # compute stream clock
     fifo: Dict[str, float] = {}               # communicator -> time its FIFO is free
     end: Dict[int, list] = {}                 # comm id -> [end] (shared by a P2P batch)
-    batch: Dict[str, tuple] = {}              # group -> (position, start, [end])
+    # group -> (position, start, [end], {"send": busy until, "recv": busy until})
+    batch: Dict[str, tuple] = {}
     position = 0                              # counts computes and waits (batch boundaries)
     host = 0.0                                # host clock: when the next op is issued
     for op in ops:
@@ -198,13 +205,16 @@ def simulate(ops: List[TraceOp], machine: Machine) -> Schedule:
             lane = f"comm:{op.group}"
             open_batch = batch.get(op.group)
             if op.name in ("send", "recv") and open_batch and open_batch[0] == position:
-                start, shared = open_batch[1], open_batch[2]
+                # One direction's ops queue on that direction's link.
+                shared, lanes = open_batch[2], open_batch[3]
+                start = lanes.get(op.name, open_batch[1])
+                lanes[op.name] = start + d
                 shared[0] = max(shared[0], start + d)
             else:
                 start = max(t, host, fifo.get(op.group, 0.0))
                 shared = [start + d]
-                batch[op.group] = (position, start, shared) if op.name in ("send", "recv") \
-                    else (None, 0.0, shared)
+                batch[op.group] = (position, start, shared, {op.name: start + d}) \
+                    if op.name in ("send", "recv") else (None, 0.0, shared, {})
             end[op.comm_id] = shared
             fifo[op.group] = shared[0]
             sch.intervals.append(Interval(lane, op.name, op.phase, start, start + d))
