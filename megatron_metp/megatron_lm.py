@@ -106,7 +106,7 @@ def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         help="METP MLP: pass its fc1/fc2 shards around the ring one step at a time (ring: the "
              "paper's Alg. 1-2, least memory), all-gather them once (gathered: the same bytes "
              "in a constant number of operations, this rank's whole fc1 output at once), or "
-             "auto (gathered while that output is at most 256 MiB: short sequences)")
+             "auto (gathered while that output is at most 512 MiB: short sequences)")
     group.add_argument(
         "--wallfacer-placement", choices=PLACEMENTS, default=PLACEMENTS[0],
         help="team-consecutive: each team of C on consecutive ranks (team collectives in a "

@@ -351,15 +351,16 @@ def test_gathered_mlp_equals_megatron_tp_mlp_and_counts(p, report):
 
 
 def test_auto_gathers_only_short_inputs():
-    # --metp-mlp-pass auto (gathered_mlp.GATHERED_MLP_BYTES, 256 MiB): LLaMA-7B at p = 8 in
-    # bf16 (F' = 2 x 11008 = 22016 gathered fc1 rows) gathers up to 6,096 tokens per rank
-    # (s = 48k), where the ring's 301 launches per layer made it host-bound; from 64k the ring.
+    # --metp-mlp-pass auto (gathered_mlp.GATHERED_MLP_BYTES, 512 MiB): LLaMA-7B at p = 8 in
+    # bf16 (F' = 2 x 11008 = 22016 gathered fc1 rows) gathers up to 12,192 tokens per rank
+    # (s = 97k), where the ring's 301 launches per layer made it host-bound or the two tie;
+    # from 128k, where memory decides what fits, the ring.
     from megatron_metp.metp.gathered_mlp import takes_gathered
 
     f1 = 22016
-    assert takes_gathered(6096, f1, 2) and not takes_gathered(6097, f1, 2)
-    for s, gathered in ((4096, True), (16384, True), (32768, True), (65536, False),
-                        (131072, False)):
+    assert takes_gathered(12192, f1, 2) and not takes_gathered(12193, f1, 2)
+    for s, gathered in ((4096, True), (16384, True), (65536, True), (131072, False),
+                        (262144, False)):
         assert takes_gathered(s // 8, f1, 2) == gathered, s
 
 

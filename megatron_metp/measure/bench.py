@@ -26,7 +26,9 @@ busy per rank        each rank's own time in the ``compute`` variant (communicat
 
 Modes: ``tp`` (Megatron TP+SP, TP = p), ``tp+full`` / ``metp+full`` (the same with Megatron's full
 recompute of every layer), ``metp`` (METP weight rings and two-level attention,
-TP = p), ``metp+a2a`` (METP with ``--metp-ring-pass a2a``: all-to-alls in place of its K/V ring), ``wallfacer`` (CP = p, team size C = ``--wallfacer-team-size``, default the largest
+TP = p), ``metp+a2a`` (METP with ``--metp-ring-pass a2a``: all-to-alls in place of its K/V ring),
+``metp+ring-mlp`` (METP with ``--metp-mlp-pass ring``: the paper's MLP weight ring, which
+``auto`` leaves for all-gathered weights at short lengths), ``wallfacer`` (CP = p, team size C = ``--wallfacer-team-size``, default the largest
 valid C > 1; skipped when only C = 1 is valid, i.e. it would be ``ring``), ``ring`` (WallFacer with
 C = 1: plain ring attention). Shapes per rank: ``x_shard_s [s/p, b, h]`` into the layer.
 
@@ -65,9 +67,12 @@ __all__ = ["BENCH_MODES", "add_arguments", "main", "bench_in_rank", "eq5_thresho
 # "+full": the same mode with Megatron's --recompute-granularity full --recompute-method uniform
 # --recompute-num-layers 1 (every layer inside CheckpointFunction: only its input is kept, and
 # the backward runs the forward again), e.g. stock's longest-sequence configuration "tp+full".
-# "metp+a2a": METP with --metp-ring-pass a2a (all-to-alls in place of its K/V ring); "metp"
-# keeps the model's own rule (the one ring pass at these lengths).
-BENCH_MODES = ("tp", "metp", "wallfacer", "ring", "tp+full", "metp+full", "metp+a2a")
+# "metp+a2a": METP with --metp-ring-pass a2a (all-to-alls in place of its K/V ring);
+# "metp+ring-mlp": METP with --metp-mlp-pass ring (the weight ring where auto gathers the MLP's
+# weights: short inputs); "metp" keeps the model's own rules (the one ring pass and, at these
+# lengths, the gathered MLP).
+BENCH_MODES = ("tp", "metp", "wallfacer", "ring", "tp+full", "metp+full", "metp+a2a",
+               "metp+ring-mlp")
 VARIANTS = ("overlapped", "serialised", "compute")
 
 

@@ -47,14 +47,17 @@ import torch.distributed as dist
 __all__ = ["GATHERED_MLP_BYTES", "takes_gathered", "GatheredMLPFunction"]
 
 # MetpMLP (--metp-mlp-pass auto) runs this pass while one [n/p, F'] fc1 output (this rank's
-# tokens, every shard) is at most this many bytes: in bf16 at p = 8, LLaMA-7B up to 6,096
-# tokens per rank (s <= 48k), LLaMA-70B to 18k, GPT-175B to 21k, BERT-Large to 256k. Its
+# tokens, every shard) is at most this many bytes: in bf16 at p = 8, LLaMA-7B up to 12,192
+# tokens per rank (s <= 97k), LLaMA-70B to 37k, GPT-175B to 44k, BERT-Large to 512k. Its
 # backward holds about three such tensors (T, dT, and D and dD at half the width each), under
-# 1 GB. The planner's timeline (ESTIMATE, H100, LLaMA-7B p = 8) has it 1.8x / 1.7x / 1.3x
-# faster than the ring at 4k / 8k / 16k (host-bound there: 139 launched operations per layer
-# against 301) and level from 32k, where the ring's launches hide behind its GEMMs; so above
-# this, where memory decides what fits, the ring keeps its [n/p, F'/p] steps.
-GATHERED_MLP_BYTES = 256 * 2**20
+# 2 GB. The planner's timeline (ESTIMATE, H100, p = 8, one METP layer) has it faster than the
+# ring at 4k / 8k / 16k: LLaMA-7B 5.3 / 5.8 / 7.9 ms against 9.5 / 9.6 / 10.1 (the ring is
+# host-bound there, 301 launched operations per layer against 139), LLaMA-70B 18.1 / 19.0 /
+# 25.0 against 21.2 / 22.3 / 26.9, GPT-175B 38.1 / 39.7 / 48.7 against 42.9 / 44.7 / 54.0;
+# at 32k and 64k within 1.5 % (GPT-175B 32k 85.5 against 86.7 ms, BERT-Large 64k 14.3 against
+# 18.3), where the ring's launches and hops hide behind its GEMMs. So above this, where memory
+# decides what fits, the ring keeps its [n/p, F'/p] steps.
+GATHERED_MLP_BYTES = 512 * 2**20
 
 
 def takes_gathered(tokens: int, fc1_rows: int, itemsize: int,

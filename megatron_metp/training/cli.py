@@ -112,7 +112,7 @@ def _train_parser(p: argparse.ArgumentParser) -> Callable:
       help="METP MLP: its weight ring (ring: least memory), its weights all-gathered once "
            "(gathered: the same bytes in a constant number of operations, this rank's whole "
            "fc1 output at once), or auto (default: gathered while that output is at most "
-           "256 MiB, i.e. short sequences)")
+           "512 MiB, i.e. short sequences)")
     a("--recompute-granularity", choices=("selective", "full"), default=None,
       help="Megatron's activation recompute: selective (with --recompute-modules) or full "
            "(whole layers, in every mode: only each chunk's input is kept and the backward runs "
