@@ -627,8 +627,29 @@ def test_metp_mlp_at_paper_scale_under_fake_tensors(report):
 # --metp-qkv-backward save+fc1: the MLP keeps every ring step's fc1 output for its backward.
 
 
-def _kept_fc1_vs_recomputed(p):
+def _kept_then_recomputed(mlp, t, p):
+    """Run ``mlp`` keeping fc1 (save+fc1), then recomputing it: whether the two agree bit for bit
+    and the shapes each forward saves for backward."""
     from megatron_metp.metp.attention import set_qkv_backward
+
+    def saved_shapes():
+        shapes = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda x: shapes.append(x.shape) or x,
+                                                      lambda x: x):
+            mlp(torch.zeros(S // p, B, H, requires_grad=True))
+        return [list(s) for s in shapes]
+
+    kept = _run_local(mlp, t, torch.float32)
+    kept_shapes = saved_shapes()
+    set_qkv_backward(mlp, "recompute")
+    again = _run_local(mlp, t, torch.float32)
+    same = torch.equal(kept[0], again[0]) and all(
+        torch.equal(kept[1][k], again[1][k]) for k in kept[1])
+    return dict(same=same, kept=kept_shapes, recomputed=saved_shapes(),
+                fc1_rows=mlp.linear_fc1.weight.shape[0])
+
+
+def _kept_fc1_vs_recomputed(p):
     from megatron_metp.metp.mlp import MetpMLP
     from megatron_metp.model import initialize_parallel
 
@@ -647,47 +668,16 @@ def _kept_fc1_vs_recomputed(p):
                       metp_qkv_backward="save+fc1")
         mlp = _build(MetpMLP, cfg)
         assert mlp.keep_fc1
-        kept = _run_local(mlp, t, torch.float32)
         # What the forward keeps: x, and [p, n/p, F'/p] of fc1 outputs (none when recomputed).
-        fc1_rows = mlp.linear_fc1.weight.shape[0]
-        saved = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x.shape) or x,
-                                                      lambda x: x):
-            mlp(torch.zeros(S // p, B, H, requires_grad=True))
-        set_qkv_backward(mlp, "recompute")
+        out[name] = _kept_then_recomputed(mlp, t, p)
         assert not mlp.keep_fc1
-        again = _run_local(mlp, t, torch.float32)
-        saved_rc = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda x: saved_rc.append(x.shape) or x,
-                                                      lambda x: x):
-            mlp(torch.zeros(S // p, B, H, requires_grad=True))
-        same = torch.equal(kept[0], again[0]) and all(
-            torch.equal(kept[1][k], again[1][k]) for k in kept[1])
-        out[name] = dict(same=same, kept=[list(s) for s in saved],
-                         recomputed=[list(s) for s in saved_rc], fc1_rows=fc1_rows)
     weight_ring.MLP_WHOLE_BYTES, weight_ring.MLP_MIN_ROWS = whole
     # The gathered pass (metp.gathered_mlp) keeps its one [n/p, F'] fc1 output.
     for name, gated, bias in (*CASES, FUSED):
         t = _full_tensors(gated, bias)
         cfg = _config(p, gated=gated, bias=bias, bias_activation_fusion=name == FUSED[0],
                       metp_qkv_backward="save+fc1", mlp_pass="gathered")
-        mlp = _build(MetpMLP, cfg)
-        kept = _run_local(mlp, t, torch.float32)
-        saved = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x.shape) or x,
-                                                      lambda x: x):
-            mlp(torch.zeros(S // p, B, H, requires_grad=True))
-        set_qkv_backward(mlp, "recompute")
-        again = _run_local(mlp, t, torch.float32)
-        saved_rc = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda x: saved_rc.append(x.shape) or x,
-                                                      lambda x: x):
-            mlp(torch.zeros(S // p, B, H, requires_grad=True))
-        same = torch.equal(kept[0], again[0]) and all(
-            torch.equal(kept[1][k], again[1][k]) for k in kept[1])
-        out[f"{name} gathered"] = dict(same=same, kept=[list(s) for s in saved],
-                                       recomputed=[list(s) for s in saved_rc],
-                                       fc1_rows=mlp.linear_fc1.weight.shape[0])
+        out[f"{name} gathered"] = _kept_then_recomputed(_build(MetpMLP, cfg), t, p)
     return out
 
 
