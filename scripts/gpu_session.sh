@@ -46,6 +46,10 @@ CAL="python3 -m megatron_metp.training.cli bench --calibrate --calibrate-model l
 # no GPU has run yet: its layer at 32k and 128k, Q/K/V and fc1 saved (the exchanges are
 # stubbed, as every calibration's communication is: compute only).
 step 70 $CAL --calibrate-mode metp --calibrate-metp-ring-pass a2a --calibrate-metp-qkv-backward save+fc1 --seq-lengths 32768,131072 --iters 3 --calibrate-profile --json "$OUT/prof_metp_a2a.json"
+# The short band (17th stop): at 4k and 16k METP's MLP all-gathers its weights once
+# (--metp-mlp-pass auto), 139 launches per layer instead of 301: the host time the model charges.
+step 50 $CAL --calibrate-mode metp --calibrate-metp-ring-pass a2a --calibrate-metp-qkv-backward save+fc1 --seq-lengths 4096,16384 --iters 3 --json "$OUT/short_metp_a2a.json"
+step 40 $CAL --calibrate-mode tp --seq-lengths 4096,16384 --iters 3 --json "$OUT/short_tp.json"
 # 128k: the frontier's METP (whole pass, save+fc1) and stock's fastest fitting (TP 8 + SP with
 # layernorm and mlp recompute), then each family's default; 32k beside them (stock fits there).
 step 70 $CAL --calibrate-mode metp --calibrate-metp-ring-pass whole --calibrate-metp-qkv-backward save+fc1 --seq-lengths 32768,131072 --iters 3 --calibrate-profile --json "$OUT/prof_metp_save_fc1.json"
