@@ -487,6 +487,8 @@ def _bad_input():
         _build(MetpMLP, cfg, ffn=9)
     with pytest.raises(ValueError, match="--sequence-parallel"):
         _build(MetpMLP, _config(2, gated=False, bias=False, sequence_parallel=False))
+    with pytest.raises(MetpConfigError, match="--metp-mlp-pass"):
+        _build(MetpMLP, _config(2, gated=False, bias=False, mlp_pass="allgather"))
     with pytest.raises(ValueError, match="--seq-length"):
         validate_metp_mlp(cfg, seq_length=7)
     validate_metp_mlp(cfg, seq_length=8)

@@ -45,7 +45,7 @@ from megatron_metp.metp.gathered_mlp import GatheredMLPFunction, takes_gathered
 from megatron_metp.metp.weight_ring import MetpMLPFunction
 from megatron_metp.errors import MetpConfigError
 
-__all__ = ["MetpMLP", "validate_metp_mlp", "make_activation", "MLP_PASSES", "set_mlp_pass"]
+__all__ = ["MetpMLP", "validate_metp_mlp", "make_activation", "MLP_PASSES"]
 
 # How the METP MLP moves its weights: "ring", the paper's weight ring (metp.weight_ring: one
 # shard per step, p steps); "gathered", every shard all-gathered once (metp.gathered_mlp: the
@@ -53,15 +53,6 @@ __all__ = ["MetpMLP", "validate_metp_mlp", "make_activation", "MLP_PASSES", "set
 # once); "auto", gathered while that output is small (gathered_mlp.GATHERED_MLP_BYTES), else
 # the ring.
 MLP_PASSES = ("auto", "ring", "gathered")
-
-
-def set_mlp_pass(module: torch.nn.Module, value: str) -> None:
-    """Set :data:`MLP_PASSES` on every ``MetpMLP`` in ``module``."""
-    if value not in MLP_PASSES:
-        raise MetpConfigError(f"--metp-mlp-pass {value!r}: pick one of {', '.join(MLP_PASSES)}")
-    for m in module.modules():
-        if isinstance(m, MetpMLP):
-            m.mlp_pass = value
 
 
 def validate_metp_mlp(
