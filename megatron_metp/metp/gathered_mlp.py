@@ -44,6 +44,9 @@ from typing import Callable, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron_metp.comm import gather_rows as _gather, scatter_rows as _scatter
+from megatron_metp.metp.weight_ring import _fc1, accum_dtype as _accum
+
 __all__ = ["GATHERED_MLP_BYTES", "takes_gathered", "GatheredMLPFunction"]
 
 # MetpMLP (--metp-mlp-pass auto) runs this pass while one [n/p, F'] fc1 output (this rank's
@@ -68,32 +71,6 @@ def takes_gathered(tokens: int, fc1_rows: int, itemsize: int,
     return tokens * fc1_rows * itemsize <= limit
 
 
-def _accum(dtype: torch.dtype) -> torch.dtype:
-    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
-
-
-def _gather(t: Optional[torch.Tensor], group, p: int):
-    """``(every rank's t stacked along dim 0, handle)``; posted asynchronously."""
-    if t is None:
-        return None, None
-    if p == 1:
-        return t, None
-    t = t.contiguous()
-    full = torch.empty((p * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
-    return full, dist.all_gather_into_tensor(full, t, group=group, async_op=True)
-
-
-def _scatter(full: Optional[torch.Tensor], group, p: int):
-    """``(this rank's rows of the sum of full over the group, handle)``; posted asynchronously."""
-    if full is None:
-        return None, None
-    if p == 1:
-        return full, None
-    mine = torch.empty((full.shape[0] // p, *full.shape[1:]), dtype=full.dtype,
-                       device=full.device)
-    return mine, dist.reduce_scatter_tensor(mine, full, group=group, async_op=True)
-
-
 def _wait(*handles) -> None:
     for h in handles:
         if h is not None:
@@ -104,10 +81,6 @@ def _per_shard(t: torch.Tensor, p: int) -> torch.Tensor:
     """``[n, F']`` -> ``[n, p, F'/p]``: each rank's columns on their own, so that a gated
     activation halves each shard's [gate_r; up_r] (fc1's stride-2 layout) as on the ring."""
     return t.view(t.shape[0], p, t.shape[1] // p)
-
-
-def _fc1(x, w_in, b_in):
-    return torch.addmm(b_in, x, w_in.t()) if b_in is not None else torch.mm(x, w_in.t())
 
 
 class GatheredMLPFunction(torch.autograd.Function):

@@ -11,9 +11,9 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron_metp.comm import gather_rows, scatter_rows
 from megatron_metp.metp.a2a_attention import (a2a_attention_backward, a2a_attention_forward,
                                               post_backward_inputs)
 from megatron_metp.metp.attention_plan import _Plan, _bnsd, _flat, _post_grad, _sbnd
@@ -44,25 +44,12 @@ def _gather_rows(t: Optional[torch.Tensor], plan: _Plan, async_op: bool = False)
     """Every rank's ``t`` stacked along dim 0 over the weight group (TP rank order): for
     ``linear_qkv``'s shards that is the TP = 1 weight (Megatron splits it by whole query groups).
     Returns ``(full, handle)``; ``handle`` is None unless ``async_op``."""
-    if t is None:
-        return None, None
-    if plan.p == 1:
-        return t, None
-    t = t.contiguous()
-    full = torch.empty((plan.p * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
-    handle = dist.all_gather_into_tensor(full, t, group=plan.weight_group, async_op=async_op)
-    return full, handle if async_op else None
+    return gather_rows(t, plan.weight_group, plan.p, async_op)
 
 
 def _scatter_rows(full: Optional[torch.Tensor], plan: _Plan):
     """Sum ``full`` over the weight group and keep this rank's rows (async): ``(mine, handle)``."""
-    if full is None:
-        return None, None
-    if plan.p == 1:
-        return full, None
-    mine = torch.empty((full.shape[0] // plan.p, *full.shape[1:]), dtype=full.dtype,
-                       device=full.device)
-    return mine, dist.reduce_scatter_tensor(mine, full, group=plan.weight_group, async_op=True)
+    return scatter_rows(full, plan.weight_group, plan.p)
 
 
 def _split_qkv(qkv: torch.Tensor, plan: _Plan, s: int, b: int):
