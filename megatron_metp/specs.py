@@ -15,6 +15,10 @@ name                   MLP                                          self-attenti
                                                                      ``WallFacerCoreAttention``
 =====================  ===========================================  ===========================
 
+The ``metp`` layer is ``MetpTransformerLayer`` (``megatron_metp.metp.layer_schedule``):
+Megatron's ``TransformerLayer`` whose two sublayers post their weight traffic behind each
+other's compute; the other modes use Megatron's ``TransformerLayer``.
+
 The module-level specs use Megatron's local ``ColumnParallelLinear`` / ``RowParallelLinear`` for
 the linears, so parameter names, shapes and ``sharded_state_dict`` keys are those of the ``tp``
 model and checkpoints move between modes. :func:`get_gpt_block_spec` follows
@@ -66,6 +70,7 @@ from megatron.core.transformer.transformer_layer import (
 )
 
 from megatron_metp.checkpoint_keys import NORM_KEYS_MAP
+from megatron_metp.metp.layer_schedule import MetpTransformerLayer
 from megatron_metp.layers import SDPACoreAttention
 from megatron_metp.te_backend import LOCAL, Backend, backend_for
 
@@ -74,6 +79,10 @@ MODES = ("tp", "metp", "metp_mlp", "wallfacer")
 # Classes owned by other parts of the plugin, imported when a model is built.
 METP_MLP = ("megatron_metp.metp.mlp", "MetpMLP")
 METP_SELF_ATTENTION = ("megatron_metp.metp.attention", "MetpSelfAttention")
+# Megatron's TransformerLayer whose METP attention and gathered MLP schedule their weight
+# traffic together; same parameters and keys. A class, not a lazy name: Megatron's block
+# builder calls issubclass() on a layer spec's module (it needs only torch and Megatron).
+METP_TRANSFORMER_LAYER = MetpTransformerLayer
 WALLFACER_CORE_ATTENTION = ("megatron_metp.wallfacer.core_attention", "WallFacerCoreAttention")
 # Megatron's SelfAttention with a packed-batch check before its THD RoPE (same parameters).
 WALLFACER_SELF_ATTENTION = ("megatron_metp.wallfacer.core_attention", "WallFacerSelfAttention")
@@ -110,9 +119,10 @@ def _self_attention(module: _Module, core_attention: _Module, qk_layernorm: bool
     )
 
 
-def _layer(mlp: ModuleSpec, self_attention: ModuleSpec, backend: Backend) -> ModuleSpec:
+def _layer(mlp: ModuleSpec, self_attention: ModuleSpec, backend: Backend,
+           layer: _Module = TransformerLayer) -> ModuleSpec:
     return ModuleSpec(
-        module=TransformerLayer,
+        module=layer,
         submodules=TransformerLayerSubmodules(
             input_layernorm=backend.norm,
             self_attention=self_attention,
@@ -161,7 +171,8 @@ def get_gpt_layer_spec(mode: str, *, qk_layernorm: bool = False,
     elif cp_a2a_group is not None:
         core, core_params = ULYSSES_CORE_ATTENTION, {"cp_group": cp_a2a_group}
     return _layer(_mlp(mlp_module, backend),
-                  _self_attention(attn_module, core, qk_layernorm, backend, core_params), backend)
+                  _self_attention(attn_module, core, qk_layernorm, backend, core_params), backend,
+                  METP_TRANSFORMER_LAYER if mode == "metp" else TransformerLayer)
 
 
 def get_gpt_block_spec(config, mode: str, *, vp_stage=None) -> TransformerBlockSubmodules:

@@ -189,6 +189,8 @@ class MetpSelfAttention(SelfAttention):
         from megatron_metp.parallel_state import metp_weight_group
 
         self.weight_group = metp_weight_group(self.tp_group)
+        # Set by MetpTransformerLayer for one forward (metp.layer_schedule.SublayerLink).
+        self.link = None
         # The K/V ring: the TP group, or under CP the TP x CP ranks of this sequence with each
         # one's block index (megatron_metp.parallel_state.metp_kv_ring); read once here.
         from megatron_metp.parallel_state import metp_kv_balanced_blocks, metp_kv_ring

@@ -201,6 +201,9 @@ class _Plan:
         # "save+fc1": "auto" is resolved by the launcher, before the model exists).
         self.save_qkv = self.whole and module.qkv_backward in ("save", "save+fc1")
         self._neg_freqs = None   # unrotate's -freqs, made on first use
+        # The layer's SublayerLink for this forward (metp.layer_schedule), or None: the one
+        # pass posts the MLP's gathers behind its own and takes its backward's from it.
+        self.link = getattr(module, "link", None) if self.whole else None
 
     def row_blocks(self, w_qkv, b_qkv, gs: slice):
         """The q / k / v row blocks of query groups ``gs`` of head group j's ``w_qkv`` (and its

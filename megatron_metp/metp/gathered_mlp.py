@@ -89,17 +89,26 @@ class GatheredMLPFunction(torch.autograd.Function):
     ``x [n/p, h]`` this rank's tokens; ``w_in [F'/p, h]``, ``b_in [F'/p]`` or None and
     ``w_out [h, F/p]`` its shards (Megatron's TP layout); returns ``[n/p, h]`` without fc2's
     bias. Saves ``x`` and the parameters, and with ``keep_fc1`` the fc1 output T (the backward
-    then runs no fc1 GEMM). The group and the choice arrive as arguments: nothing global is
-    read here.
+    then runs no fc1 GEMM). ``link``: the layer's ``metp.layer_schedule.SublayerLink`` or None;
+    with it the forward takes the gathers the attention posted, the backward posts the
+    attention's before its reduce-scatters, and leaves those to the link's node to wait for.
+    The group, the choice and the link arrive as arguments: nothing global is read here.
     """
 
     @staticmethod
-    def forward(ctx, x, w_in, b_in, w_out, act: Callable, group, keep_fc1: bool = False):
+    def forward(ctx, x, w_in, b_in, w_out, act: Callable, group, keep_fc1: bool = False,
+                link=None):
         p = dist.get_world_size(group) if dist.is_initialized() else 1
-        w_full, wh = _gather(w_in, group, p)
-        b_full, bh = _gather(b_in, group, p)
-        # fc2's shards as rows of W_out^T: stacked in rank order they are W_out^T itself.
-        wot, woh = _gather(w_out.t(), group, p)
+        if link is not None:
+            # Posted behind the attention (metp.layer_schedule), or gathered now.
+            w_full, wh = link.take("fc1", w_in)
+            b_full, bh = link.take("fc1_bias", b_in)
+            wot, woh = link.take("fc2", w_out, transpose=True)
+        else:
+            w_full, wh = _gather(w_in, group, p)
+            b_full, bh = _gather(b_in, group, p)
+            # fc2's shards as rows of W_out^T: stacked in rank order they are W_out^T itself.
+            wot, woh = _gather(w_out.t(), group, p)
         _wait(wh, bh)
         t = _fc1(x, w_full, b_full)
         del w_full, b_full
@@ -109,7 +118,7 @@ class GatheredMLPFunction(torch.autograd.Function):
             t = None
         _wait(woh)
         out = torch.mm(d, wot)
-        ctx.act, ctx.group, ctx.p = act, group, p
+        ctx.act, ctx.group, ctx.p, ctx.link = act, group, p, link
         ctx.has_bias = b_in is not None
         ctx.save_for_backward(x, w_in, b_in, w_out, t)
         return out
@@ -133,6 +142,12 @@ class GatheredMLPFunction(torch.autograd.Function):
             # T kept: W_out^T is needed first, W_in only for dX at the end.
             wot, woh = _gather(w_out.t(), group, p)
             w_full, wh = _gather(w_in, group, p)
+        link = ctx.link
+        if link is not None:
+            # The attention's backward gathers, ahead of this pass's reduce-scatters in the
+            # weight group's queue (metp.layer_schedule).
+            link.post_attention()
+        box = link.box if link is not None and p > 1 else None
         n = t.shape[0]
         ts = _per_shard(t, p)
         back = getattr(act, "backward", None)  # a fused activation's own backward (mlp.py)
@@ -144,7 +159,10 @@ class GatheredMLPFunction(torch.autograd.Function):
             d3 = act(ts)
         d = d3.reshape(n, -1)
         # dW_out^T = D^T dO over this rank's tokens; summed over the ranks behind dD's GEMM.
-        dwot, dwot_h = _scatter(torch.mm(d.t(), g).to(gacc), group, p)
+        dwot_full = torch.mm(d.t(), g).to(gacc)
+        dwot, dwot_h = _scatter(dwot_full, group, p)
+        if box is None:
+            del dwot_full
         _wait(woh)
         dd = torch.mm(g, wot.t())
         del wot
@@ -154,14 +172,27 @@ class GatheredMLPFunction(torch.autograd.Function):
             dt = back(dd.view_as(d3), ts)
         del d, d3, dd, ts, t
         dt = dt.reshape(n, -1)
-        dw_in, dw_in_h = _scatter(torch.mm(dt.t(), x).to(gacc), group, p)
-        db_in, db_in_h = _scatter(dt.sum(0, dtype=gacc) if ctx.has_bias else None, group, p)
+        dw_in_full = torch.mm(dt.t(), x).to(gacc)
+        dw_in, dw_in_h = _scatter(dw_in_full, group, p)
+        db_in_full = dt.sum(0, dtype=gacc) if ctx.has_bias else None
+        db_in, db_in_h = _scatter(db_in_full, group, p)
+        if box is None:
+            del dw_in_full, db_in_full
         _wait(wh)
         dx = torch.mm(dt, w_full)
         del w_full, dt
+        if box is not None:
+            # Waited for after the attention's backward, by the layer's _GradsLater node
+            # (metp.layer_schedule); the inputs stay alive until then.
+            i = iter(range(3))
+            grads = (box.hold(next(i), dw_in, dw_in_h, dw_in_full, w_in),
+                     box.hold(next(i), db_in, db_in_h, db_in_full, b_in) if ctx.has_bias
+                     else None,
+                     box.hold(next(i), dwot, dwot_h, dwot_full, w_out, transpose=True))
+            return (dx, *grads, None, None, None, None)
         _wait(dwot_h, dw_in_h, db_in_h)
         return (dx, dw_in.to(w_in.dtype), db_in.to(b_in.dtype) if ctx.has_bias else None,
-                dwot.t().contiguous().to(w_out.dtype), None, None, None)
+                dwot.t().contiguous().to(w_out.dtype), None, None, None, None)
 
 
 def gathered_mlp(x: torch.Tensor, weights: Tuple[torch.Tensor, Optional[torch.Tensor],

@@ -226,6 +226,8 @@ class MetpMLP(MLP):
         if self.mlp_pass not in MLP_PASSES:
             raise MetpConfigError(f"--metp-mlp-pass {self.mlp_pass!r}: pick one of "
                                   f"{', '.join(MLP_PASSES)}")
+        # Set by MetpTransformerLayer for one forward (metp.layer_schedule.SublayerLink).
+        self.link = None
         for name in ("linear_fc1", "linear_fc2"):
             if not isinstance(getattr(getattr(self, name), "weight", None), torch.Tensor):
                 raise MetpConfigError(
@@ -234,6 +236,12 @@ class MetpMLP(MLP):
                     "specs, not Transformer Engine's fused linears"
                 )
 
+    def takes_gathered_for(self, tokens: int, itemsize: int) -> bool:
+        """Whether a forward on ``tokens`` tokens of this rank (``itemsize`` bytes per value)
+        runs the gathered pass (``--metp-mlp-pass``)."""
+        return self.mlp_pass == "gathered" or (self.mlp_pass == "auto" and takes_gathered(
+            tokens, self.linear_fc1.weight.shape[0] * self.ring_size, itemsize))
+
     def forward(self, hidden_states: torch.Tensor, per_token_scale=None, **kwargs):
         """``hidden_states`` x_shard_s [s/p, b, h] -> ``(out_shard_s [s/p, b, h], fc2 bias)``."""
         if per_token_scale is not None:
@@ -241,20 +249,22 @@ class MetpMLP(MLP):
         fc1, fc2 = self.linear_fc1, self.linear_fc2
         x_shard_s = hidden_states
         s_local, b, h = x_shard_s.shape
-        fn, group = MetpMLPFunction, self.ring_group
-        if self.mlp_pass == "gathered" or (self.mlp_pass == "auto" and takes_gathered(
-                s_local * b, fc1.weight.shape[0] * self.ring_size, x_shard_s.element_size())):
-            fn, group = GatheredMLPFunction, self.weight_group
-        out_2d = fn.apply(
-            x_shard_s.reshape(s_local * b, h),
-            fc1.weight,
-            fc1.bias if fc1.bias is not None and fc1.bias.numel() else None,
-            fc2.weight,
-            self._act,
-            group,
-            # Nothing to keep for a forward without autograd (full recompute's first pass).
-            self.keep_fc1 and torch.is_grad_enabled(),
-        )
+        weights = (fc1.weight, fc1.bias if fc1.bias is not None and fc1.bias.numel() else None,
+                   fc2.weight)
+        # Nothing to keep for a forward without autograd (full recompute's first pass).
+        keep = self.keep_fc1 and torch.is_grad_enabled()
+        x2d = x_shard_s.reshape(s_local * b, h)
+        if self.takes_gathered_for(s_local * b, x_shard_s.element_size()):
+            # The layer's link (metp.layer_schedule), when it was opened for these tokens: the
+            # weights as it hands them over, their gathers posted behind the attention.
+            link = self.link if self.link is not None and self.link.tokens == s_local * b \
+                else None
+            if link is not None:
+                weights = link.mlp_weights
+            out_2d = GatheredMLPFunction.apply(x2d, *weights, self._act, self.weight_group,
+                                               keep, link)
+        else:
+            out_2d = MetpMLPFunction.apply(x2d, *weights, self._act, self.ring_group, keep)
         out_shard_s = out_2d.view(s_local, b, -1)
         bias = fc2.bias if fc2.bias is not None and fc2.bias.numel() else None
         # Megatron's MLP returns fc2's bias for the fused bias-dropout-add (skip_bias_add);

@@ -126,6 +126,14 @@ class _MetpWholeFunction(torch.autograd.Function):
         q_lin, kv_lin = _project_gathered(x2d, w_qkv, b_qkv, plan, s, b)
         # W_proj^T's rows are the heads in order: gathered while the ring computes.
         wpt, wpt_handle = _gather_rows(w_proj.t(), plan, async_op=True)
+        if plan.link is not None:
+            # The MLP's weights travel next, behind this pass's compute; what this pass's
+            # backward gathers, the MLP's backward posts ahead of its reduce-scatters
+            # (metp.layer_schedule). The bias only enters a recomputed projection.
+            plan.link.attention_gathers = [
+                ("proj", w_proj, True), ("qkv", w_qkv, False),
+                ("qkv_bias", None if plan.save_qkv else b_qkv, False)]
+            plan.link.post_mlp()
         q, k = q_lin, kv_lin[:, :, :, 0]
         if plan.has_post:
             q, k = plan.post(q, k)
@@ -163,11 +171,17 @@ class _MetpWholeFunction(torch.autograd.Function):
         dnorm = [torch.zeros_like(prm) for prm in norm_params]
         s, b, h = x.shape
         x2d, dout2d = x.reshape(s * b, h), dout.reshape(s * b, h)
-        wpt, wpt_handle = _gather_rows(w_proj.t(), plan, async_op=True)
-        w_full, w_handle = _gather_rows(w_qkv, plan, async_op=True)
         # The bias only enters the recompute: a saved projection needs no gather of it.
-        b_full, b_handle = _gather_rows(None if keep_q is not None else b_qkv, plan,
-                                        async_op=True)
+        b_src = None if keep_q is not None else b_qkv
+        if plan.link is not None:
+            # Posted by the MLP's backward (metp.layer_schedule), or gathered now.
+            wpt, wpt_handle = plan.link.take("proj", w_proj, transpose=True)
+            w_full, w_handle = plan.link.take("qkv", w_qkv)
+            b_full, b_handle = plan.link.take("qkv_bias", b_src)
+        else:
+            wpt, wpt_handle = _gather_rows(w_proj.t(), plan, async_op=True)
+            w_full, w_handle = _gather_rows(w_qkv, plan, async_op=True)
+            b_full, b_handle = _gather_rows(b_src, plan, async_op=True)
         # Weight gradients are summed over p ranks: in fp32 for bf16/fp16 weights, so the sum
         # adds no rounding TP's single matmul does not have.
         gacc = torch.promote_types(w_proj.dtype, torch.float32)

@@ -1,0 +1,191 @@
+"""One METP layer's weight traffic scheduled across its two sublayers.
+
+At short sequences both sublayers move whole weights over the METP weight group (one
+communicator, one FIFO): the attention's whole pass (``metp.whole_pass``) all-gathers
+``linear_qkv`` / ``linear_proj`` and reduce-scatters their gradients, the gathered MLP
+(``metp.gathered_mlp``) does the same for fc1 / fc2. Each sublayer alone posts its gathers when
+it starts and waits for its reduce-scatters when it ends, so the first gather of each sublayer
+and the last reduce-scatter of each are exposed: in one LLaMA-7B layer at 16k (p = 8, H100,
+``metp plan --timeline``, ESTIMATE) the MLP's fc1 gather (0.44 ms) before its first GEMM, and
+the MLP's fp32 fc1 gradient reduce-scatter (0.89 ms, 0.45 of it exposed) at the end of its
+backward: 0.9 of the layer's 1.8 ms of exposed communication. This module posts each
+sublayer's traffic behind the other's compute:
+
+* **forward**: the attention, right after posting its own gathers, posts the MLP's
+  (:meth:`SublayerLink.post_mlp`); they travel behind the attention's GEMMs, exchanges and
+  kernel, and the MLP takes them (:meth:`SublayerLink.take`).
+* **backward**: the MLP, right after posting its own gathers and before its reduce-scatters,
+  posts the ones the attention's backward will need (:meth:`SublayerLink.post_attention`), so
+  that they do not queue behind the MLP's gradients; and the MLP does not wait for its
+  reduce-scatters. They are waited for, and the gradients handed to autograd, by
+  :class:`_GradsLater`: an identity on the MLP's weights applied at the start of the layer's
+  forward. Autograd runs ready nodes latest-created first (``torch.autograd``'s engine orders
+  its ready queue by sequence number), so that node runs after the attention's backward, which
+  was created after it, and before the previous layer's, which was created before: the MLP's
+  reduce-scatters travel behind the attention's backward.
+
+The same arithmetic, the same bytes, the same calls: only when each is posted and waited for
+moves. What it costs: the MLP's gathered weights exist during the attention's forward (the
+``3 h F`` values of a gated unit, 0.27 GB for LLaMA-7B at bf16), and the MLP's fp32 gradients
+(the reduce-scatters' inputs and outputs, ``(1 + 1/p) 3 h F`` fp32 values: 0.6 GB) during the
+attention's backward; the planner traces both, as it traces everything else.
+
+:class:`MetpTransformerLayer` (``megatron_metp.specs``' METP layer) opens one
+:class:`SublayerLink` per forward where the MLP takes the gathered pass and both sublayers share
+the weight group; elsewhere it is Megatron's ``TransformerLayer``. The link reaches the two
+autograd Functions as an argument (the attention's ``_Plan``, the MLP's ``apply``): nothing
+global is read inside them.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+from megatron_metp.comm import gather_rows
+
+__all__ = ["SublayerLink", "MetpTransformerLayer"]
+
+
+class _LaterBox:
+    """The MLP's reduce-scatters in flight: per weight index, ``(handle, mine, full, out)``."""
+
+    def __init__(self) -> None:
+        self.pending: Dict[int, tuple] = {}
+
+    def hold(self, i: int, mine: torch.Tensor, handle, full: torch.Tensor,
+             like: torch.Tensor, transpose: bool = False) -> torch.Tensor:
+        """Keep weight ``i``'s reduce-scatter (``mine`` its output, ``full`` its input, both
+        alive until it ends) and return the gradient autograd carries to :class:`_GradsLater`:
+        a tensor of ``like``'s kind, written there (``mine``, transposed back if
+        ``transpose``)."""
+        out = torch.empty_like(like)
+        self.pending[i] = (handle, mine, full, out, transpose)
+        return out
+
+    def finish(self, i: int, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        entry = self.pending.pop(i, None)
+        if entry is None:
+            return grad
+        handle, mine, full, out, transpose = entry
+        if handle is not None:
+            handle.wait()
+        del full
+        out.copy_(mine.t() if transpose else mine)
+        return out
+
+
+class _GradsLater(torch.autograd.Function):
+    """Identity on the MLP's weights, applied where the layer starts (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, box: _LaterBox, *weights):
+        ctx.box = box
+        return tuple(w.view_as(w) for w in weights)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads):
+        return (None, *(ctx.box.finish(i, g) for i, g in enumerate(grads)))
+
+
+class SublayerLink:
+    """The handoff between one layer's METP attention and its gathered MLP for one forward
+    and its backward (module docstring). ``mlp_weights``: ``(w_in, b_in, w_out)`` as the MLP
+    is to use them (:class:`_GradsLater`'s views when ``box`` defers its gradients)."""
+
+    def __init__(self, group, p: int, tokens: int,
+                 mlp_weights: Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor],
+                 box: Optional[_LaterBox]):
+        self.group, self.p, self.tokens = group, p, tokens
+        self.mlp_weights = mlp_weights
+        self.box = box
+        # name -> (source, its version when posted, transposed?, gathered, handle)
+        self._posted: Dict[str, tuple] = {}
+        # What the attention's backward gathers, in its order: registered by its forward.
+        self.attention_gathers: List[Tuple[str, Optional[torch.Tensor], bool]] = []
+
+    def _post(self, items: Sequence[Tuple[str, Optional[torch.Tensor], bool]]) -> None:
+        for name, t, transpose in items:
+            if t is None:
+                continue
+            full, handle = gather_rows(t.t() if transpose else t, self.group, self.p)
+            self._posted[name] = (t, t._version, transpose, full, handle)
+
+    def post_mlp(self) -> None:
+        """The MLP's forward gathers (fc1's rows, its bias, fc2's as rows of W_out^T), in the
+        order the MLP takes them; called by the attention after posting its own."""
+        w_in, b_in, w_out = self.mlp_weights
+        self._post((("fc1", w_in, False), ("fc1_bias", b_in, False), ("fc2", w_out, True)))
+
+    def post_attention(self) -> None:
+        """The attention backward's gathers (what its forward registered); called by the MLP's
+        backward after posting its own, before its reduce-scatters."""
+        self._post(self.attention_gathers)
+        self.attention_gathers = []
+
+    def take(self, name: str, t: Optional[torch.Tensor], transpose: bool = False):
+        """``gather_rows(t or t.t())``: the posted one when it gathered this very tensor at
+        its current version, else gathered now (a stale one is waited for and dropped: nothing
+        is left in flight)."""
+        entry = self._posted.pop(name, None)
+        if entry is not None:
+            src, version, tr, full, handle = entry
+            if src is t and version == t._version and tr == transpose:
+                return full, handle
+            if handle is not None:
+                handle.wait()
+        return gather_rows(None if t is None else (t.t() if transpose else t), self.group,
+                           self.p)
+
+    def close(self) -> None:
+        """Wait for and drop whatever was posted and not taken (the layer's forward ends)."""
+        for _, _, _, _, handle in self._posted.values():
+            if handle is not None:
+                handle.wait()
+        self._posted.clear()
+
+
+def open_link(attention, mlp, hidden_states: torch.Tensor) -> Optional[SublayerLink]:
+    """A :class:`SublayerLink` for this forward, or None where the MLP runs its ring (or no
+    METP MLP / attention shares its weight group)."""
+    group = getattr(mlp, "weight_group", None)
+    if (hidden_states is None or group is None or getattr(attention, "weight_group", None)
+            is not group or not hasattr(attention, "link") or not hasattr(mlp, "link")):
+        return None
+    s_local, b = hidden_states.shape[0], hidden_states.shape[1]
+    if mlp.ring_size < 2 or not mlp.takes_gathered_for(s_local * b,
+                                                      hidden_states.element_size()):
+        return None
+    fc1, fc2 = mlp.linear_fc1, mlp.linear_fc2
+    b_in = fc1.bias if fc1.bias is not None and fc1.bias.numel() else None
+    weights = [w for w in (fc1.weight, b_in, fc2.weight) if w is not None]
+    box = None
+    if torch.is_grad_enabled() and any(w.requires_grad for w in weights):
+        box = _LaterBox()
+        views = iter(_GradsLater.apply(box, *weights))
+        w_in, b_in, w_out = (next(views) if w is not None else None
+                             for w in (fc1.weight, b_in, fc2.weight))
+    else:
+        w_in, w_out = fc1.weight, fc2.weight
+    return SublayerLink(group, mlp.ring_size, s_local * b, (w_in, b_in, w_out), box)
+
+
+class MetpTransformerLayer(TransformerLayer):
+    """Megatron's ``TransformerLayer`` whose METP attention and gathered MLP share one
+    :class:`SublayerLink` per forward (module docstring). Same constructor, submodules,
+    parameters and checkpoint keys; where no link applies, Megatron's forward as it is."""
+
+    def forward(self, *args, **kwargs):
+        x = kwargs["hidden_states"] if "hidden_states" in kwargs else (args[0] if args else None)
+        link = open_link(self.self_attention, self.mlp, x)
+        if link is None:
+            return super().forward(*args, **kwargs)
+        self.self_attention.link = self.mlp.link = link
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            self.self_attention.link = self.mlp.link = None
+            link.close()
