@@ -4,6 +4,7 @@ recorder on a real (fake-tensor) layer, the Chrome trace, and the flags. Single 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -47,17 +48,47 @@ def test_comm_exposed_when_longer_than_compute():
     assert sch.exposed_comm == pytest.approx(2 * MS)
 
 
-def test_fifo_per_communicator_serialises_one_group_and_overlaps_two():
+def test_fifo_per_communicator_and_links_shared_between_communicators():
     # Two 1 ms broadcasts (p = 2: alpha + S/B) posted at 0. One group: the second starts when
-    # the first ends, step 2 ms. Two groups: both run at once, step 1 ms.
+    # the first ends, step 2 ms. Two groups: both run at once on the GPU's one link, each at
+    # half the rate, both end at 2 ms (until the eighteenth stop each ran at the full rate,
+    # step 1 ms: two communicators' bytes on one link in the time of one's).
     one = [comm(0, 1, "a", "broadcast"), comm(1, 1, "a", "broadcast"), wait(0), wait(1)]
     two = [comm(0, 1, "a", "broadcast"), comm(1, 1, "b", "broadcast"), wait(0), wait(1)]
     assert simulate(one, M).step == pytest.approx(2 * MS)
-    assert simulate(two, M).step == pytest.approx(1 * MS)
+    assert simulate(two, M).step == pytest.approx(2 * MS)
+    # Waiting on the first: 1 ms behind the FIFO, 2 ms beside another communicator.
+    assert simulate(one[:1] + [wait(0)], M).step == pytest.approx(1 * MS)
+    assert simulate(two[:2] + [wait(0), comp(0.25)], M).step == pytest.approx(2.25 * MS)
     # The same two on one group but the second waited for before a 1.5 ms compute: the weight
     # broadcast queued behind the ring (issue 13) ends at 2 ms, then compute: 3.5 ms.
     queued = [comm(0, 1, "a", "broadcast"), comm(1, 1, "a", "broadcast"), wait(1), comp(1.5)]
     assert simulate(queued, M).step == pytest.approx(3.5 * MS)
+
+
+def test_a_short_call_beside_a_long_one_shares_the_link():
+    # A 4 ms broadcast on one group and a 1 ms one on another, posted together: the short one
+    # runs at half the rate while both run (ends at 2 ms), the long one then alone: its 4 ms of
+    # bytes end at 5 ms. A compute waiting on the short one starts at 2 ms.
+    ops = [comm(0, 4, "w", "broadcast"), comm(1, 1, "tp", "broadcast"), wait(1), comp(1),
+           wait(0)]
+    sch = simulate(ops, M)
+    assert sch.step == pytest.approx(5 * MS)
+    (c,) = [iv for iv in sch.intervals if iv.lane == "compute"]
+    assert c.start == pytest.approx(2 * MS)
+    # Posted 1 ms apart: the long one runs alone for 1 ms, then both at half the rate for 2 ms
+    # (the short one ends at 3 ms, the long one has 2 ms of bytes left), then the long one
+    # alone: 5 ms.
+    ops = [comm(0, 4, "w", "broadcast"), comp(1), comm(1, 1, "tp", "broadcast"), wait(1),
+           wait(0)]
+    sch = simulate(ops, M)
+    assert sch.step == pytest.approx(5 * MS)
+    (short,) = [iv for iv in sch.intervals if iv.lane == "comm:tp"]
+    assert (short.start, short.end) == (pytest.approx(1 * MS), pytest.approx(3 * MS))
+    # A group over InfiniBand (more ranks than a node's GPUs) does not share NVLink.
+    ib = [comm(0, 1, "a", "broadcast"), comm(1, 1, "b", "broadcast", p=16), wait(0), wait(1)]
+    two_links = replace(M, inter=Link("ib", 1e9, 0.0, efficiency=1.0), gpus_per_node=8)
+    assert simulate(ib, two_links).step == pytest.approx(1 * MS)
 
 
 def test_send_and_recv_of_one_batch_run_together():

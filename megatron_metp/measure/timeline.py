@@ -6,18 +6,26 @@ measurement on record (below). The model (every number below is an input, stated
 * One compute stream. A compute op takes ``max(flops / (peak x efficiency), bytes / (HBM x
   mem_efficiency))`` (a roofline), in program order.
 * One FIFO per communicator (process group: on NCCL one group = one communicator = one stream;
-  ../shared/FACTS.md). A comm op starts when it is posted (the compute stream has reached it:
-  ProcessGroupNCCL makes its stream wait for the current stream) and its group's FIFO is free.
+  ../shared/FACTS.md). A comm op is posted when the compute stream has reached it
+  (ProcessGroupNCCL makes its stream wait for the current stream) and starts when its group's
+  FIFO is free.
 * A ``wait`` makes the compute stream wait until that comm op ends (``Work.wait()`` on NCCL).
-* Sends and receives posted together on one group (no compute or wait between them: one
-  ``batch_isend_irecv``, one ``ncclGroupStart/End``): the sends share the GPU's outgoing
-  bandwidth and the receives its incoming (NVSwitch: one per-direction figure per GPU, whatever
-  the peer), so the sends run one after another, as do the receives, and the two directions
-  at once (full-duplex links); the batch ends with the longer direction. (Until the
-  seventeenth stop every op of a batch ran at the full rate at once, which made a batch of
-  several sends, such as the MLP weight ring's two weights and two fp32 accumulators, up to
-  four times too fast.) Different communicators still run at once, each at the full rate:
-  optimistic where two overlap.
+* The GPU's links are shared by whatever runs on them at once: each link (NVLink, InfiniBand)
+  has an outgoing and an incoming direction; a send uses the outgoing one, a receive the
+  incoming one, every collective both. Calls in flight at once share each direction equally
+  (a call runs at 1/k of its rate where k calls use its busiest direction), so two
+  communicators' traffic takes as long on one link as the same bytes on one communicator,
+  and a short call beside a long one runs at half its rate instead of waiting for it. Sends
+  and receives posted together on one group (no compute or wait between them: one
+  ``batch_isend_irecv``, one ``ncclGroupStart/End``) are one FIFO entry: the sends share the
+  outgoing direction, the receives the incoming one (NVSwitch: one per-direction figure per
+  GPU, whatever the peer), and a wait on any of them waits for the batch. History: until the
+  seventeenth stop every op of a batch ran at the full rate at once (a batch of several sends,
+  such as the MLP weight ring's two weights and two fp32 accumulators, up to four times too
+  fast); until the eighteenth, different communicators ran at once each at the full rate,
+  which made METP's weight traffic (its own communicator) free beside its all-to-alls (the TP
+  group's): LLaMA-7B's METP layer at 4k / 16k / 32k read 4.85 / 7.07 / 14.98 ms where a
+  shared link gives more (``docs/timeline/README.md``).
 * Alpha-beta links (NCCL's ring algorithms), S = payload (CommCounter's convention), p = group
   size, B = link bandwidth per direction x bus efficiency, alpha per call:
   all_gather, reduce_scatter, all_to_all: alpha + (p-1)/p S/B;  all_reduce: alpha + 2(p-1)/p S/B;
@@ -176,14 +184,90 @@ class Schedule:
         return max(self.step - self.compute, 0.0)
 
 
+# The link directions each kind of call uses: a send only the outgoing one, a receive only
+# the incoming one, every collective (and tp_comm_overlap's ring steps) both.
+_DIRECTIONS = {"send": ("out",), "recv": ("in",)}
+
+
+class _Job:
+    __slots__ = ("op", "lane", "d", "left", "uses", "start", "end", "unit")
+
+    def __init__(self, op: TraceOp, lane: str, d: float, uses: tuple, unit: list):
+        self.op, self.lane, self.d, self.left, self.uses = op, lane, d, d, uses
+        self.start = self.end = None
+        self.unit = unit           # the jobs posted as one (a P2P batch), this one included
+
+
+class _Links:
+    """The communication calls in flight on one GPU (module docstring): one FIFO per
+    communicator, the GPU's links shared by whatever runs on them at once."""
+
+    def __init__(self, sch: Schedule):
+        self.sch = sch
+        self.now = 0.0
+        self.queues: Dict[str, List[tuple]] = {}    # group -> [(release, unit)] not started
+        self.running: Dict[str, list] = {}          # group -> its unit in flight
+        self.active: List[_Job] = []
+
+    def post(self, group: str, release: float, unit: list) -> None:
+        self.queues.setdefault(group, []).append((release, unit))
+
+    def _start_ready(self) -> None:
+        for group, queue in self.queues.items():
+            if group not in self.running and queue and queue[0][0] <= self.now + 1e-15:
+                _, unit = queue.pop(0)
+                self.running[group] = unit
+                for job in unit:
+                    job.start = self.now
+                    self.active.append(job)
+
+    def _next_release(self) -> float:
+        return min((q[0][0] for g, q in self.queues.items() if q and g not in self.running),
+                   default=float("inf"))
+
+    def run(self, until=None) -> None:
+        """Advance until every job of ``until`` (a unit) has ended, or until all have."""
+        while True:
+            self._start_ready()
+            if until is not None and all(j.end is not None for j in until):
+                return
+            if not self.active:
+                nxt = self._next_release()
+                if nxt == float("inf"):
+                    return
+                self.now = nxt
+                continue
+            users: Dict[tuple, int] = {}
+            for j in self.active:
+                for u in j.uses:
+                    users[u] = users.get(u, 0) + 1
+            rates = {j: 1.0 / max(users[u] for u in j.uses) for j in self.active}
+            step = min(min(j.left / rates[j] for j in self.active),
+                       self._next_release() - self.now)
+            self.now += step
+            done = []
+            for j in self.active:
+                j.left -= rates[j] * step
+                if j.left <= 1e-15 * max(1.0, j.d) or j.left / rates[j] <= 1e-15:
+                    j.left, j.end = 0.0, self.now
+                    done.append(j)
+                    self.sch.intervals.append(Interval(j.lane, j.op.name, j.op.phase,
+                                                       j.start, j.end))
+            for j in done:
+                self.active.remove(j)
+                group = j.op.group
+                unit = self.running.get(group)
+                if unit is not None and all(x.end is not None for x in unit):
+                    del self.running[group]
+
+
 def simulate(ops: List[TraceOp], machine: Machine) -> Schedule:
     """Replay ``ops`` on ``machine`` (module docstring) and return the schedule."""
     sch = Schedule()
+    links = _Links(sch)
     t = 0.0                                   # compute stream clock
-    fifo: Dict[str, float] = {}               # communicator -> time its FIFO is free
-    end: Dict[int, list] = {}                 # comm id -> [end] (shared by a P2P batch)
-    # group -> (position, start, [end], {"send": busy until, "recv": busy until})
-    batch: Dict[str, tuple] = {}
+    jobs: Dict[int, _Job] = {}                # comm id -> its job
+    batch: Dict[str, tuple] = {}              # group -> (position, unit) of an open P2P batch
     position = 0                              # counts computes and waits (batch boundaries)
     host = 0.0                                # host clock: when the next op is issued
     for op in ops:
@@ -198,28 +282,33 @@ def simulate(ops: List[TraceOp], machine: Machine) -> Schedule:
                 sch.compute += d
             position += 1
         elif op.kind == "wait":
-            t = max(t, end[op.comm_id][0]) if op.comm_id in end else t
+            job = jobs.get(op.comm_id)
+            if job is not None:
+                # A wait on one call of a P2P batch waits for the batch (one NCCL group).
+                links.run(until=job.unit)
+                t = max(t, max(j.end for j in job.unit))
             position += 1
         else:
-            d = comm_time(op.name, op.bytes, op.group_size, machine.link(op.group_size))
+            link = machine.link(op.group_size)
+            d = comm_time(op.name, op.bytes, op.group_size, link)
             lane = f"comm:{op.group}"
+            uses = tuple((link.name, way) for way in _DIRECTIONS.get(op.name, ("out", "in")))
             open_batch = batch.get(op.group)
             if op.name in ("send", "recv") and open_batch and open_batch[0] == position:
-                # One direction's ops queue on that direction's link.
-                shared, lanes = open_batch[2], open_batch[3]
-                start = lanes.get(op.name, open_batch[1])
-                lanes[op.name] = start + d
-                shared[0] = max(shared[0], start + d)
+                unit = open_batch[1]
+                job = _Job(op, lane, d, uses, unit)
+                unit.append(job)
             else:
-                start = max(t, host, fifo.get(op.group, 0.0))
-                shared = [start + d]
-                batch[op.group] = (position, start, shared, {op.name: start + d}) \
-                    if op.name in ("send", "recv") else (None, 0.0, shared, {})
-            end[op.comm_id] = shared
-            fifo[op.group] = shared[0]
-            sch.intervals.append(Interval(lane, op.name, op.phase, start, start + d))
+                unit = []
+                job = _Job(op, lane, d, uses, unit)
+                unit.append(job)
+                links.post(op.group, max(t, host), unit)
+                batch[op.group] = (position, unit) if op.name in ("send", "recv") \
+                    else (None, unit)
+            jobs[op.comm_id] = job
             sch.comm[lane] = sch.comm.get(lane, 0.0) + d
-    sch.step = max([t, host] + [v[0] for v in end.values()])
+    links.run()
+    sch.step = max([t, host] + [j.end for j in jobs.values() if j.end is not None])
     sch.host = host
     return sch
 

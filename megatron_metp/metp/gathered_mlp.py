@@ -160,8 +160,8 @@ class GatheredMLPFunction(torch.autograd.Function):
         d = d3.reshape(n, -1)
         # dW_out^T = D^T dO over this rank's tokens; summed over the ranks behind dD's GEMM.
         dwot_full = torch.mm(d.t(), g).to(gacc)
-        dwot, dwot_h = _scatter(dwot_full, group, p)
         if box is None:
+            dwot, dwot_h = _scatter(dwot_full, group, p)
             del dwot_full
         _wait(woh)
         dd = torch.mm(g, wot.t())
@@ -173,22 +173,21 @@ class GatheredMLPFunction(torch.autograd.Function):
         del d, d3, dd, ts, t
         dt = dt.reshape(n, -1)
         dw_in_full = torch.mm(dt.t(), x).to(gacc)
-        dw_in, dw_in_h = _scatter(dw_in_full, group, p)
         db_in_full = dt.sum(0, dtype=gacc) if ctx.has_bias else None
-        db_in, db_in_h = _scatter(db_in_full, group, p)
         if box is None:
+            dw_in, dw_in_h = _scatter(dw_in_full, group, p)
+            db_in, db_in_h = _scatter(db_in_full, group, p)
             del dw_in_full, db_in_full
         _wait(wh)
         dx = torch.mm(dt, w_full)
         del w_full, dt
         if box is not None:
-            # Waited for after the attention's backward, by the layer's _GradsLater node
-            # (metp.layer_schedule); the inputs stay alive until then.
+            # Summed over the ranks behind the attention's backward: posted there, waited for
+            # by the layer's _GradsLater node (metp.layer_schedule).
             i = iter(range(3))
-            grads = (box.hold(next(i), dw_in, dw_in_h, dw_in_full, w_in),
-                     box.hold(next(i), db_in, db_in_h, db_in_full, b_in) if ctx.has_bias
-                     else None,
-                     box.hold(next(i), dwot, dwot_h, dwot_full, w_out, transpose=True))
+            grads = (box.hold(next(i), dw_in_full, w_in),
+                     box.hold(next(i), db_in_full, b_in) if ctx.has_bias else None,
+                     box.hold(next(i), dwot_full, w_out, transpose=True))
             return (dx, *grads, None, None, None, None)
         _wait(dwot_h, dw_in_h, db_in_h)
         return (dx, dw_in.to(w_in.dtype), db_in.to(b_in.dtype) if ctx.has_bias else None,

@@ -44,35 +44,46 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from megatron_metp.comm import gather_rows
+from megatron_metp.comm import gather_rows, scatter_rows
 
 __all__ = ["SublayerLink", "MetpTransformerLayer"]
 
 
 class _LaterBox:
-    """The MLP's reduce-scatters in flight: per weight index, ``(handle, mine, full, out)``."""
+    """The MLP's weight gradients on their way to their owners: per weight index, ``[full,
+    mine, handle, out, transpose]``, held by the MLP's backward, their reduce-scatters posted
+    by the attention's backward (:meth:`post`) or, failing that, when they are waited for."""
 
-    def __init__(self) -> None:
-        self.pending: Dict[int, tuple] = {}
+    def __init__(self, group, p: int) -> None:
+        self.group, self.p = group, p
+        self.pending: Dict[int, list] = {}    # in the order the MLP made them
 
-    def hold(self, i: int, mine: torch.Tensor, handle, full: torch.Tensor,
-             like: torch.Tensor, transpose: bool = False) -> torch.Tensor:
-        """Keep weight ``i``'s reduce-scatter (``mine`` its output, ``full`` its input, both
-        alive until it ends) and return the gradient autograd carries to :class:`_GradsLater`:
-        a tensor of ``like``'s kind, written there (``mine``, transposed back if
-        ``transpose``)."""
+    def hold(self, i: int, full: torch.Tensor, like: torch.Tensor,
+             transpose: bool = False) -> torch.Tensor:
+        """Keep weight ``i``'s gradient summed over this rank's tokens (``full``, the
+        reduce-scatter's input) and return the tensor autograd carries to
+        :class:`_GradsLater`: of ``like``'s kind, written there with this rank's rows (transposed
+        back if ``transpose``)."""
         out = torch.empty_like(like)
-        self.pending[i] = (handle, mine, full, out, transpose)
+        self.pending[i] = [full, None, None, out, transpose]
         return out
 
+    def post(self) -> None:
+        """Post every held gradient's reduce-scatter not posted yet, in the MLP's order."""
+        for entry in self.pending.values():
+            if entry[0] is not None and entry[1] is None:
+                entry[1], entry[2] = scatter_rows(entry[0], self.group, self.p)
+
     def finish(self, i: int, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        entry = self.pending.pop(i, None)
+        entry = self.pending.get(i)
         if entry is None:
             return grad
-        handle, mine, full, out, transpose = entry
+        self.post()
+        del self.pending[i]
+        full, mine, handle, out, transpose = entry
         if handle is not None:
             handle.wait()
-        del full
+        del full, entry
         out.copy_(mine.t() if transpose else mine)
         return out
 
@@ -140,6 +151,12 @@ class SublayerLink:
         return gather_rows(None if t is None else (t.t() if transpose else t), self.group,
                            self.p)
 
+    def post_mlp_grads(self) -> None:
+        """Post the MLP's weight-gradient reduce-scatters (called by the attention's backward
+        once the exchanges its kernel waits for are in, so that they do not share the link)."""
+        if self.box is not None:
+            self.box.post()
+
     def close(self) -> None:
         """Wait for and drop whatever was posted and not taken (the layer's forward ends)."""
         for _, _, _, _, handle in self._posted.values():
@@ -164,7 +181,7 @@ def open_link(attention, mlp, hidden_states: torch.Tensor) -> Optional[SublayerL
     weights = [w for w in (fc1.weight, b_in, fc2.weight) if w is not None]
     box = None
     if torch.is_grad_enabled() and any(w.requires_grad for w in weights):
-        box = _LaterBox()
+        box = _LaterBox(group, mlp.ring_size)
         views = iter(_GradsLater.apply(box, *weights))
         w_in, b_in, w_out = (next(views) if w is not None else None
                              for w in (fc1.weight, b_in, fc2.weight))
