@@ -90,18 +90,13 @@ def a2a_attention_forward(
     causal: bool,
     softmax_scale: Optional[float] = None,
     backend: Optional[str] = None,
-    after_exchange: Optional[Callable[[], None]] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Attention of this rank's queries ``q [b, n, s/p, d]`` to every rank's keys (``k, v
     [b, n_kv, s/p, d]``); returns ``(out [b, n, s/p, d] in q's dtype, lse [b, n, s/p] fp32)``,
-    as ``ring_attention_forward`` does. The three exchanges are posted together.
-    ``after_exchange()``: the caller's work once they are in, before the kernel (the layer's
-    next weights, ``metp.layer_schedule``: posted then, they do not share the link with them)."""
+    as ``ring_attention_forward`` does. The three exchanges are posted together."""
     posted = [_post_to_heads(t, group) for t in (q, k, v)]
     qh, kh, vh = (x.result() for x in posted)
     del posted
-    if after_exchange is not None:
-        after_exchange()
     out_h, lse_h = kernels.attention_forward(qh, kh, vh, causal=causal,
                                              softmax_scale=softmax_scale, backend=backend)
     del qh, kh, vh
@@ -138,13 +133,11 @@ def a2a_attention_backward(
     backend: Optional[str] = None,
     with_dq: Optional[Callable[[torch.Tensor], None]] = None,
     posted: Optional[Dict[str, object]] = None,
-    after_inputs: Optional[Callable[[], None]] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of :func:`a2a_attention_forward`: ``(dq, dk, dv)`` for this rank's tokens, in
     the inputs' dtypes. ``with_dq(dq)``: the caller's work on ``dq``, run while dK and dV travel
     back (the ring's contract). ``posted``: :func:`post_backward_inputs`' exchanges (the
-    others are posted here, in the same order on every rank). ``after_inputs()``: the caller's
-    work once every input is in, before the kernel (``after_exchange`` of the forward)."""
+    others are posted here, in the same order on every rank)."""
     posted = dict(posted or {})
     missing = {n: t for n, t in (("q", q), ("k", k), ("v", v), ("out", out.to(q.dtype)),
                                  ("lse", lse)) if n not in posted}
@@ -153,8 +146,6 @@ def a2a_attention_backward(
     qh, kh, vh, outh, lseh = (posted.pop(n).result() for n in ("q", "k", "v", "out", "lse"))
     douth = dout_h.result()
     del dout_h
-    if after_inputs is not None:
-        after_inputs()
     # The kernels' layout for the one call (cuDNN's dense operands, flash-attn's [b, s, n, d]).
     douth, qh, outh = kernels.backward_rows(douth, qh, outh, kh, vh, backend)
     dqh, dkh, dvh = kernels.attention_backward(douth, qh, kh, vh, outh, lseh, causal=causal,

@@ -163,6 +163,11 @@ class GatheredMLPFunction(torch.autograd.Function):
         if box is None:
             dwot, dwot_h = _scatter(dwot_full, group, p)
             del dwot_full
+        else:
+            # Posted now, waited for after the attention's backward by the layer's _GradsLater
+            # node (metp.layer_schedule); its input stays alive until then.
+            dwot_grad = box.hold(2 if ctx.has_bias else 1, dwot_full, w_out, transpose=True)
+            del dwot_full
         _wait(woh)
         dd = torch.mm(g, wot.t())
         del wot
@@ -177,17 +182,14 @@ class GatheredMLPFunction(torch.autograd.Function):
         if box is None:
             dw_in, dw_in_h = _scatter(dw_in_full, group, p)
             db_in, db_in_h = _scatter(db_in_full, group, p)
-            del dw_in_full, db_in_full
+        else:
+            grads = (box.hold(0, dw_in_full, w_in),
+                     box.hold(1, db_in_full, b_in) if ctx.has_bias else None, dwot_grad)
+        del dw_in_full, db_in_full
         _wait(wh)
         dx = torch.mm(dt, w_full)
         del w_full, dt
         if box is not None:
-            # Summed over the ranks behind the attention's backward: posted there, waited for
-            # by the layer's _GradsLater node (metp.layer_schedule).
-            i = iter(range(3))
-            grads = (box.hold(next(i), dw_in_full, w_in),
-                     box.hold(next(i), db_in_full, b_in) if ctx.has_bias else None,
-                     box.hold(next(i), dwot_full, w_out, transpose=True))
             return (dx, *grads, None, None, None, None)
         _wait(dwot_h, dw_in_h, db_in_h)
         return (dx, dw_in.to(w_in.dtype), db_in.to(b_in.dtype) if ctx.has_bias else None,

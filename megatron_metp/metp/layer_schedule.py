@@ -4,11 +4,10 @@ At short sequences both sublayers move whole weights over the METP weight group 
 communicator, one FIFO): the attention's whole pass (``metp.whole_pass``) all-gathers
 ``linear_qkv`` / ``linear_proj`` and reduce-scatters their gradients, the gathered MLP
 (``metp.gathered_mlp``) does the same for fc1 / fc2. Each sublayer alone posts its gathers when
-it starts and waits for its reduce-scatters when it ends, so the first gather of each sublayer
-and the last reduce-scatter of each are exposed: in one LLaMA-7B layer at 16k (p = 8, H100,
-``metp plan --timeline``, ESTIMATE) the MLP's fc1 gather (0.44 ms) before its first GEMM, and
-the MLP's fp32 fc1 gradient reduce-scatter (0.89 ms, 0.45 of it exposed) at the end of its
-backward: 0.9 of the layer's 1.8 ms of exposed communication. This module posts each
+it starts and waits for its reduce-scatters before it returns, so each sublayer's first gather
+and last reduce-scatter are exposed: in one LLaMA-7B layer at 16k (p = 8, H100, ``metp plan
+--timeline``, ESTIMATE) the MLP's fc1 gather (0.45 ms) before its first GEMM and the MLP's
+fp32 fc1-gradient reduce-scatter (0.89 ms) at the end of its backward. This module posts each
 sublayer's traffic behind the other's compute:
 
 * **forward**: the attention, right after posting its own gathers, posts the MLP's
@@ -16,18 +15,20 @@ sublayer's traffic behind the other's compute:
   kernel, and the MLP takes them (:meth:`SublayerLink.take`).
 * **backward**: the MLP, right after posting its own gathers and before its reduce-scatters,
   posts the ones the attention's backward will need (:meth:`SublayerLink.post_attention`), so
-  that they do not queue behind the MLP's gradients; and the MLP does not wait for its
-  reduce-scatters. They are waited for, and the gradients handed to autograd, by
-  :class:`_GradsLater`: an identity on the MLP's weights applied at the start of the layer's
-  forward. Autograd runs ready nodes latest-created first (``torch.autograd``'s engine orders
-  its ready queue by sequence number), so that node runs after the attention's backward, which
-  was created after it, and before the previous layer's, which was created before: the MLP's
-  reduce-scatters travel behind the attention's backward.
+  that they do not queue behind the MLP's gradients. The MLP posts each reduce-scatter as soon
+  as its input is made and does not wait for it: :class:`_GradsLater` does, and hands the
+  gradients to autograd. It is an identity on the MLP's weights applied at the start of the
+  layer's forward. Autograd runs ready nodes latest-created first (``torch.autograd``'s engine
+  orders its ready queue by sequence number), so that node runs after the attention's
+  backward, which was created after it, and before the previous layer's, created before: the
+  MLP's reduce-scatters travel behind the attention's backward.
 
 The same arithmetic, the same bytes, the same calls: only when each is posted and waited for
-moves. What it costs: the MLP's gathered weights exist during the attention's forward (the
-``3 h F`` values of a gated unit, 0.27 GB for LLaMA-7B at bf16), and the MLP's fp32 gradients
-(the reduce-scatters' inputs and outputs, ``(1 + 1/p) 3 h F`` fp32 values: 0.6 GB) during the
+moves (tested bit for bit: ``tests/test_layer_schedule.py``). LLaMA-7B's layer at 16k: 8.10 ->
+7.36 ms, LLaMA-70B's 25.2 -> 21.6 ms (ESTIMATE, links shared: ``measure.timeline``). What it
+costs: the MLP's gathered weights exist during the attention's forward (``3 h F`` values for a
+gated unit, 0.27 GB for LLaMA-7B at bf16), and the MLP's fp32 weight gradients (the
+reduce-scatters' inputs and outputs, ``(1 + 1/p) 3 h F`` fp32 values, 0.6 GB) during the
 attention's backward; the planner traces both, as it traces everything else.
 
 :class:`MetpTransformerLayer` (``megatron_metp.specs``' METP layer) opens one
@@ -50,36 +51,31 @@ __all__ = ["SublayerLink", "MetpTransformerLayer"]
 
 
 class _LaterBox:
-    """The MLP's weight gradients on their way to their owners: per weight index, ``[full,
-    mine, handle, out, transpose]``, held by the MLP's backward, their reduce-scatters posted
-    by the attention's backward (:meth:`post`) or, failing that, when they are waited for."""
+    """The MLP's weight gradients on their way to their owners: per weight index, ``(full,
+    mine, handle, out, transpose)``. The MLP's backward posts each reduce-scatter as soon as
+    its input is made (:meth:`hold`); :class:`_GradsLater` waits for them."""
 
     def __init__(self, group, p: int) -> None:
         self.group, self.p = group, p
-        self.pending: Dict[int, list] = {}    # in the order the MLP made them
+        self.pending: Dict[int, tuple] = {}
 
-    def hold(self, i: int, full: torch.Tensor, like: torch.Tensor,
-             transpose: bool = False) -> torch.Tensor:
-        """Keep weight ``i``'s gradient summed over this rank's tokens (``full``, the
-        reduce-scatter's input) and return the tensor autograd carries to
-        :class:`_GradsLater`: of ``like``'s kind, written there with this rank's rows (transposed
-        back if ``transpose``)."""
+    def hold(self, i: int, full: Optional[torch.Tensor], like: Optional[torch.Tensor],
+             transpose: bool = False) -> Optional[torch.Tensor]:
+        """Post weight ``i``'s reduce-scatter of ``full`` (its gradient summed over this rank's
+        tokens; kept alive until waited for) and return the tensor autograd carries to
+        :class:`_GradsLater`: of ``like``'s kind, written there with this rank's rows
+        (transposed back if ``transpose``)."""
+        if full is None:
+            return None
+        mine, handle = scatter_rows(full, self.group, self.p)
         out = torch.empty_like(like)
-        self.pending[i] = [full, None, None, out, transpose]
+        self.pending[i] = (full, mine, handle, out, transpose)
         return out
 
-    def post(self) -> None:
-        """Post every held gradient's reduce-scatter not posted yet, in the MLP's order."""
-        for entry in self.pending.values():
-            if entry[0] is not None and entry[1] is None:
-                entry[1], entry[2] = scatter_rows(entry[0], self.group, self.p)
-
     def finish(self, i: int, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        entry = self.pending.get(i)
+        entry = self.pending.pop(i, None)
         if entry is None:
             return grad
-        self.post()
-        del self.pending[i]
         full, mine, handle, out, transpose = entry
         if handle is not None:
             handle.wait()
@@ -150,12 +146,6 @@ class SublayerLink:
                 handle.wait()
         return gather_rows(None if t is None else (t.t() if transpose else t), self.group,
                            self.p)
-
-    def post_mlp_grads(self) -> None:
-        """Post the MLP's weight-gradient reduce-scatters (called by the attention's backward
-        once the exchanges its kernel waits for are in, so that they do not share the link)."""
-        if self.box is not None:
-            self.box.post()
 
     def close(self) -> None:
         """Wait for and drop whatever was posted and not taken (the layer's forward ends)."""

@@ -22,31 +22,19 @@ from megatron_metp.metp.ring_attention import (ring_attention_backward, ring_att
 
 
 def _attend(plan: _Plan, q, k, v):
-    """``(out, lse)``: the K/V ring, or its all-to-all replacement (``--metp-ring-pass a2a``).
-    With the layer's link, the MLP's weights are posted once the all-to-alls' inputs are in
-    (before the ring otherwise)."""
-    post = plan.link.post_mlp if plan.link is not None else None
+    """``(out, lse)``: the K/V ring, or its all-to-all replacement (``--metp-ring-pass a2a``)."""
     if plan.a2a:
-        return a2a_attention_forward(plan.group, q, k, v, plan.causal, plan.scale, plan.backend,
-                                     after_exchange=post)
-    if post is not None:
-        post()
+        return a2a_attention_forward(plan.group, q, k, v, plan.causal, plan.scale, plan.backend)
     return ring_attention_forward(plan.group, q, k, v, plan.causal, plan.scale, plan.backend,
                                   plan.blocks, plan.layout)
 
 
 def _attend_backward(plan: _Plan, dout, q, k, v, out, lse, with_dq, posted=None):
     """``(dq, dk, dv)`` of :func:`_attend`; ``posted``: the all-to-alls' exchanges of saved
-    inputs posted earlier (``a2a_attention.post_backward_inputs``). With the layer's link, the
-    MLP's weight gradients are posted once the all-to-alls' inputs are in (before the ring
-    otherwise)."""
-    post = plan.link.post_mlp_grads if plan.link is not None else None
+    inputs posted earlier (``a2a_attention.post_backward_inputs``)."""
     if plan.a2a:
         return a2a_attention_backward(plan.group, dout, q, k, v, out, lse, plan.causal,
-                                      plan.scale, plan.backend, with_dq=with_dq, posted=posted,
-                                      after_inputs=post)
-    if post is not None:
-        post()
+                                      plan.scale, plan.backend, with_dq=with_dq, posted=posted)
     return ring_attention_backward(plan.group, dout, q, k, v, out, lse, plan.causal, plan.scale,
                                    plan.backend, with_dq=with_dq, blocks=plan.blocks,
                                    layout=plan.layout)
@@ -139,13 +127,13 @@ class _MetpWholeFunction(torch.autograd.Function):
         # W_proj^T's rows are the heads in order: gathered while the ring computes.
         wpt, wpt_handle = _gather_rows(w_proj.t(), plan, async_op=True)
         if plan.link is not None:
-            # The MLP's weights travel behind this pass's kernel (_attend posts them); what
-            # this pass's backward gathers, the MLP's backward posts ahead of its
-            # reduce-scatters (metp.layer_schedule). The bias only enters a recomputed
-            # projection.
+            # The MLP's weights travel next, behind this pass's compute; what this pass's
+            # backward gathers, the MLP's backward posts ahead of its reduce-scatters
+            # (metp.layer_schedule). The bias only enters a recomputed projection.
             plan.link.attention_gathers = [
                 ("proj", w_proj, True), ("qkv", w_qkv, False),
                 ("qkv_bias", None if plan.save_qkv else b_qkv, False)]
+            plan.link.post_mlp()
         q, k = q_lin, kv_lin[:, :, :, 0]
         if plan.has_post:
             q, k = plan.post(q, k)
