@@ -102,6 +102,32 @@ def test_linked_layer_equals_the_unlinked_one_bit_for_bit(p, report):
            f"gradient) for {', '.join(f'{k} (loss {v[0]:.6f}, {v[1]} grads)' for k, v in res.items())}")
 
 
+def _selective_recompute(p):
+    # Megatron's selective recompute re-runs the MLP (mlp) or the attention's core (core_attn,
+    # which METP's attention does not call) in backward, after the layer's link is closed: the
+    # re-run MLP gathers for itself, and the model equals the one without recompute bit for bit.
+    M.setup(tp=p, mode="metp")
+    style, overrides = CASES["llama"]
+    kw = dict(overrides, metp_ring_pass="a2a", metp_qkv_backward="save",
+              metp_mlp_pass="gathered")
+    base = M.step(M.wrap_ddp(M.build("metp", style, **kw)), M.batch())
+    out = {}
+    for modules in (["mlp"], ["layernorm", "mlp"], ["core_attn"]):
+        r = M.step(M.wrap_ddp(M.build("metp", style, recompute_granularity="selective",
+                                      recompute_modules=modules, **kw)), M.batch())
+        assert r["loss"] == base["loss"], modules
+        for name, g in base["grads"].items():
+            assert torch.equal(r["grads"][name], g), (modules, name)
+        out[" ".join(modules)] = r["loss"]
+    return out
+
+
+def test_selective_recompute_with_the_link_is_exact(report):
+    res = run_ranks(2, _selective_recompute, 2)[0]
+    report(f"layer schedule p=2 llama: selective recompute {', '.join(res)} equals no recompute "
+           f"bit for bit (loss {next(iter(res.values())):.6f})")
+
+
 def _stale_prefetch():
     import torch.distributed as dist
 

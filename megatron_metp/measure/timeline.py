@@ -24,8 +24,8 @@ measurement on record (below). The model (every number below is an input, stated
   such as the MLP weight ring's two weights and two fp32 accumulators, up to four times too
   fast); until the eighteenth, different communicators ran at once each at the full rate,
   which made METP's weight traffic (its own communicator) free beside its all-to-alls (the TP
-  group's): LLaMA-7B's METP layer at 4k / 16k / 32k read 4.85 / 7.07 / 14.98 ms where a
-  shared link gives more (``docs/timeline/README.md``).
+  group's): LLaMA-7B's METP layer at 4k / 16k / 32k read 5.3 / 7.9 / 15.4 ms where shared
+  links give 5.5 / 8.1 / 15.8 (before ``metp.layer_schedule``; ``docs/timeline/README.md``).
 * Alpha-beta links (NCCL's ring algorithms), S = payload (CommCounter's convention), p = group
   size, B = link bandwidth per direction x bus efficiency, alpha per call:
   all_gather, reduce_scatter, all_to_all: alpha + (p-1)/p S/B;  all_reduce: alpha + 2(p-1)/p S/B;
