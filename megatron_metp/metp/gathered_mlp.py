@@ -160,13 +160,8 @@ class GatheredMLPFunction(torch.autograd.Function):
         d = d3.reshape(n, -1)
         # dW_out^T = D^T dO over this rank's tokens; summed over the ranks behind dD's GEMM.
         dwot_full = torch.mm(d.t(), g).to(gacc)
+        dwot, dwot_h = _scatter(dwot_full, group, p)
         if box is None:
-            dwot, dwot_h = _scatter(dwot_full, group, p)
-            del dwot_full
-        else:
-            # Posted now, waited for after the attention's backward by the layer's _GradsLater
-            # node (metp.layer_schedule); its input stays alive until then.
-            dwot_grad = box.hold(2 if ctx.has_bias else 1, dwot_full, w_out, transpose=True)
             del dwot_full
         _wait(woh)
         dd = torch.mm(g, wot.t())
@@ -179,18 +174,20 @@ class GatheredMLPFunction(torch.autograd.Function):
         dt = dt.reshape(n, -1)
         dw_in_full = torch.mm(dt.t(), x).to(gacc)
         db_in_full = dt.sum(0, dtype=gacc) if ctx.has_bias else None
+        dw_in, dw_in_h = _scatter(dw_in_full, group, p)
+        db_in, db_in_h = _scatter(db_in_full, group, p)
         if box is None:
-            dw_in, dw_in_h = _scatter(dw_in_full, group, p)
-            db_in, db_in_h = _scatter(db_in_full, group, p)
-        else:
-            grads = (box.hold(0, dw_in_full, w_in),
-                     box.hold(1, db_in_full, b_in) if ctx.has_bias else None, dwot_grad)
-        del dw_in_full, db_in_full
+            del dw_in_full, db_in_full
         _wait(wh)
         dx = torch.mm(dt, w_full)
         del w_full, dt
         if box is not None:
-            return (dx, *grads, None, None, None, None)
+            # Waited for after the attention's backward by the layer's _GradsLater node
+            # (metp.layer_schedule), which keeps their inputs alive until then.
+            return (dx, box.hold(0, dw_in, dw_in_h, dw_in_full, w_in),
+                    box.hold(1, db_in, db_in_h, db_in_full, b_in) if ctx.has_bias else None,
+                    box.hold(2 if ctx.has_bias else 1, dwot, dwot_h, dwot_full, w_out,
+                             transpose=True), None, None, None, None)
         _wait(dwot_h, dw_in_h, db_in_h)
         return (dx, dw_in.to(w_in.dtype), db_in.to(b_in.dtype) if ctx.has_bias else None,
                 dwot.t().contiguous().to(w_out.dtype), None, None, None, None)

@@ -45,29 +45,25 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from megatron_metp.comm import gather_rows, scatter_rows
+from megatron_metp.comm import gather_rows
 
 __all__ = ["SublayerLink", "MetpTransformerLayer"]
 
 
 class _LaterBox:
-    """The MLP's weight gradients on their way to their owners: per weight index, ``(full,
-    mine, handle, out, transpose)``. The MLP's backward posts each reduce-scatter as soon as
-    its input is made (:meth:`hold`); :class:`_GradsLater` waits for them."""
+    """The MLP's weight-gradient reduce-scatters in flight: per weight index, ``(full, mine,
+    handle, out, transpose)``. The MLP's backward posts each as soon as its input is made and
+    hands it over (:meth:`hold`); :class:`_GradsLater` waits for them."""
 
-    def __init__(self, group, p: int) -> None:
-        self.group, self.p = group, p
+    def __init__(self) -> None:
         self.pending: Dict[int, tuple] = {}
 
-    def hold(self, i: int, full: Optional[torch.Tensor], like: Optional[torch.Tensor],
-             transpose: bool = False) -> Optional[torch.Tensor]:
-        """Post weight ``i``'s reduce-scatter of ``full`` (its gradient summed over this rank's
-        tokens; kept alive until waited for) and return the tensor autograd carries to
-        :class:`_GradsLater`: of ``like``'s kind, written there with this rank's rows
+    def hold(self, i: int, mine: torch.Tensor, handle, full: torch.Tensor, like: torch.Tensor,
+             transpose: bool = False) -> torch.Tensor:
+        """Keep weight ``i``'s reduce-scatter (``mine`` its output, ``handle`` its work,
+        ``full`` its input, alive until it is waited for) and return the tensor autograd
+        carries to :class:`_GradsLater`: of ``like``'s kind, written there with ``mine``
         (transposed back if ``transpose``)."""
-        if full is None:
-            return None
-        mine, handle = scatter_rows(full, self.group, self.p)
         out = torch.empty_like(like)
         self.pending[i] = (full, mine, handle, out, transpose)
         return out
@@ -171,7 +167,7 @@ def open_link(attention, mlp, hidden_states: torch.Tensor) -> Optional[SublayerL
     weights = [w for w in (fc1.weight, b_in, fc2.weight) if w is not None]
     box = None
     if torch.is_grad_enabled() and any(w.requires_grad for w in weights):
-        box = _LaterBox(group, mlp.ring_size)
+        box = _LaterBox()
         views = iter(_GradsLater.apply(box, *weights))
         w_in, b_in, w_out = (next(views) if w is not None else None
                              for w in (fc1.weight, b_in, fc2.weight))
