@@ -296,15 +296,12 @@ def simulate(ops: List[TraceOp], machine: Machine) -> Schedule:
             open_batch = batch.get(op.group)
             if op.name in ("send", "recv") and open_batch and open_batch[0] == position:
                 unit = open_batch[1]
-                job = _Job(op, lane, d, uses, unit)
-                unit.append(job)
             else:
                 unit = []
-                job = _Job(op, lane, d, uses, unit)
-                unit.append(job)
                 links.post(op.group, max(t, host), unit)
-                batch[op.group] = (position, unit) if op.name in ("send", "recv") \
-                    else (None, unit)
+                batch[op.group] = (position if op.name in ("send", "recv") else None, unit)
+            job = _Job(op, lane, d, uses, unit)
+            unit.append(job)
             jobs[op.comm_id] = job
             sch.comm[lane] = sch.comm.get(lane, 0.0) + d
     links.run()
