@@ -25,8 +25,10 @@ wallfacer   ``--tensor-parallel-mode wallfacer`` (CP = p, team size 1, distribut
 Memory: the planner (``measure.planner``: Megatron's and the plugin's layers under
 FakeTensorMode, the device's layers stacked from a plain and a checkpointed probe, the LM head,
 model state, reserve and fragmentation). Time: one layer's op trace (``op_trace``) replayed on
-the GPU model (``timeline.simulate``), once plain and once inside Megatron's CheckpointFunction;
-a device of L layers with k checkpointed takes k t_ckpt + (L - k) t_plain. Under CP > 1 the
+the GPU model (``timeline.simulate``), once plain and once inside Megatron's CheckpointFunction,
+each alone and as the second layer of a stack (``timeline.layer_in_stack``); a device of L layers
+with k checkpointed (the first k) takes k t_ckpt + (L - k) t_plain in the stack, plus what its
+first layer alone adds (the host issuing its first ops, nothing before it to overlap). Under CP > 1 the
 distributed optimizer's gradient reduce-scatter and parameter all-gather over the CP group are
 added, exposed (Megatron-LM's default, no ``--overlap-grad-reduce``). Left out, for every family
 alike: the LM head's and the embedding's time (their memory is counted), the optimizer step,
@@ -50,8 +52,8 @@ from typing import Dict, List, Optional, Tuple
 
 from megatron_metp.measure.planner import (GIB, SEQ_GRANULE, Planner, PlanSettings, a2a_heads_split,
                                           seq_label)
-from megatron_metp.measure.timeline import (ESTIMATE, GPUS, HOST_OP_US, comm_time, simulate,
-                                            tp_comm_overlap)
+from megatron_metp.measure.timeline import (ESTIMATE, GPUS, HOST_OP_US, comm_time,
+                                            layer_in_stack, tp_comm_overlap)
 
 FAMILIES = ("stock", "metp", "wallfacer")
 SELECTIVE = ((), ("layernorm",), ("layernorm", "mlp"), ("layernorm", "core_attn"),
@@ -220,8 +222,9 @@ class Frontier:
         self.probes += 1
         return self.planner.plan(cfg, v.mode, p, s, **v.settings(cfg.layers_per_device))
 
-    def layer_times(self, cfg, v: Variant, p: int, s: int, full: bool) -> Dict[str, float]:
-        """ESTIMATED seconds of one layer per GPU: plain (with ``v``'s selective recompute) or
+    def layer_times(self, cfg, v: Variant, p: int, s: int, full: bool) -> Dict[str, tuple]:
+        """ESTIMATED seconds of one layer per GPU, ``(first, steady)`` (``timeline.
+        layer_in_stack``: alone, and in a stack): plain (with ``v``'s selective recompute) or
         inside Megatron's CheckpointFunction (``full``)."""
         from megatron_metp.measure.op_trace import trace_layer
 
@@ -238,8 +241,8 @@ class Frontier:
                               cp_comm_type=v.cp_comm)
             over = tp_comm_overlap(ops) if v.mode == "tp" and p // v.cp > 1 else ops
             self._times[key] = {
-                False: {g: simulate(ops, m).step for g, m in self.machines.items()},
-                True: {g: simulate(over, m).step for g, m in self.machines.items()}}
+                False: {g: layer_in_stack(ops, m) for g, m in self.machines.items()},
+                True: {g: layer_in_stack(over, m) for g, m in self.machines.items()}}
         return self._times[key][v.overlap]
 
     def step_times(self, cfg, v: Variant, p: int, s: int, params_per_rank: int
@@ -252,7 +255,11 @@ class Frontier:
         out = {}
         cp = v.cp if v.mode != "metp" else 1
         for g, m in self.machines.items():
-            t = (L - k) * (plain[g] if plain else 0.0) + k * (ckpt[g] if ckpt else 0.0)
+            # The stack's first layer is a checkpointed one where any is (the block method
+            # checkpoints the first k): it pays what one layer alone adds to a steady one.
+            first, steady = (ckpt if k else plain)[g]
+            t = first - steady + (L - k) * (plain[g][1] if plain else 0.0) + \
+                k * (ckpt[g][1] if ckpt else 0.0)
             if cp > 1:  # distributed optimizer over CP: fp32 gradient RS + bf16 parameter AG
                 link = m.link(cp)
                 t += comm_time("reduce_scatter", 4 * params_per_rank, cp, link)

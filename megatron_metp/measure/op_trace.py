@@ -247,17 +247,19 @@ def group_roles() -> Dict[str, str]:
 def trace_layer(cfg, mode: str, p: int, s: int, world=None, micro_batch: int = 1,
                 recompute_modules: Optional[List[str]] = None, tcfg=None,
                 ring_pass: str = "auto", qkv_backward: str = "recompute", cp: int = 1,
-                full_recompute: bool = False, cp_comm_type: str = "p2p") -> List[TraceOp]:
+                full_recompute: bool = False, cp_comm_type: str = "p2p", layers: int = 1
+                ) -> List[TraceOp]:
     """One layer of ``cfg`` (a ``config.ModelConfig``) in ``mode`` at (p, s), fwd + bwd on rank 0,
     traced under FakeTensorMode on the fake process group (``world``: a ``planner.FakeWorld``,
     kept set up for the caller). Group names are replaced by their roles (:func:`group_roles`).
     ``tcfg``: a ready ``TransformerConfig`` instead of ``cfg``'s (e.g. ``metp bench``'s).
     ``cp``: stock tp's context-parallel size and ``cp_comm_type`` its --cp-comm-type
     (``planner.probe_mode``); ``full_recompute``: the layer inside Megatron's
-    CheckpointFunction, its recomputed forward traced in backward."""
+    CheckpointFunction, its recomputed forward traced in backward. ``layers``: a stack of that
+    many such layers, each fed the one before's output (``timeline.stack_of_two``'s check)."""
     with cpu_compat.planning():
         return _trace_layer(cfg, mode, p, s, world, micro_batch, recompute_modules, tcfg,
-                            ring_pass, qkv_backward, cp, full_recompute, cp_comm_type)
+                            ring_pass, qkv_backward, cp, full_recompute, cp_comm_type, layers)
 
 
 def _clear_sp_scratch() -> None:
@@ -270,7 +272,7 @@ def _clear_sp_scratch() -> None:
 
 
 def _trace_layer(cfg, mode, p, s, world, micro_batch, recompute_modules, tcfg, ring_pass,
-                 qkv_backward, cp, full_recompute, cp_comm_type) -> List[TraceOp]:
+                 qkv_backward, cp, full_recompute, cp_comm_type, layers=1) -> List[TraceOp]:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from megatron_metp.measure import layer_probe
@@ -288,13 +290,17 @@ def _trace_layer(cfg, mode, p, s, world, micro_batch, recompute_modules, tcfg, r
     _clear_sp_scratch()  # may hold tensors of an earlier FakeTensorMode
     try:
         with FakeTensorMode():
-            layer, x, _extra, fwd = layer_probe._layer_step(
-                tcfg, mode, s, micro_batch, causal, rope,
-                getattr(cfg, "rotary_base", 10000), None, None)
-            layer_probe.give_main_grads(layer)
+            stack = [layer_probe._layer_step(tcfg, mode, s, micro_batch, causal, rope,
+                                             getattr(cfg, "rotary_base", 10000), None, None)
+                     for _ in range(layers)]
+            x = stack[0][1]
+            for layer, *_ in stack:
+                layer_probe.give_main_grads(layer)
             grad = torch.empty_like(x)
             with OpRecorder() as rec:
-                out = fwd(x)
+                out = x
+                for _layer, _x, _extra, fwd in stack:
+                    out = fwd(out)
                 rec.phase = "bwd"
                 out.backward(grad)
     finally:

@@ -10,7 +10,9 @@ ops), then replayed per GPU and scenario:
 ring attention over CP = p). MFU = Megatron-LM's model FLOPs of one layer (``flops``) / p /
 (step x bf16 peak). Each row also carries the executed FLOPs and the bytes the compute ops
 read and write (one rank, fwd + bwd: METP's Q/K/V recompute and merges next to tp's),
-compute ops and comm calls. ``--validate BENCH_JSON`` replays ``metp bench``'s layers on this machine's
+compute ops and comm calls, and the layer's time in a stack (``timeline.layer_in_stack``: what
+one more layer adds to a device's step, the slowest rank's trace; the frontier's steps use it).
+``--validate BENCH_JSON`` replays ``metp bench``'s layers on this machine's
 measured FLOP/s, memory bandwidth and gloo ring step instead, and compares.
 """
 
@@ -23,7 +25,7 @@ from typing import Dict, Optional
 
 from megatron_metp.measure.planner import SAVED_MARK, saved_notes
 from megatron_metp.measure.timeline import (ATTENTION_EFFICIENCY, ESTIMATE, GPUS, HOST_OP_US,
-                                            chrome_trace, simulate)
+                                            chrome_trace, layer_in_stack, simulate)
 
 TIMELINE_MODELS = ("llama-7b", "gpt-175b")
 TIMELINE_SEQS = "32k,128k,512k,1024k"
@@ -145,9 +147,10 @@ def timeline_rows(cfgs, ps, modes, seqs, gpus, efficiency, gpus_per_node, keep=N
                             runs = []
                             for ops in traces:
                                 trace = tp_comm_overlap(ops) if scen == "tp+overlap" else ops
-                                runs.append((simulate(trace, m), summary(trace)))
+                                runs.append((simulate(trace, m), summary(trace), trace))
                             # The synchronous ring runs at its slowest rank's pace.
-                            sch, sm = max(runs, key=lambda run: run[0].step)
+                            sch, sm, slowest = max(runs, key=lambda run: run[0].step)
+                            steady = layer_in_stack(slowest, m)[1]
                             busy = [run[0].compute for run in runs]
                             rows.append(dict(
                                 model=cfg.name, p=p, seq_length=s, scenario=scen, gpu=g,
@@ -163,7 +166,8 @@ def timeline_rows(cfgs, ps, modes, seqs, gpus, efficiency, gpus_per_node, keep=N
                                 ranks_traced=len(runs), rank_compute_s=busy,
                                 rank_compute_max_over_mean=max(busy) / (sum(busy) / len(busy)),
                                 qkv_backward=qkv if mode == "metp" else "",
-                                ring_pass=ring if mode == "metp" else ""))
+                                ring_pass=ring if mode == "metp" else "",
+                                steady_s=steady))
                             if keep is not None:
                                 keep.setdefault((cfg.name, g, s), {})[
                                     f"{cfg.name} p={p} s={seq_label(s)} {scen} {g}"] = sch
@@ -175,14 +179,15 @@ def markdown(rows) -> str:
 
     out = ["ESTIMATE: simulated, not measured on a GPU (megatron_metp/measure/timeline.py "
            "states every input).\n",
-           "| model | p | GPU | s | scenario | step ms (ESTIMATE) | MFU (ESTIMATE) | "
+           "| model | p | GPU | s | scenario | step ms (ESTIMATE) | ms in a stack (ESTIMATE) | "
+           "MFU (ESTIMATE) | "
            "exposed comm ms (ESTIMATE) | exposed / step | TFLOP executed | GB moved | "
            "compute ops | comm calls | host ms (ESTIMATE) | host-bound | rank compute max/mean |",
-           "|---|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+           "|---|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     for r in rows:
         scen = r["scenario"] + (f" ({r['ring_pass']})" if r.get("ring_pass") else "")
         out.append(f"| {r['model']} | {r['p']} | {r['gpu']} | {seq_label(r['seq_length'])} | "
-                   f"{scen} | {r['step_s'] * 1e3:,.1f} | {r['mfu']:.1%} | "
+                   f"{scen} | {r['step_s'] * 1e3:,.1f} | {r['steady_s'] * 1e3:,.1f} | {r['mfu']:.1%} | "
                    f"{r['exposed_comm_s'] * 1e3:,.1f} | {r['exposed_comm_s'] / r['step_s']:.1%} | "
                    f"{r['executed_flops'] / 1e12:,.1f} | {r['compute_bytes'] / 1e9:,.1f} | "
                    f"{r['compute_ops']:,} | {r['comm_ops']:,} | {r['host_s'] * 1e3:,.1f} | "
