@@ -24,9 +24,9 @@ def _recording():
     takes, finished = [], []
     take, finish = L.SublayerLink.take, L._LaterBox.finish
 
-    def rec_take(self, name, t, transpose=False):
+    def rec_take(self, name, t, transpose=False, origin=None):
         takes.append((name, name in self._posted))
-        return take(self, name, t, transpose)
+        return take(self, name, t, transpose, origin)
 
     def rec_finish(self, i, grad):
         finished.append(i in self.pending)
@@ -78,17 +78,24 @@ def _linked_vs_unlinked(p):
                 assert torch.equal(linked["grads"][name], g), (case, ring_pass, qkv, name)
             # Every layer (2) took its MLP's gathers from the attention's forward and its
             # attention's backward gathers from the MLP's backward; none was gathered anew.
+            # The second layer's attention took its first gathers (W_qkv's query and key/value
+            # rows, and their biases) from the first layer's MLP (the chain); the first
+            # layer's, which nothing runs before, gathered them itself.
             used = {}
             for name, hit in takes:
                 used.setdefault(name, []).append(hit)
             bias = style == "gpt"
             want = {"fc1": 2, "fc2": 2, "proj": 2, "qkv": 2}
+            chained = ["qkv_part0", "qkv_part1"]
             if bias:
                 want["fc1_bias"] = 2
+                chained += ["qkv_part0_bias", "qkv_part1_bias"]
                 if qkv == "recompute":   # the bias enters the backward only when recomputed
                     want["qkv_bias"] = 2
-            assert {n: sum(h) for n, h in used.items() if any(h)} == want, used
+            assert {n: sum(h) for n, h in used.items() if any(h)} == dict(
+                want, **{n: 1 for n in chained}), used
             assert all(all(h) for n, h in used.items() if n in want), used
+            assert all(used[n] == [False, True] for n in chained), used
             # The MLP's weight gradients (w_in, b_in, w_out) reached autograd after the wait.
             assert sum(finished) == 2 * (3 if bias else 2), finished
             out[f"{case} {ring_pass} {qkv}"] = (linked["loss"], len(plain["grads"]))
@@ -146,15 +153,31 @@ def _stale_prefetch():
     wot, h2 = link.take("fc2", w_out, transpose=True)
     if h2 is not None:
         h2.wait()
+    # The chain: a part cut from the next layer's W_qkv, posted for it; the parameter is
+    # written before that layer takes it (the check is on the parameter, not on the cut).
+    w_qkv = torch.full((4, 3), float(r))
+    carried = {}
+    link._post([("qkv_part0", w_qkv[:2], False, w_qkv)], into=carried)
     link.close()
-    return full.tolist(), wot.tolist()
+    with torch.no_grad():
+        w_qkv.add_(100.0)
+    nxt = SublayerLink(group, 2, 4, (w_in, None, w_out), None)
+    nxt.adopt(carried)
+    cut = []
+    fq, h3 = nxt.take("qkv_part0", lambda: cut.append(1) or w_qkv[:2], origin=w_qkv)
+    if h3 is not None:
+        h3.wait()
+    nxt.close()
+    return full.tolist(), wot.tolist(), fq.tolist(), len(cut)
 
 
 def test_a_gather_posted_before_a_write_is_not_used():
-    (full, wot), _ = run_ranks(2, _stale_prefetch)
+    (full, wot, fq, cut), _ = run_ranks(2, _stale_prefetch)
     # The stale gather (0 / 1) is dropped; the one taken is the written weights' (100 / 101).
     assert full == [[100.0] * 3] * 2 + [[101.0] * 3] * 2
     assert wot == [[10.0] * 3] * 2 + [[11.0] * 3] * 2
+    # The next layer's carried part: cut and gathered again from the written parameter.
+    assert fq == [[100.0] * 3] * 2 + [[101.0] * 3] * 2 and cut == 1
 
 
 def _trace(linked: bool):
@@ -210,3 +233,52 @@ def test_each_sublayers_weight_traffic_travels_behind_the_other(report):
     report(f"layer schedule, LLaMA-7B 16k p=8 rank 7 (ESTIMATE, H100): step {b.step * 1e3:.2f} "
            f"-> {a.step * 1e3:.2f} ms, exposed comm {b.exposed_comm * 1e3:.2f} -> "
            f"{a.exposed_comm * 1e3:.2f} ms, same {sum(o.kind == 'comm' for o in ops)} calls")
+
+
+def test_the_chain_raises_no_peak_the_planner_misses(report):
+    # The planner stacks one layer's measured peak (planner.stack_activation); the chain adds
+    # the next layer's gathered W_qkv (and its cut parts) to the forward, from the MLP's fc2
+    # GEMM to that layer's projection. Two real LLaMA-7B layers at 16k (rank 0 of 8, fake
+    # tensors, MemTracker): the forward's peak grows by that, the step's peak (the backward's,
+    # with the MLP's gathered weights and fp32 gradients) does not move, to the byte.
+    import warnings
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from megatron_metp import cpu_compat
+    from megatron_metp.measure import layer_probe
+    from megatron_metp.measure.planner import FakeWorld, transformer_config
+    from megatron_metp.metp.layer_schedule import chain
+    from megatron_metp.models.config import load_config
+
+    warnings.filterwarnings("ignore")
+    cfg, p, s = load_config("llama-7b"), 8, 16384
+    world = FakeWorld(rank=0)
+    world.setup("metp", p, 1)
+    tcfg = transformer_config(cfg, p, "metp", None, "a2a", "save+fc1")
+    got = {}
+    try:
+        with cpu_compat.planning():
+            for chained in (False, True):
+                with FakeTensorMode():
+                    st = [layer_probe._layer_step(tcfg, "metp", s, 1, True, True, 10000, None,
+                                                  None) for _ in range(2)]
+                    if chained:
+                        assert chain([layer for layer, *_ in st]) == 1
+
+                    def fwd(x):
+                        for *_, f in st:
+                            x = f(x)
+                        return x
+
+                    got[chained] = layer_probe._measure(
+                        torch.nn.ModuleList([layer for layer, *_ in st]), st[0][1], fwd,
+                        extra=st[0][2] + st[1][2])
+    finally:
+        world.teardown()
+    w_qkv = cfg.hidden_size * cfg.hidden_size * 3 * 2     # 32 heads, 32 groups, bf16
+    grew = got[True].fwd_peak - got[False].fwd_peak
+    assert w_qkv <= grew <= w_qkv * 1.25, grew
+    assert got[True].peak == got[False].peak
+    report(f"chain, LLaMA-7B 16k two layers: forward peak +{grew / 2**20:.0f} MiB (the next "
+           f"W_qkv), step peak {got[True].peak / 2**30:.2f} GiB unchanged")

@@ -226,7 +226,7 @@ class Frontier:
         """ESTIMATED seconds of one layer per GPU, ``(first, steady)`` (``timeline.
         layer_in_stack``: alone, and in a stack): plain (with ``v``'s selective recompute) or
         inside Megatron's CheckpointFunction (``full``)."""
-        from megatron_metp.measure.op_trace import trace_layer
+        from megatron_metp.measure.op_trace import chains_layers, trace_layer
 
         sel = () if full else v.selective
         key = (cfg.name, v.mode, p, s, v.cp, sel, full, v.ring_pass, v.qkv, v.cp_comm)
@@ -234,15 +234,19 @@ class Frontier:
             # On the planner's own fake world (rank 0): every rank runs the same work in these
             # layouts (module docstring), and one world set up at a time. One trace serves with
             # and without --tp-comm-overlap (a rewrite of the same ops).
-            ops = trace_layer(cfg, v.mode, p, s, world=self.planner.world,
-                              recompute_modules=list(sel) or None,
-                              ring_pass=v.ring_pass or "auto", qkv_backward=v.qkv or "recompute",
-                              cp=v.cp if v.mode == "tp" else 1, full_recompute=full,
-                              cp_comm_type=v.cp_comm)
+            kw = dict(world=self.planner.world, recompute_modules=list(sel) or None,
+                      ring_pass=v.ring_pass or "auto", qkv_backward=v.qkv or "recompute",
+                      cp=v.cp if v.mode == "tp" else 1, full_recompute=full,
+                      cp_comm_type=v.cp_comm)
+            ops = trace_layer(cfg, v.mode, p, s, **kw)
+            # Layers that hand work to the next are traced as a stack of two as well.
+            two = trace_layer(cfg, v.mode, p, s, layers=2, **kw) if chains_layers(
+                cfg, v.mode, p, s, self.settings.micro_batch, full) else None
             over = tp_comm_overlap(ops) if v.mode == "tp" and p // v.cp > 1 else ops
             self._times[key] = {
-                False: {g: layer_in_stack(ops, m) for g, m in self.machines.items()},
-                True: {g: layer_in_stack(over, m) for g, m in self.machines.items()}}
+                False: {g: layer_in_stack(ops, m, two) for g, m in self.machines.items()},
+                True: {g: layer_in_stack(over, m, two if over is ops else None)
+                       for g, m in self.machines.items()}}
         return self._times[key][v.overlap]
 
     def step_times(self, cfg, v: Variant, p: int, s: int, params_per_rank: int

@@ -113,7 +113,7 @@ def timeline_rows(cfgs, ps, modes, seqs, gpus, efficiency, gpus_per_node, keep=N
     from dataclasses import replace
 
     from megatron_metp.models.flops import training_flops
-    from megatron_metp.measure.op_trace import summary, trace_layer
+    from megatron_metp.measure.op_trace import chains_layers, summary, trace_layer
     from megatron_metp.measure.planner import FakeWorld, resolve_metp_attention, seq_label
     from megatron_metp.measure.timeline import tp_comm_overlap
 
@@ -129,11 +129,15 @@ def timeline_rows(cfgs, ps, modes, seqs, gpus, efficiency, gpus_per_node, keep=N
                     if mode == "metp" and "auto" in (qkv, ring):
                         ring, qkv, _ = resolve_metp_attention(
                             cfg, p, s, memory_gib=80.0, ring_pass=ring, qkv_backward=qkv)
-                    traces = []
+                    traces, stacks = [], []
                     for r in ranks:
                         world = FakeWorld(rank=r)
                         traces.append(trace_layer(cfg, mode, p, s, world=world,
                                                   ring_pass=ring, qkv_backward=qkv))
+                        # Layers that hand work to the next: a stack of two traced too.
+                        stacks.append(trace_layer(cfg, mode, p, s, world=world, ring_pass=ring,
+                                                  qkv_backward=qkv, layers=2)
+                                      if chains_layers(cfg, mode, p, s) else None)
                         world.teardown()
                     traced_s = time.time() - t0
                     model_flops = training_flops(_flop_model(cfg), 1, s) / p
@@ -145,12 +149,12 @@ def timeline_rows(cfgs, ps, modes, seqs, gpus, efficiency, gpus_per_node, keep=N
                                             else attention_efficiency),
                                         gpus_per_node=gpus_per_node, host_op_s=host_op_s)
                             runs = []
-                            for ops in traces:
+                            for ops, two in zip(traces, stacks):
                                 trace = tp_comm_overlap(ops) if scen == "tp+overlap" else ops
-                                runs.append((simulate(trace, m), summary(trace), trace))
+                                runs.append((simulate(trace, m), summary(trace), trace, two))
                             # The synchronous ring runs at its slowest rank's pace.
-                            sch, sm, slowest = max(runs, key=lambda run: run[0].step)
-                            steady = layer_in_stack(slowest, m)[1]
+                            sch, sm, slowest, two = max(runs, key=lambda run: run[0].step)
+                            steady = layer_in_stack(slowest, m, two)[1]
                             busy = [run[0].compute for run in runs]
                             rows.append(dict(
                                 model=cfg.name, p=p, seq_length=s, scenario=scen, gpu=g,

@@ -117,6 +117,9 @@ class GatheredMLPFunction(torch.autograd.Function):
             del t
             t = None
         _wait(woh)
+        if link is not None:
+            # The next layer's first gathers, behind this GEMM (metp.layer_schedule).
+            link.post_next()
         out = torch.mm(d, wot)
         ctx.act, ctx.group, ctx.p, ctx.link = act, group, p, link
         ctx.has_bias = b_in is not None

@@ -44,6 +44,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron_metp.metp.attention import set_balanced_layout
 from megatron_metp.metp.cross_entropy import metp_cross_entropy
 from megatron_metp.metp.embedding import MetpLanguageModelEmbedding
+from megatron_metp.metp.layer_schedule import chain_layers
 from megatron_metp.packing import _values as packed_values
 from megatron_metp.packing import balanced_packed_layout, cp_balanced_packed_layout
 from megatron_metp.token_layout import can_balance, permute_sequence
@@ -63,6 +64,8 @@ class MetpGPTModel(GPTModel):
         # rank holds, and only a causal ring reads the balanced block rule and positions.
         self.balanced_layout = set_balanced_layout(
             self, balanced_layout and self.tp_size > 1 and self.config.sequence_parallel)
+        # Each METP layer posts the next one's first weight gathers (metp.layer_schedule).
+        chain_layers(self)
         self.position_table_sharded = bool(
             shard_position_table and self.pre_process and self.embedding.add_position_embedding
             and self.config.sequence_parallel and self.config.context_parallel_size == 1)

@@ -46,8 +46,9 @@ import torch
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_metp.comm import gather_rows
+from megatron_metp.metp.whole_pass import first_gathers
 
-__all__ = ["SublayerLink", "MetpTransformerLayer"]
+__all__ = ["SublayerLink", "MetpTransformerLayer", "chain", "chain_layers"]
 
 
 class _LaterBox:
@@ -105,17 +106,29 @@ class SublayerLink:
         self.group, self.p, self.tokens = group, p, tokens
         self.mlp_weights = mlp_weights
         self.box = box
-        # name -> (source, its version when posted, transposed?, gathered, handle)
+        # name -> (origin, its version when posted, transposed?, gathered, handle)
         self._posted: Dict[str, tuple] = {}
         # What the attention's backward gathers, in its order: registered by its forward.
         self.attention_gathers: List[Tuple[str, Optional[torch.Tensor], bool]] = []
+        # The next layer (a MetpTransformerLayer), whose first gathers this layer's MLP posts
+        # (post_next); None where there is none or its forward is not to follow this one.
+        self.next_layer = None
 
-    def _post(self, items: Sequence[Tuple[str, Optional[torch.Tensor], bool]]) -> None:
-        for name, t, transpose in items:
+    def adopt(self, carried: Optional[Dict[str, tuple]]) -> None:
+        """Take over the gathers the layer before posted for this one (:meth:`post_next`)."""
+        if carried:
+            self._posted.update(carried)
+
+    def _post(self, items: Sequence[tuple], into: Optional[Dict[str, tuple]] = None) -> None:
+        """Post ``(name, tensor, transpose[, origin])`` gathers; ``origin`` (the tensor itself
+        by default) is the parameter whose version :meth:`take` checks."""
+        into = self._posted if into is None else into
+        for name, t, transpose, *rest in items:
             if t is None:
                 continue
+            origin = rest[0] if rest else t
             full, handle = gather_rows(t.t() if transpose else t, self.group, self.p)
-            self._posted[name] = (t, t._version, transpose, full, handle)
+            into[name] = (origin, origin._version, transpose, full, handle)
 
     def post_mlp(self) -> None:
         """The MLP's forward gathers (fc1's rows, its bias, fc2's as rows of W_out^T), in the
@@ -129,26 +142,54 @@ class SublayerLink:
         self._post(self.attention_gathers)
         self.attention_gathers = []
 
-    def take(self, name: str, t: Optional[torch.Tensor], transpose: bool = False):
-        """``gather_rows(t or t.t())``: the posted one when it gathered this very tensor at
-        its current version, else gathered now (a stale one is waited for and dropped: nothing
-        is left in flight)."""
+    def post_next(self) -> None:
+        """The next layer's first gathers (its attention's W_qkv parts, ``whole_pass.
+        first_gathers``), posted behind this layer's MLP and handed to that layer, which takes
+        them over when its forward starts (:class:`MetpTransformerLayer`); called by the MLP's
+        forward once its own gathers are in. Only where this layer's attention ran the whole
+        pass (it registered its backward's gathers): the next one, built alike, runs it too."""
+        nxt, self.next_layer = self.next_layer, None
+        if nxt is None or not self.attention_gathers:
+            return
+        carried: Dict[str, tuple] = {}
+        self._post(first_gathers(nxt.self_attention), into=carried)
+        nxt._carried = carried
+
+    def take(self, name: str, t, transpose: bool = False,
+             origin: Optional[torch.Tensor] = None):
+        """``gather_rows(t or t.t())``: the posted one when it was posted for the same
+        ``origin`` (``t`` by default: the tensor the rows are cut from) at its current version,
+        else gathered now (a stale one is waited for and dropped: nothing is left in flight).
+        ``t`` may be a callable that makes it (given ``origin``): called only to gather now."""
+        if origin is None and callable(t):
+            t = t()
+        origin = t if origin is None else origin
         entry = self._posted.pop(name, None)
         if entry is not None:
             src, version, tr, full, handle = entry
-            if src is t and version == t._version and tr == transpose:
+            if origin is not None and src is origin and version == origin._version and \
+                    tr == transpose:
                 return full, handle
             if handle is not None:
                 handle.wait()
+        if callable(t):
+            t = t()
         return gather_rows(None if t is None else (t.t() if transpose else t), self.group,
                            self.p)
 
     def close(self) -> None:
         """Wait for and drop whatever was posted and not taken (the layer's forward ends)."""
-        for _, _, _, _, handle in self._posted.values():
+        drop(self._posted)
+        self.next_layer = None
+
+
+def drop(posted: Optional[Dict[str, tuple]]) -> None:
+    """Wait for and forget posted gathers nobody is to take."""
+    if posted:
+        for _, _, _, _, handle in posted.values():
             if handle is not None:
                 handle.wait()
-        self._posted.clear()
+        posted.clear()
 
 
 def open_link(attention, mlp, hidden_states: torch.Tensor) -> Optional[SublayerLink]:
@@ -179,16 +220,53 @@ def open_link(attention, mlp, hidden_states: torch.Tensor) -> Optional[SublayerL
 class MetpTransformerLayer(TransformerLayer):
     """Megatron's ``TransformerLayer`` whose METP attention and gathered MLP share one
     :class:`SublayerLink` per forward (module docstring). Same constructor, submodules,
-    parameters and checkpoint keys; where no link applies, Megatron's forward as it is."""
+    parameters and checkpoint keys; where no link applies, Megatron's forward as it is.
+    Chained to the next layer of its block (:func:`chain_layers`), its MLP posts that layer's
+    first gathers (:meth:`SublayerLink.post_next`)."""
+
+    _next = ()          # (the next layer of the block,) once chained: a tuple, not a submodule
+    _carried = None     # the first gathers the layer before posted for this one
 
     def forward(self, *args, **kwargs):
         x = kwargs["hidden_states"] if "hidden_states" in kwargs else (args[0] if args else None)
+        carried, self._carried = self._carried, None
+        nxt = self._next[0] if self._next else None
+        if nxt is not None and nxt._carried:
+            # Posted by an earlier forward of this layer that the next one never took (an
+            # error between them): waited for and dropped, never taken by a later forward.
+            drop(nxt._carried)
+            nxt._carried = None
         link = open_link(self.self_attention, self.mlp, x)
         if link is None:
+            drop(carried)
             return super().forward(*args, **kwargs)
+        link.adopt(carried)
+        if (nxt is not None and torch.is_grad_enabled()
+                and self.config.recompute_granularity != "full"
+                and getattr(nxt.self_attention, "weight_group", None) is link.group):
+            # A training forward that runs once: a checkpointed layer's forward runs again in
+            # backward, long after the next layer's, so it posts nothing ahead.
+            link.next_layer = nxt
         self.self_attention.link = self.mlp.link = link
         try:
             return super().forward(*args, **kwargs)
         finally:
             self.self_attention.link = self.mlp.link = None
             link.close()
+
+
+def chain(layers: Sequence[torch.nn.Module]) -> int:
+    """Chain consecutive :class:`MetpTransformerLayer` s of ``layers`` (run in this order),
+    so that each posts the next one's first gathers; returns how many were chained."""
+    n = 0
+    for a, b in zip(layers, list(layers)[1:]):
+        if isinstance(a, MetpTransformerLayer) and isinstance(b, MetpTransformerLayer):
+            a._next = (b,)
+            n += 1
+    return n
+
+
+def chain_layers(model: torch.nn.Module) -> int:
+    """:func:`chain` every block's ``layers`` in ``model`` (``MetpGPTModel`` calls it)."""
+    return sum(chain(m.layers) for m in model.modules()
+               if isinstance(getattr(m, "layers", None), torch.nn.ModuleList))

@@ -63,15 +63,39 @@ def _split_qkv(qkv: torch.Tensor, plan: _Plan, s: int, b: int):
     return q, qkv[:, :, :, rep], qkv[:, :, :, rep + 1]
 
 
-def _qkv_parts(w_qkv, b_qkv, plan: _Plan):
+def _qkv_parts(w_qkv, b_qkv, heads_p: int, groups_p: int, d: int):
     """This rank's ``linear_qkv`` rows split into its query heads' rows and its key/value rows
     (each ``[rows, h]``, with their bias rows or None), in Megatron's order within each."""
-    rep, d = plan.heads_p // plan.groups_p, plan.d
-    w4 = w_qkv.view(plan.groups_p, rep + 2, d, -1)
-    b3 = b_qkv.view(plan.groups_p, rep + 2, d) if b_qkv is not None else None
+    rep = heads_p // groups_p
+    w4 = w_qkv.view(groups_p, rep + 2, d, -1)
+    b3 = b_qkv.view(groups_p, rep + 2, d) if b_qkv is not None else None
     return [(w4[:, rows].reshape(-1, w4.shape[-1]),
              b3[:, rows].reshape(-1) if b3 is not None else None)
             for rows in (slice(0, rep), slice(rep, rep + 2))]
+
+
+def _gather_order(heads_p: int, groups_p: int) -> list:
+    """The parts' gather order: the smaller first (:func:`_project_gathered`): ``heads_p``
+    query rows against ``2 groups_p`` key/value rows (per head dimension)."""
+    rows = (heads_p, 2 * groups_p)
+    return sorted(range(2), key=lambda i: rows[i])
+
+
+def first_gathers(module) -> list:
+    """What this pass's forward gathers first, for a METP attention ``module``: its W_qkv parts
+    (and their bias rows), in its order, as ``(name, tensor, transpose, origin)`` (``origin``:
+    the parameter the part is cut from). The layer before posts them behind its MLP
+    (``metp.layer_schedule``); :func:`_project_gathered` takes them by these names."""
+    w, b = module.linear_qkv.weight, module.linear_qkv.bias
+    parts = _qkv_parts(w, b, module.num_attention_heads_per_partition,
+                       module.num_query_groups_per_partition,
+                       module.hidden_size_per_attention_head)
+    out = []
+    for i in _gather_order(module.num_attention_heads_per_partition,
+                           module.num_query_groups_per_partition):
+        out += [(f"qkv_part{i}", parts[i][0], False, w),
+                (f"qkv_part{i}_bias", parts[i][1], False, b)]
+    return out
 
 
 def _project_gathered(x2d, w_qkv, b_qkv, plan: _Plan, s: int, b: int):
@@ -84,13 +108,26 @@ def _project_gathered(x2d, w_qkv, b_qkv, plan: _Plan, s: int, b: int):
     order: returns Q and ``[s, b, ng, 2, d]`` (K and V of each query group), the GEMMs'
     outputs themselves."""
     d = plan.d
-    parts = _qkv_parts(w_qkv, b_qkv, plan)
-    order = sorted(range(2), key=lambda i: parts[i][0].shape[0])
+    order = _gather_order(plan.heads_p, plan.groups_p)
+    cut = []   # the parts, cut (a copy each) only when something is to be gathered now
+
+    def part(i, j):
+        if not cut:
+            cut.extend(_qkv_parts(w_qkv, b_qkv, plan.heads_p, plan.groups_p, d))
+        return cut[i][j]
+
     gathered = {}
     for i in order:
-        w_full, wh = _gather_rows(parts[i][0], plan, async_op=True)
-        b_full, bh = _gather_rows(parts[i][1], plan, async_op=True)
+        if plan.link is not None:
+            # Posted by the layer before, behind its MLP (metp.layer_schedule), or gathered now.
+            w_full, wh = plan.link.take(f"qkv_part{i}", lambda i=i: part(i, 0), origin=w_qkv)
+            b_full, bh = (plan.link.take(f"qkv_part{i}_bias", lambda i=i: part(i, 1),
+                                         origin=b_qkv) if b_qkv is not None else (None, None))
+        else:
+            w_full, wh = _gather_rows(part(i, 0), plan, async_op=True)
+            b_full, bh = _gather_rows(part(i, 1), plan, async_op=True)
         gathered[i] = (w_full, wh, b_full, bh)
+    cut.clear()
     out = [None, None]
     for i in order:
         w_full, wh, b_full, bh = gathered.pop(i)
