@@ -23,6 +23,19 @@ sublayer's traffic behind the other's compute:
   backward, which was created after it, and before the previous layer's, created before: the
   MLP's reduce-scatters travel behind the attention's backward.
 
+* **the next layer** (:func:`chain`, which ``MetpGPTModel`` applies to its blocks): the MLP,
+  once its own gathers are in, cuts the next layer's ``W_qkv`` parts and posts their gathers
+  (:meth:`SublayerLink.post_next`) behind its fc2 GEMM; the next layer takes them over when
+  its forward starts, instead of waiting for them in front of its first GEMM. Only in a
+  training forward that runs once (not under ``--recompute-granularity full``, whose layers
+  run their forward again inside backward); a carried gather the next layer did not take is
+  waited for and dropped by the layer before when it runs again. It costs the next
+  ``W_qkv`` gathered (``h (h + 2 ng d)`` values, 96 MiB for LLaMA-7B) from the fc2 GEMM to
+  the next projection: the forward's peak grows by that, the step's peak (the backward's)
+  does not move (``tests/test_layer_schedule.py``, two LLaMA-7B layers at 16k). LLaMA-7B's
+  layer in a stack at 16k / 32k: 7.03 -> 6.85 / 15.22 -> 15.11 ms; at 4k / 8k unchanged
+  (``metp plan --timeline``'s "in a stack" column, ESTIMATE).
+
 The same arithmetic, the same bytes, the same calls: only when each is posted and waited for
 moves (tested bit for bit: ``tests/test_layer_schedule.py``). LLaMA-7B's layer at 16k: 8.10 ->
 7.36 ms, LLaMA-70B's 25.2 -> 21.6 ms (ESTIMATE, links shared: ``measure.timeline``). What it
