@@ -26,10 +26,10 @@ Memory: the planner (``measure.planner``: Megatron's and the plugin's layers und
 FakeTensorMode, the device's layers stacked from a plain and a checkpointed probe, the LM head,
 model state, reserve and fragmentation). Time: one layer's op trace (``op_trace``) replayed on
 the GPU model (``timeline.simulate``), once plain and once inside Megatron's CheckpointFunction,
-each alone and as the second layer of a stack (``timeline.layer_in_stack``); a device of L layers
-with k checkpointed (the first k) takes k t_ckpt + (L - k) t_plain in the stack, plus what its
-first layer alone adds (the host issuing its first ops, nothing before it to overlap). Under CP > 1 the
-distributed optimizer's gradient reduce-scatter and parameter all-gather over the CP group are
+each alone and as the second layer of a stack (``timeline.layer_in_stack``); a device of L
+layers with k checkpointed (the first k) takes k t_ckpt + (L - k) t_plain in the stack, plus
+what its first layer alone adds (the host issuing its first ops, nothing before it to
+overlap). Under CP > 1 the distributed optimizer's gradient reduce-scatter and parameter all-gather over the CP group are
 added, exposed (Megatron-LM's default, no ``--overlap-grad-reduce``). Left out, for every family
 alike: the LM head's and the embedding's time (their memory is counted), the optimizer step,
 and pipeline bubbles (LLaMA-70B and GPT-175B are planned as one middle pipeline stage of 5 and

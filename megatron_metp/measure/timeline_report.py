@@ -191,7 +191,8 @@ def markdown(rows) -> str:
     for r in rows:
         scen = r["scenario"] + (f" ({r['ring_pass']})" if r.get("ring_pass") else "")
         out.append(f"| {r['model']} | {r['p']} | {r['gpu']} | {seq_label(r['seq_length'])} | "
-                   f"{scen} | {r['step_s'] * 1e3:,.1f} | {r['steady_s'] * 1e3:,.1f} | {r['mfu']:.1%} | "
+                   f"{scen} | {r['step_s'] * 1e3:,.1f} | {r['steady_s'] * 1e3:,.1f} | "
+                   f"{r['mfu']:.1%} | "
                    f"{r['exposed_comm_s'] * 1e3:,.1f} | {r['exposed_comm_s'] / r['step_s']:.1%} | "
                    f"{r['executed_flops'] / 1e12:,.1f} | {r['compute_bytes'] / 1e9:,.1f} | "
                    f"{r['compute_ops']:,} | {r['comm_ops']:,} | {r['host_s'] * 1e3:,.1f} | "
