@@ -49,9 +49,11 @@ Stand-ins (each names the Megatron-Core code it covers; tests/test_cpu_compat.py
    (apex's ``fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32/_fp16``: the weight gradient
    GEMM accumulates straight into ``main_grad``, no transient ``.grad``). Same math, on CPU.
    The fused bias-GeLU and SwiGLU functions (``fusions.fused_bias_gelu`` / ``fused_bias_swiglu``)
-   are TorchScript functions that a GPU fuses into one kernel with no intermediate tensors; on
-   CPU (and under fake tensors) each elementwise step would allocate a full-size temporary, so
-   they run here in 16 token chunks: same values, temporaries 1/16 of that size.
+   are compiled functions (Megatron's ``jit_fuser``) that a GPU fuses into one kernel with no
+   intermediate tensors; on CPU (and under fake tensors) each elementwise step would allocate
+   a full-size temporary, so they run here eagerly in 16 token chunks: same values,
+   temporaries 1/16 of that size. Eagerly, not compiled: inductor's CPU code rounds by the
+   host's vector ISA, so a compiled run would not equal a run on another machine bit for bit.
 7. ``tensor_parallel.random.CheckpointWithoutOutput`` (``--recompute-modules layernorm``):
    its constructor takes ``fp8 is not None`` as "fp8 on", so the default ``fp8=False`` calls
    Transformer Engine's ``FP8GlobalStateManager``, a NameError without TE. Without TE there is
@@ -641,12 +643,19 @@ def _fused_activation_twins() -> list:
     """``(module, name, twin)`` for each of Megatron's fused activations not yet replaced: the
     token-chunked twin, one op on fake tensors (:func:`_in_token_chunks`)."""
     import importlib
+    import inspect
 
     out = []
     for module, name, tokens, out_shape in _FUSED:
         mod = importlib.import_module(f"megatron.core.fusions.{module}")
         fn = getattr(mod, name)
         if not getattr(fn, "__metp_chunked__", False):
+            # The Python function under Megatron's ``jit_fuser`` (``torch.compile`` from torch
+            # 2.2): on a CPU, inductor's generated C++ rounds by the machine's vector ISA
+            # (an AVX-512 host's tanh differs from eager PyTorch's, and from an AVX2 host's,
+            # by an ulp), so two machines, or a compiled and an eager run, would not agree bit
+            # for bit. Eager is the same math on every machine, and compiles nothing.
+            fn = inspect.unwrap(fn)
             out.append((mod, name, _in_token_chunks(
                 fn, tokens, _one_kernel_op(module, name, fn, tokens, out_shape))))
     return out

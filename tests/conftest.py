@@ -15,6 +15,13 @@ _REPORT: list[str] = []
 # Every process the suite starts inherits this marker (see tests/_procs.py).
 _SESSION = f"suite-{uuid.uuid4().hex[:12]}"
 os.environ[_procs.MARKER] = _SESSION
+# MKL's sgemm takes another code path on an AVX-512 host than on an AVX2 one, and on an
+# AVX-512 host two processes running the same GEMMs did not agree to the last bit (a resumed
+# run's first loss 1 ulp from the one the killed run logged: tests/test_reliability_faults.py;
+# MKL_CBWR=AUTO,STRICT did not help, AVX2 and COMPATIBLE did). The tests compare runs in
+# different processes bit for bit, so every process the suite starts (rank workers, torchrun
+# launches) takes MKL's AVX2 branch, the same on every x86 host CI or a developer has.
+os.environ.setdefault("MKL_CBWR", "AVX2")
 _harness.freeze_env()  # what the rank workers start with (tests/_harness.py)
 _LEFT: list[str] = []
 
