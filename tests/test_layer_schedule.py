@@ -109,6 +109,44 @@ def test_linked_layer_equals_the_unlinked_one_bit_for_bit(p, report):
            f"gradient) for {', '.join(f'{k} (loss {v[0]:.6f}, {v[1]} grads)' for k, v in res.items())}")
 
 
+def _chain_off_where_hooks_prepare_weights():
+    # Megatron DDP's --overlap-param-gather finishes each module's parameter all-gather in a
+    # forward pre-hook (Megatron-FSDP unshards there): the layer before must not gather the
+    # next layer's W_qkv before that hook has run. With such a hook on the second layer the
+    # chain stays off (both layers gather their own W_qkv) and the model is the same.
+    from megatron_metp.metp import layer_schedule as L
+
+    M.setup(tp=2, mode="metp")
+    style, overrides = CASES["gpt"]
+    kw = dict(overrides, metp_ring_pass="whole", metp_qkv_backward="save+fc1",
+              metp_mlp_pass="gathered")
+    base = M.step(M.wrap_ddp(M.build("metp", style, **kw)), M.batch())
+    model = M.build("metp", style, **kw)
+    second = model.decoder.layers[1]
+    handle = second.self_attention.linear_qkv.register_forward_pre_hook(lambda m, args: None)
+    assert L._prepares_its_weights(second) and not L._prepares_its_weights(
+        model.decoder.layers[0].self_attention)
+    with _recording() as (takes, _):
+        r = M.step(M.wrap_ddp(model), M.batch())
+    handle.remove()
+    parts = [hit for name, hit in takes if name.startswith("qkv_part")]
+    assert parts and not any(parts), takes
+    assert r["loss"] == base["loss"]
+    for name, g in base["grads"].items():
+        assert torch.equal(r["grads"][name], g), name
+    # Megatron's own DDP with the distributed optimizer and --overlap-param-gather registers
+    # such hooks on every module.
+    ddp = M.wrap_ddp(M.build("metp", style, **kw), use_distributed_optimizer=True,
+                     overlap_param_gather=True)
+    return L._prepares_its_weights(ddp.module.decoder.layers[1]), len(parts)
+
+
+def test_the_chain_is_off_where_a_hook_prepares_the_next_layers_weights():
+    overlapped, parts = run_ranks(2, _chain_off_where_hooks_prepare_weights)[0]
+    # query and key/value rows and their biases, both layers gathering their own
+    assert overlapped and parts == 8
+
+
 def _selective_recompute(p):
     # Megatron's selective recompute re-runs the MLP (mlp) or the attention's core (core_attn,
     # which METP's attention does not call) in backward, after the layer's link is closed: the

@@ -28,8 +28,10 @@ sublayer's traffic behind the other's compute:
   (:meth:`SublayerLink.post_next`) behind its fc2 GEMM; the next layer takes them over when
   its forward starts, instead of waiting for them in front of its first GEMM. Only in a
   training forward that runs once (not under ``--recompute-granularity full``, whose layers
-  run their forward again inside backward); a carried gather the next layer did not take is
-  waited for and dropped by the layer before when it runs again. It costs the next
+  run their forward again inside backward), and only where nothing prepares the next layer's
+  weights when its forward starts (a forward pre-hook: Megatron DDP's
+  ``--overlap-param-gather``, Megatron-FSDP's unsharding); a carried gather the next layer
+  did not take is waited for and dropped by the layer before when it runs again. It costs the next
   ``W_qkv`` gathered (``h (h + 2 ng d)`` values, 96 MiB for LLaMA-7B) from the fc2 GEMM to
   the next projection: the forward's peak grows by that, the step's peak (the backward's)
   does not move (``tests/test_layer_schedule.py``, two LLaMA-7B layers at 16k). LLaMA-7B's
@@ -256,7 +258,8 @@ class MetpTransformerLayer(TransformerLayer):
         link.adopt(carried)
         if (nxt is not None and torch.is_grad_enabled()
                 and self.config.recompute_granularity != "full"
-                and getattr(nxt.self_attention, "weight_group", None) is link.group):
+                and getattr(nxt.self_attention, "weight_group", None) is link.group
+                and not _prepares_its_weights(nxt)):
             # A training forward that runs once: a checkpointed layer's forward runs again in
             # backward, long after the next layer's, so it posts nothing ahead.
             link.next_layer = nxt
@@ -266,6 +269,15 @@ class MetpTransformerLayer(TransformerLayer):
         finally:
             self.self_attention.link = self.mlp.link = None
             link.close()
+
+
+def _prepares_its_weights(layer: torch.nn.Module) -> bool:
+    """Whether something runs when ``layer``'s forward starts that may write its weights: a
+    forward pre-hook on it or a submodule (Megatron DDP's ``--overlap-param-gather`` finishes
+    each module's parameter all-gather there; Megatron-FSDP unshards them there). Before such
+    a hook has run the weights may be last step's, or a shard: the layer before must not
+    gather them. (Global module hooks, such as the memory tracker's, are not asked.)"""
+    return any(m._forward_pre_hooks for m in layer.modules())
 
 
 def chain(layers: Sequence[torch.nn.Module]) -> int:
