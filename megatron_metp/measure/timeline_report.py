@@ -129,17 +129,27 @@ def timeline_rows(cfgs, ps, modes, seqs, gpus, efficiency, gpus_per_node, keep=N
                     if mode == "metp" and "auto" in (qkv, ring):
                         ring, qkv, _ = resolve_metp_attention(
                             cfg, p, s, memory_gib=80.0, ring_pass=ring, qkv_backward=qkv)
-                    traces, stacks = [], []
+                    traces, stacks = [], {}
                     for r in ranks:
                         world = FakeWorld(rank=r)
                         traces.append(trace_layer(cfg, mode, p, s, world=world,
                                                   ring_pass=ring, qkv_backward=qkv))
-                        # Layers that hand work to the next: a stack of two traced too.
-                        stacks.append(trace_layer(cfg, mode, p, s, world=world, ring_pass=ring,
-                                                  qkv_backward=qkv, layers=2)
-                                      if chains_layers(cfg, mode, p, s) else None)
                         world.teardown()
                     traced_s = time.time() - t0
+
+                    def stack(i):
+                        """Rank ``ranks[i]``'s stack of two where layers hand work to the next
+                        (else None: ``layer_in_stack`` runs its trace twice), traced once."""
+                        if i not in stacks:
+                            stacks[i] = None
+                            if chains_layers(cfg, mode, p, s):
+                                world = FakeWorld(rank=ranks[i])
+                                stacks[i] = trace_layer(cfg, mode, p, s, world=world,
+                                                        ring_pass=ring, qkv_backward=qkv,
+                                                        layers=2)
+                                world.teardown()
+                        return stacks[i]
+
                     model_flops = training_flops(_flop_model(cfg), 1, s) / p
                     for scen in SCENARIOS[mode]:
                         for g in gpus:
@@ -149,12 +159,14 @@ def timeline_rows(cfgs, ps, modes, seqs, gpus, efficiency, gpus_per_node, keep=N
                                             else attention_efficiency),
                                         gpus_per_node=gpus_per_node, host_op_s=host_op_s)
                             runs = []
-                            for ops, two in zip(traces, stacks):
+                            for i, ops in enumerate(traces):
                                 trace = tp_comm_overlap(ops) if scen == "tp+overlap" else ops
-                                runs.append((simulate(trace, m), summary(trace), trace, two))
-                            # The synchronous ring runs at its slowest rank's pace.
-                            sch, sm, slowest, two = max(runs, key=lambda run: run[0].step)
-                            steady = layer_in_stack(slowest, m, two)[1]
+                                runs.append((simulate(trace, m), summary(trace), trace, i))
+                            # The synchronous ring runs at its slowest rank's pace; its stack
+                            # alone is traced.
+                            sch, sm, slowest, i = max(runs, key=lambda run: run[0].step)
+                            steady = layer_in_stack(slowest, m,
+                                                    stack(i) if slowest is traces[i] else None)[1]
                             busy = [run[0].compute for run in runs]
                             rows.append(dict(
                                 model=cfg.name, p=p, seq_length=s, scenario=scen, gpu=g,

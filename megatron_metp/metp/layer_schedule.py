@@ -176,8 +176,6 @@ class SublayerLink:
         ``origin`` (``t`` by default: the tensor the rows are cut from) at its current version,
         else gathered now (a stale one is waited for and dropped: nothing is left in flight).
         ``t`` may be a callable that makes it (given ``origin``): called only to gather now."""
-        if origin is None and callable(t):
-            t = t()
         origin = t if origin is None else origin
         entry = self._posted.pop(name, None)
         if entry is not None:
