@@ -241,6 +241,8 @@ _RATIO_SCRIPT = textwrap.dedent(
 
 
 RATIO_MODEL, RATIO_SEQ = "bert-large", 32 * 1024
+# The Table 1-2 ratios below are in the full tier for time: their fixture traces 3 p x 3 modes
+# at two lengths (41 s on 2 cores), and the default tier is <= 10 minutes.
 
 
 @pytest.fixture(scope="module")
@@ -255,6 +257,7 @@ def activation_slopes():
 # do not count as intermediate results; the sublayer's input is excluded for both modes.
 
 
+@pytest.mark.full
 def test_flash_path_under_fake_tensors(activation_slopes):
     # The plugin's kernels take the flash op under fake CPU tensors (no [s, s] score tensor).
     assert activation_slopes["backend"] == "torch_flash_cpu"
@@ -265,6 +268,7 @@ def test_flash_path_under_fake_tensors(activation_slopes):
         assert activation_slopes[f"{p}/tp"]["attention"] < heads / p * s * s * 2 / 16
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("p", [2, 4, 8])
 def test_ffn_activation_ratio_within_one_over_p(activation_slopes, p, report):
     """Table 1: METP/TP peak of the FFN's intermediate results is 1/p (x 1.05 allowed)."""
@@ -284,6 +288,7 @@ def test_ffn_activation_ratio_within_one_over_p(activation_slopes, p, report):
 # all heads' Q/K/V, the ring's K/V buffers and fp32 accumulators at once, more than TP+SP's
 # attention at p = 2; its cost is stated with the results, and --metp-ring-pass head-group
 # keeps the loop at every length).
+@pytest.mark.full
 @pytest.mark.parametrize("p", [2, 4, 8])
 def test_attention_activation_ratio_within_eq10(activation_slopes, p, report):
     """Eq. 10: METP/TP peak of the attention's intermediate results <= (3+2p)/(p(4+p)) x 1.05."""

@@ -70,6 +70,7 @@ from megatron_metp.metp.attention_plan import (
     ATTN_MIN_TOKENS, QKV_BACKWARD, RING_PASSES, WHOLE_MAX_TOKENS, _Plan,
     check_metp_attention_config, check_qkv_backward, check_ring_pass, head_chunks, whole_pass)
 from megatron_metp.metp.head_group_pass import _MetpMHAFunction
+from megatron_metp.metp.weight_hooks import run_pre_hooks
 from megatron_metp.metp.whole_pass import _MetpWholeFunction
 from megatron_metp.packing import (CPBlockLayout, PackedLayout, balanced_packed_layout,
                                    cp_balanced_packed_layout,
@@ -237,6 +238,9 @@ class MetpSelfAttention(SelfAttention):
         if rotary_pos_cos is not None or rotary_pos_sin is not None:
             raise ValueError("MetpSelfAttention: rotary cos/sin tables (Megatron's inference "
                              "paths) are not supported; training passes rotary_pos_emb")
+        # Megatron DDP's --overlap-param-gather finishes these weights' all-gather in their
+        # linears' forward pre-hooks, which METP does not call (metp.weight_hooks).
+        run_pre_hooks(self.linear_proj, self.linear_qkv)
         causal = self.attn_mask_type == AttnMaskType.causal
         if not causal and attention_mask is not None:
             raise ValueError(

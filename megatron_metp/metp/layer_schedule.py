@@ -30,7 +30,9 @@ sublayer's traffic behind the other's compute:
   training forward that runs once (not under ``--recompute-granularity full``, whose layers
   run their forward again inside backward), and only where nothing prepares the next layer's
   weights when its forward starts (a forward pre-hook: Megatron DDP's
-  ``--overlap-param-gather``, Megatron-FSDP's unsharding); a carried gather the next layer
+  ``--overlap-param-gather``, Megatron-FSDP's unsharding; the linears' hooks, which METP
+  runs itself where it first reads their weights, ``metp.weight_hooks``, the fc1 / fc2 ones
+  before :meth:`SublayerLink.post_mlp` posts their gathers); a carried gather the next layer
   did not take is waited for and dropped by the layer before when it runs again. It costs the next
   ``W_qkv`` gathered (``h (h + 2 ng d)`` values, 96 MiB for LLaMA-7B) from the fc2 GEMM to
   the next projection: the forward's peak grows by that, the step's peak (the backward's)
@@ -61,6 +63,7 @@ import torch
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_metp.comm import gather_rows
+from megatron_metp.metp.weight_hooks import run_pre_hooks
 from megatron_metp.metp.whole_pass import first_gathers
 
 __all__ = ["SublayerLink", "MetpTransformerLayer", "chain", "chain_layers"]
@@ -120,6 +123,10 @@ class SublayerLink:
                  box: Optional[_LaterBox]):
         self.group, self.p, self.tokens = group, p, tokens
         self.mlp_weights = mlp_weights
+        # The MLP's linears, whose forward pre-hooks run before their gathers are posted
+        # (metp.weight_hooks); mlp_prepared once they have.
+        self.mlp_linears: Tuple[torch.nn.Module, ...] = ()
+        self.mlp_prepared = False
         self.box = box
         # name -> (origin, its version when posted, transposed?, gathered, handle)
         self._posted: Dict[str, tuple] = {}
@@ -148,6 +155,8 @@ class SublayerLink:
     def post_mlp(self) -> None:
         """The MLP's forward gathers (fc1's rows, its bias, fc2's as rows of W_out^T), in the
         order the MLP takes them; called by the attention after posting its own."""
+        run_pre_hooks(*self.mlp_linears)
+        self.mlp_prepared = True
         w_in, b_in, w_out = self.mlp_weights
         self._post((("fc1", w_in, False), ("fc1_bias", b_in, False), ("fc2", w_out, True)))
 
@@ -227,7 +236,9 @@ def open_link(attention, mlp, hidden_states: torch.Tensor) -> Optional[SublayerL
                              for w in (fc1.weight, b_in, fc2.weight))
     else:
         w_in, w_out = fc1.weight, fc2.weight
-    return SublayerLink(group, mlp.ring_size, s_local * b, (w_in, b_in, w_out), box)
+    link = SublayerLink(group, mlp.ring_size, s_local * b, (w_in, b_in, w_out), box)
+    link.mlp_linears = (fc1, fc2)
+    return link
 
 
 class MetpTransformerLayer(TransformerLayer):

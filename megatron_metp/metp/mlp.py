@@ -42,6 +42,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_tensor_model_parallel_group_if_none
 
 from megatron_metp.metp.gathered_mlp import GatheredMLPFunction, takes_gathered
+from megatron_metp.metp.weight_hooks import run_pre_hooks
 from megatron_metp.metp.weight_ring import MetpMLPFunction
 from megatron_metp.errors import MetpConfigError
 
@@ -247,6 +248,10 @@ class MetpMLP(MLP):
         if per_token_scale is not None:
             raise ValueError("MetpMLP: per_token_scale is for MoE experts, which METP does not run")
         fc1, fc2 = self.linear_fc1, self.linear_fc2
+        if self.link is None or not self.link.mlp_prepared:
+            # fc1 / fc2's forward pre-hooks (metp.weight_hooks), unless the layer's link ran
+            # them before it posted their gathers.
+            run_pre_hooks(fc1, fc2)
         x_shard_s = hidden_states
         s_local, b, h = x_shard_s.shape
         weights = (fc1.weight, fc1.bias if fc1.bias is not None and fc1.bias.numel() else None,
