@@ -501,21 +501,56 @@ class _FusedRoPE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t, freqs):
         f = freqs[: t.shape[0]]
-        rot = f.shape[-1]
-        cos, sin = torch.cos(f).to(t.dtype), torch.sin(f).to(t.dtype)
-        head, rest = t[..., :rot], t[..., rot:]
-        out = head * cos + _FusedRoPE._rotate_half(head) * sin
         ctx.save_for_backward(f)
-        return torch.cat((out, rest), dim=-1) if rest.numel() else out
+        if _is_fake(t):
+            # One op, as Transformer Engine's kernel is one launch (the planner's trace and
+            # memory tracker: reads t and the table, writes its output, no intermediates).
+            return _rope_op()(t, f, False)
+        # In token chunks, as the fused kernel runs: its transients are 1/_CHUNKS of the
+        # unfused chain's (the same products, element for element).
+        return _chunked(lambda x, y: _rope_math(x, y, False), (0, 1), (t, f))
 
     @staticmethod
     def backward(ctx, g):
         (f,) = ctx.saved_tensors
-        rot = f.shape[-1]
-        cos, sin = torch.cos(f).to(g.dtype), torch.sin(f).to(g.dtype)
-        head, rest = g[..., :rot], g[..., rot:]
-        dt = head * cos - _FusedRoPE._rotate_half(head * sin)
-        return (torch.cat((dt, rest), dim=-1) if rest.numel() else dt), None
+        if _is_fake(g):
+            return _rope_op()(g, f, True), None
+        return _chunked(lambda x, y: _rope_math(x, y, True), (0, 1), (g, f)), None
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
+def _rope_math(t: torch.Tensor, f: torch.Tensor, backward: bool) -> torch.Tensor:
+    """RoPE by the angles ``f`` (``backward``: by ``-f``, its vector-Jacobian product)."""
+    rot = f.shape[-1]
+    cos, sin = torch.cos(f).to(t.dtype), torch.sin(f).to(t.dtype)
+    head, rest = t[..., :rot], t[..., rot:]
+    out = (head * cos - _FusedRoPE._rotate_half(head * sin) if backward
+           else head * cos + _FusedRoPE._rotate_half(head) * sin)
+    return torch.cat((out, rest), dim=-1) if rest.numel() else out
+
+
+_ROPE_OP = []
+
+
+def _rope_op():
+    """``megatron_metp_cpu::fused_rope``: :class:`_FusedRoPE`'s forward or backward as one op
+    on fake tensors (its CPU kernel, the same math, is never reached: real tensors take
+    :class:`_FusedRoPE`'s own code)."""
+    if not _ROPE_OP:
+        op = torch.library.custom_op("megatron_metp_cpu::fused_rope", _rope_math,
+                                     mutates_args=())
+
+        @op.register_fake
+        def _(t, f, backward):
+            return torch.empty_like(t)
+
+        _ROPE_OP.append(op)
+    return _ROPE_OP[0]
 
 
 def fused_apply_rotary_pos_emb_cpu(t: torch.Tensor, freqs: torch.Tensor,

@@ -300,8 +300,7 @@ def _trace_layer(cfg, mode, p, s, world, micro_batch, recompute_modules, tcfg, r
         tcfg = transformer_config(cfg, p, mode, recompute_modules, ring_pass, qkv_backward,
                                   cp=cp, full_recompute=full_recompute)
     causal = getattr(cfg, "causal", True) if cfg is not None else True
-    rope = (cfg is not None and cfg.position_embedding_type == "rope"
-            and tcfg.context_parallel_size == 1)
+    rope = cfg is not None and cfg.position_embedding_type == "rope"
     _clear_sp_scratch()  # may hold tensors of an earlier FakeTensorMode
     try:
         with FakeTensorMode():

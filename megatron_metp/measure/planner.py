@@ -482,10 +482,12 @@ class Planner:
                 tcfg = transformer_config(cfg, p, probe, modules, ring_pass, qkv, cp=cp,
                                           full_recompute=full)
                 with FakeTensorMode():
-                    # RoPE under context parallelism slices the table with a pinned CUDA tensor
-                    # (Megatron's get_pos_emb_on_this_cp_rank): CP plans run without it (its
-                    # fused kernel saves one [s, 1, 1, d] fp32 table, external to the layers).
-                    rope = cfg.position_embedding_type == "rope" and cp == 1
+                    # RoPE in every plan, context parallel ones included (Megatron's
+                    # RotaryEmbedding gives a CP rank its chunks of the table: cpu_compat's
+                    # get_pos_emb_on_this_cp_rank; before the twentieth stop CP plans ran
+                    # without it). Its fused kernel saves the [s, 1, 1, d] fp32 table, external
+                    # to the layers.
+                    rope = cfg.position_embedding_type == "rope"
                     self._layer[key] = layer_probe.measure_layer(
                         tcfg, probe, s, b, causal=cfg.causal, rope=rope,
                         rotary_base=cfg.rotary_base)
@@ -514,7 +516,7 @@ class Planner:
             with FakeTensorMode():
                 return layer_probe.itemise_layer(
                     tcfg, probe, s, self.settings.micro_batch, causal=cfg.causal,
-                    rope=cfg.position_embedding_type == "rope" and cp == 1,
+                    rope=cfg.position_embedding_type == "rope",
                     rotary_base=cfg.rotary_base)
 
     def metp_choices(self, cfg, mode: str, p: int, s: int) -> List[tuple]:
