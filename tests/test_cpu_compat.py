@@ -397,6 +397,46 @@ def test_fused_rope_twin_equals_unfused_rope():
     torch.testing.assert_close(dt, dref, rtol=1e-12, atol=1e-12)
 
 
+def test_fused_rope_twin_is_one_op_each_way_on_fake_tensors():
+    """Under fake tensors (the planner and the timeline) Transformer Engine's fused RoPE is one
+    op forward and one backward, as its kernel is one launch each way, with the real run's
+    shapes and dtypes; the real run (token chunks of the same products) runs many ops."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from megatron_metp import cpu_compat
+
+    cpu_compat.apply()
+
+    class Names(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    def run():
+        t = torch.randn(40, 2, 3, 8, dtype=torch.bfloat16, requires_grad=True)
+        freqs = torch.randn(44, 1, 1, 8, dtype=torch.float32)
+        with Names() as names:
+            out = cpu_compat.fused_apply_rotary_pos_emb_cpu(t, freqs)
+            (dt,) = torch.autograd.grad(out, t, torch.ones_like(out))
+        return out, dt, names.names
+
+    real = run()
+    with FakeTensorMode():
+        fake = run()
+    for r, k in zip(real[:2], fake[:2]):
+        assert (k.shape, k.dtype) == (r.shape, r.dtype)
+    assert fake[2].count("fused_rope") == 2, fake[2]  # one forward, one backward
+    # nothing of the unfused chain (views and metadata queries launch no kernel)
+    assert not {"cos", "sin", "mul", "neg", "cat", "add", "sub", "_to_copy"} & set(fake[2]), \
+        fake[2]
+    assert real[2].count("fused_rope") == 0 and real[2].count("cos") >= 2, real[2]
+
+
 def test_wgrad_accumulation_twin():
     from megatron.core.tensor_parallel import layers
 
