@@ -15,6 +15,22 @@ from tests import _models as M
 from tests._harness import run_ranks
 
 
+def _op_names_mode():
+    """A TorchDispatchMode that records each dispatched op's name in ``names``."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class OpNames(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    return OpNames()
+
+
 def _current_device_users():
     """Stand-in 1 (torch.cuda.current_device): SP mappings, GlobalMemoryBuffer, RoPE, DDP."""
     from megatron.core import parallel_state as mpu
@@ -402,25 +418,15 @@ def test_fused_rope_twin_is_one_op_each_way_on_fake_tensors():
     op forward and one backward, as its kernel is one launch each way, with the real run's
     shapes and dtypes; the real run (token chunks of the same products) runs many ops."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from megatron_metp import cpu_compat
 
     cpu_compat.apply()
 
-    class Names(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
-
     def run():
         t = torch.randn(40, 2, 3, 8, dtype=torch.bfloat16, requires_grad=True)
         freqs = torch.randn(44, 1, 1, 8, dtype=torch.float32)
-        with Names() as names:
+        with _op_names_mode() as names:
             out = cpu_compat.fused_apply_rotary_pos_emb_cpu(t, freqs)
             (dt,) = torch.autograd.grad(out, t, torch.ones_like(out))
         return out, dt, names.names
@@ -491,22 +497,12 @@ def test_fused_activations_are_one_op_each_way_on_fake_tensors(kind):
     and one backward, as the GPU's fused kernel is one launch, with the real run's output and
     gradient shapes and dtypes; the real run's chunks would trace 16 x the ops."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from megatron.core.fusions import fused_bias_gelu, fused_bias_swiglu
 
     from megatron_metp import cpu_compat
 
     cpu_compat.apply()
-
-    class Names(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
 
     def run():
         s, f = 37, 10
@@ -516,7 +512,7 @@ def test_fused_activations_are_one_op_each_way_on_fake_tensors(kind):
         impl = fused_bias_gelu.bias_gelu_impl if kind == "gelu" else \
             fused_bias_swiglu.bias_swiglu_impl
         out = impl(y, bias)
-        with Names() as names:
+        with _op_names_mode() as names:
             dy, db = torch.autograd.grad(out, (y, bias), torch.ones_like(out))
         return out, dy, db, names.names
 
