@@ -112,6 +112,8 @@ from typing import Any, Callable, List
 import torch
 from torch.overrides import TorchFunctionMode
 
+from megatron_metp.kernels import is_fake
+
 _APPLIED = False
 
 
@@ -502,7 +504,7 @@ class _FusedRoPE(torch.autograd.Function):
     def forward(ctx, t, freqs):
         f = freqs[: t.shape[0]]
         ctx.save_for_backward(f)
-        if _is_fake(t):
+        if is_fake(t):
             # One op, as Transformer Engine's kernel is one launch (the planner's trace and
             # memory tracker: reads t and the table, writes its output, no intermediates).
             return _rope_op()(t, f, False)
@@ -513,15 +515,9 @@ class _FusedRoPE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         (f,) = ctx.saved_tensors
-        if _is_fake(g):
+        if is_fake(g):
             return _rope_op()(g, f, True), None
         return _chunked(lambda x, y: _rope_math(x, y, True), (0, 1), (g, f)), None
-
-
-def _is_fake(t: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return isinstance(t, FakeTensor)
 
 
 def _rope_math(t: torch.Tensor, f: torch.Tensor, backward: bool) -> torch.Tensor:

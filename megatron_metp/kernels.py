@@ -124,6 +124,14 @@ def select_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return "math"
 
 
+def is_fake(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a FakeTensor (the planner's and the timeline's traces): there a fused
+    GPU kernel's CPU twin runs as one op instead of its real loop."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """The accumulator / statistics dtype for data of ``dtype``: fp32, or fp64 for fp64 data
     (the tests' references). The one such rule of the package: the rings' merges, WallFacer's

@@ -36,7 +36,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 
-from megatron_metp.kernels import acc_dtype
+from megatron_metp.kernels import acc_dtype, is_fake
 
 
 _NORM_CHUNKS = 16
@@ -139,18 +139,12 @@ def _(g, x, w, rstd):
     return torch.empty_like(x), torch.empty_like(w)
 
 
-def _is_fake(t: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return isinstance(t, FakeTensor)
-
-
 def _rms_forward(x, w, eps):
-    return _rms_forward_op(x, w, eps) if _is_fake(x) else _rms_forward_loop(x, w, eps)
+    return _rms_forward_op(x, w, eps) if is_fake(x) else _rms_forward_loop(x, w, eps)
 
 
 def _rms_backward(g, x, w, rstd):
-    return _rms_backward_op(g, x, w, rstd) if _is_fake(x) else _rms_backward_loop(g, x, w, rstd)
+    return _rms_backward_op(g, x, w, rstd) if is_fake(x) else _rms_backward_loop(g, x, w, rstd)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -120,12 +120,12 @@ class SublayerLink:
 
     def __init__(self, group, p: int, tokens: int,
                  mlp_weights: Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor],
-                 box: Optional[_LaterBox]):
+                 box: Optional[_LaterBox], mlp_linears: Tuple[torch.nn.Module, ...] = ()):
         self.group, self.p, self.tokens = group, p, tokens
         self.mlp_weights = mlp_weights
         # The MLP's linears, whose forward pre-hooks run before their gathers are posted
         # (metp.weight_hooks); mlp_prepared once they have.
-        self.mlp_linears: Tuple[torch.nn.Module, ...] = ()
+        self.mlp_linears = mlp_linears
         self.mlp_prepared = False
         self.box = box
         # name -> (origin, its version when posted, transposed?, gathered, handle)
@@ -236,9 +236,8 @@ def open_link(attention, mlp, hidden_states: torch.Tensor) -> Optional[SublayerL
                              for w in (fc1.weight, b_in, fc2.weight))
     else:
         w_in, w_out = fc1.weight, fc2.weight
-    link = SublayerLink(group, mlp.ring_size, s_local * b, (w_in, b_in, w_out), box)
-    link.mlp_linears = (fc1, fc2)
-    return link
+    return SublayerLink(group, mlp.ring_size, s_local * b, (w_in, b_in, w_out), box,
+                        mlp_linears=(fc1, fc2))
 
 
 class MetpTransformerLayer(TransformerLayer):
