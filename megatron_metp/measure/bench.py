@@ -133,7 +133,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "--recompute-num-layers 1")
     c.add_argument("--calibrate-metp-ring-pass", choices=("auto", "whole", "head-group", "a2a"),
                    default="auto", help="METP's --metp-ring-pass in the calibrated layer")
-    c.add_argument("--calibrate-metp-qkv-backward", choices=("recompute", "save", "save+fc1"),
+    c.add_argument("--calibrate-metp-qkv-backward", choices=("recompute", "save", "save+fc1",
+                                                                 "save+fc1+weights"),
                    default="recompute", help="METP's --metp-qkv-backward in the calibrated layer")
     c.add_argument("--calibrate-profile", action="store_true",
                    help="profile one more step (torch.profiler): its kernels by name and class "

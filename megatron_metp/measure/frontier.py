@@ -190,7 +190,7 @@ class Frontier:
         if family == "metp":
             if cfg.num_query_groups % p:  # each ring rank owns whole query groups
                 return []
-            choices = self.planner.metp_choices(cfg, "metp", p, 0)
+            choices = self.planner.metp_choices(cfg, "metp", p, 0, kept_weights=True)
             return [Variant("metp", "metp", 1, sel, ring_pass=r, qkv=q)
                     for r, q in choices for sel in NORMS_ONLY]
         return [Variant("wallfacer", "wallfacer", p, sel) for sel in NORMS_ONLY]

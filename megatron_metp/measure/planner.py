@@ -330,7 +330,7 @@ def transformer_config(cfg, p: int, mode: str, recompute_modules: Optional[List[
     --recompute-num-layers 1`` (the probe wraps it in Megatron's CheckpointFunction, as
     ``TransformerBlock._checkpointed_forward`` does). ``ring_pass``: METP attention's
     ``--metp-ring-pass``; ``qkv_backward``: its ``--metp-qkv-backward`` (resolved: "recompute",
-    "save" or "save+fc1"). ``cp``: the context-parallel size (wallfacer: p, TP = 1, unless given)."""
+    "save", "save+fc1" or "save+fc1+weights"). ``cp``: the context-parallel size (wallfacer: p, TP = 1, unless given)."""
     import torch.nn.functional as F
 
     from megatron_metp.model import make_config
@@ -519,7 +519,8 @@ class Planner:
                     rope=cfg.position_embedding_type == "rope",
                     rotary_base=cfg.rotary_base)
 
-    def metp_choices(self, cfg, mode: str, p: int, s: int) -> List[tuple]:
+    def metp_choices(self, cfg, mode: str, p: int, s: int, kept_weights: bool = False
+                     ) -> List[tuple]:
         """METP attention's (ring pass, Q/K/V backward) pairs to plan at this point, fastest
         first, the last the most frugal (it fits if any does). ``--metp-ring-pass auto``: the
         whole pass with all-to-alls in place of its K/V ring ("a2a", ``metp.a2a_attention``:
@@ -530,8 +531,10 @@ class Planner:
         whole pass with Q/K/V and the MLP's fc1 outputs saved, then Q/K/V alone, before
         recomputing them (the per-head-group loop always recomputes Q/K/V; a named
         "save+fc1" still keeps the MLP's fc1 outputs there). So the slicing follows memory headroom: coarse wherever it fits, fine only
-        where nothing coarser does. [("", "")] for tp and wallfacer."""
-        from megatron_metp.metp.attention import check_qkv_backward, check_ring_pass
+        where nothing coarser does. ``kept_weights``: with "save+fc1+weights" first for the
+        whole and a2a passes (the frontier's speed choice, never "auto"'s). [("", "")] for tp
+        and wallfacer."""
+        from megatron_metp.metp.attention import KEEPS_FC1, check_qkv_backward, check_ring_pass
 
         if mode != "metp":
             return [("", "")]
@@ -543,8 +546,12 @@ class Planner:
         for r in rings:
             # The per-head-group loop recomputes Q/K/V whatever is asked; the MLP keeps its fc1
             # outputs under "save+fc1" whichever pass the attention takes (metp.mlp.MetpMLP).
-            qkvs = (["save+fc1" if want == "save+fc1" else "recompute"] if r == "head-group"
+            qkvs = (["save+fc1" if want in KEEPS_FC1 else "recompute"] if r == "head-group"
                     else ["save+fc1", "save", "recompute"] if want == "auto" else [want])
+            if kept_weights and want == "auto" and r != "head-group":
+                # What the whole pass and the gathered MLP gathered, kept too (attention_plan.
+                # QKV_BACKWARD): a choice for speed, which "auto" (by memory) never makes.
+                qkvs.insert(0, "save+fc1+weights")
             out += [(r, q) for q in qkvs]
         return out
 
@@ -638,7 +645,8 @@ class Planner:
         point.est_time_s = estimate_step_time(cfg, mode, p, s, sent, calls, st,
                                               recomputes_qkv=(qkv == "recompute"
                                                               or ring_pass == "head-group"),
-                                              recomputes_fc1=qkv != "save+fc1")
+                                              recomputes_fc1=qkv not in ("save+fc1",
+                                                                         "save+fc1+weights"))
         return point
 
     def longest_sequence(self, cfg, mode: str, p: int, lo: int = 4096,
@@ -734,7 +742,11 @@ def resolve_metp_attention(cfg, p: int, s: int, *, micro_batch: int = 1,
     finally:
         planner.world.teardown()
     choices = planner.metp_choices(cfg, "metp", p, s)
-    what = {("a2a", "save+fc1"): "all-to-all attention over every head group, Q/K/V and the "
+    what = {("a2a", "save+fc1+weights"): "all-to-all attention over every head group, Q/K/V, "
+                                         "the MLP's fc1 output and the gathered weights saved",
+            ("whole", "save+fc1+weights"): "one ring pass over every head group, Q/K/V, the "
+                                           "MLP's fc1 output and the gathered weights saved",
+            ("a2a", "save+fc1"): "all-to-all attention over every head group, Q/K/V and the "
                                  "MLP's fc1 output saved",
             ("a2a", "save"): "all-to-all attention over every head group, Q/K/V saved",
             ("a2a", "recompute"): "all-to-all attention over every head group, Q/K/V "
@@ -756,7 +768,7 @@ def resolve_metp_attention(cfg, p: int, s: int, *, micro_batch: int = 1,
 
 
 # What METP's backward keeps at a planned point (--metp-qkv-backward, chosen where it fits).
-SAVED_MARK = {"save": " †", "save+fc1": " ‡"}
+SAVED_MARK = {"save": " †", "save+fc1": " ‡", "save+fc1+weights": " §"}
 
 
 def saved_notes(values) -> List[str]:
@@ -769,6 +781,10 @@ def saved_notes(values) -> List[str]:
     if "save+fc1" in values:
         out.append("\n‡ METP keeps its one pass's Q/K/V (ring or all-to-all) and the MLP's fc1 "
                    "output for backward there (--metp-qkv-backward save+fc1: it fits).")
+    if "save+fc1+weights" in values:
+        out.append("\n§ METP keeps its one pass's Q/K/V, the MLP's fc1 output and the weights "
+                   "the forward gathered for backward there, which then gathers none "
+                   "(--metp-qkv-backward save+fc1+weights: it fits).")
     if out:
         out.append("Elsewhere METP recomputes them.")
     return out

@@ -67,7 +67,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 # The options and the plan (their public home stays this module: ``metp.attention.RING_PASSES``
 # etc.), and the two ring passes, one file each.
 from megatron_metp.metp.attention_plan import (
-    ATTN_MIN_TOKENS, QKV_BACKWARD, RING_PASSES, WHOLE_MAX_TOKENS, _Plan,
+    ATTN_MIN_TOKENS, KEEPS_FC1, KEEPS_WEIGHTS, QKV_BACKWARD, RING_PASSES, WHOLE_MAX_TOKENS, _Plan,
     check_metp_attention_config, check_qkv_backward, check_ring_pass, head_chunks, whole_pass)
 from megatron_metp.metp.head_group_pass import _MetpMHAFunction
 from megatron_metp.metp.weight_hooks import run_pre_hooks
@@ -118,7 +118,7 @@ def set_ring_pass(module: torch.nn.Module, ring_pass: str) -> None:
 def set_qkv_backward(module: torch.nn.Module, value: str) -> None:
     """Set what the one-pass backward does for Q/K/V (``QKV_BACKWARD``) on every
     ``MetpSelfAttention`` in ``module``, and whether every ``MetpMLP`` keeps its fc1 output
-    ("save+fc1")."""
+    ("save+fc1") and its gathered weights ("save+fc1+weights")."""
     from megatron_metp.metp.mlp import MetpMLP
 
     check_qkv_backward(value)
@@ -126,7 +126,8 @@ def set_qkv_backward(module: torch.nn.Module, value: str) -> None:
         if isinstance(m, MetpSelfAttention):
             m.qkv_backward = value
         elif isinstance(m, MetpMLP):
-            m.keep_fc1 = value == "save+fc1"
+            m.keep_fc1 = value in KEEPS_FC1
+            m.keep_weights = value == KEEPS_WEIGHTS
 
 
 def set_balanced_layout(module: torch.nn.Module, on: bool = True) -> bool:
@@ -206,7 +207,7 @@ class MetpSelfAttention(SelfAttention):
         # "auto" (whole_pass), "whole" or "head-group": how many head groups one ring pass
         # takes (--metp-ring-pass, carried on the config; read once here).
         self.ring_pass = check_ring_pass(getattr(config, "metp_ring_pass", "auto"))
-        # "auto", "recompute", "save" or "save+fc1": the one pass's Q/K/V in backward (QKV_BACKWARD,
+        # "auto", "recompute", "save", "save+fc1" or "save+fc1+weights": the one pass's Q/K/V in backward (QKV_BACKWARD,
         # --metp-qkv-backward on the config; read once here).
         self.qkv_backward = check_qkv_backward(getattr(config, "metp_qkv_backward", "auto"))
         self._softmax_scale = (config.softmax_scale if config.softmax_scale is not None

@@ -109,9 +109,21 @@ RING_PASSES = ("auto", "whole", "head-group", "a2a")
 # with the saved Q/K/V; a model built without a launcher keeps "auto", which recomputes.
 # "save+fc1": as "save", and the MLP's weight ring keeps every step's fc1 output for its backward
 # too (metp.mlp.MetpMLP, weight_ring.metp_mlp_forward(keep_fc1=True)): F' more values per token
-# and layer, the size of what Megatron's MLP keeps of fc1, and no fc1 GEMM in backward. "auto"
-# tries it first.
-QKV_BACKWARD = ("auto", "recompute", "save", "save+fc1")
+# and layer, the size of what Megatron's MLP keeps of fc1, and no fc1 GEMM in backward.
+# "save+fc1+weights": as "save+fc1", and the weights the one pass and the gathered MLP
+# all-gathered in forward (W_qkv, W_proj, fc1's and fc2's) stay for their backward, which then
+# gathers nothing: the weights travel once per step instead of twice, (p - 1)/p x 2 bytes per
+# layer parameter less per rank (of the 8 METP moves), for the whole layer's weights held from
+# its forward to its backward (2 bytes per layer parameter, whatever s is: 405 MB per
+# LLaMA-7B layer). The weight ring and the per-head-group loop (long sequences) gather nothing
+# whole: there it is "save+fc1". It buys time only where the weights' traffic is exposed (short
+# sequences) and costs one copy of W_qkv per layer (reassembled for dX), so "auto", which
+# chooses by memory, never takes it: `metp plan --frontier` and --tensor-parallel-mode auto
+# do, where the timeline has it fastest, and name it in the flags they print.
+QKV_BACKWARD = ("auto", "recompute", "save", "save+fc1", "save+fc1+weights")
+# The values that keep the MLP's fc1 output, and the one that keeps the gathered weights too.
+KEEPS_FC1 = ("save+fc1", "save+fc1+weights")
+KEEPS_WEIGHTS = "save+fc1+weights"
 
 
 def check_ring_pass(ring_pass: str) -> str:
@@ -197,9 +209,11 @@ class _Plan:
         self.a2a = (module.ring_pass == "a2a" and self.p > 1 and module.kv_blocks is None
                     and (self.layout is BALANCED if causal else layout is None)
                     and s_shard % 2 == 0)
-        # The one pass keeps its Q/K/V projection for backward (QKV_BACKWARD "save" or
-        # "save+fc1": "auto" is resolved by the launcher, before the model exists).
-        self.save_qkv = self.whole and module.qkv_backward in ("save", "save+fc1")
+        # The one pass keeps its Q/K/V projection for backward (QKV_BACKWARD "save",
+        # "save+fc1" or "save+fc1+weights": "auto" is resolved by the launcher, before the
+        # model exists), and with "save+fc1+weights" the weights it gathered.
+        self.save_qkv = self.whole and module.qkv_backward in ("save",) + KEEPS_FC1
+        self.keep_weights = self.whole and module.qkv_backward == KEEPS_WEIGHTS
         self._neg_freqs = None   # unrotate's -freqs, made on first use
         # The layer's SublayerLink for this forward (metp.layer_schedule), or None: the one
         # pass posts the MLP's gathers behind its own and takes its backward's from it.

@@ -89,7 +89,10 @@ class GatheredMLPFunction(torch.autograd.Function):
     ``x [n/p, h]`` this rank's tokens; ``w_in [F'/p, h]``, ``b_in [F'/p]`` or None and
     ``w_out [h, F/p]`` its shards (Megatron's TP layout); returns ``[n/p, h]`` without fc2's
     bias. Saves ``x`` and the parameters, and with ``keep_fc1`` the fc1 output T (the backward
-    then runs no fc1 GEMM). ``link``: the layer's ``metp.layer_schedule.SublayerLink`` or None;
+    then runs no fc1 GEMM); with ``keep_weights`` (``--metp-qkv-backward save+fc1+weights``,
+    only with ``keep_fc1``) the gathered W_in and W_out^T too, and the backward gathers
+    nothing: the same GEMMs on the same values, the weights moved once per step instead of
+    twice, for 2 h F' + 2 h F bytes (bf16) held from this forward to its backward. ``link``: the layer's ``metp.layer_schedule.SublayerLink`` or None;
     with it the forward takes the gathers the attention posted, the backward posts the
     attention's before its reduce-scatters, and leaves those to the link's node to wait for.
     The group, the choice and the link arrive as arguments: nothing global is read here.
@@ -97,7 +100,8 @@ class GatheredMLPFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w_in, b_in, w_out, act: Callable, group, keep_fc1: bool = False,
-                link=None):
+                link=None, keep_weights: bool = False):
+        keep_weights = keep_weights and keep_fc1
         p = dist.get_world_size(group) if dist.is_initialized() else 1
         if link is not None:
             # Posted behind the attention (metp.layer_schedule), or gathered now.
@@ -111,7 +115,10 @@ class GatheredMLPFunction(torch.autograd.Function):
             wot, woh = _gather(w_out.t(), group, p)
         _wait(wh, bh)
         t = _fc1(x, w_full, b_full)
-        del w_full, b_full
+        del b_full
+        if not keep_weights:
+            del w_full
+            w_full = None
         d = act(_per_shard(t, p)).reshape(t.shape[0], -1)
         if not keep_fc1:
             del t
@@ -123,6 +130,9 @@ class GatheredMLPFunction(torch.autograd.Function):
         out = torch.mm(d, wot)
         ctx.act, ctx.group, ctx.p, ctx.link = act, group, p, link
         ctx.has_bias = b_in is not None
+        # The gathered weights, when kept, are not saved tensors (autograd's version check
+        # guards w_in and w_out, which they were gathered from, and which are saved).
+        ctx.kept = (w_full, wot) if keep_weights else None
         ctx.save_for_backward(x, w_in, b_in, w_out, t)
         return out
 
@@ -133,7 +143,11 @@ class GatheredMLPFunction(torch.autograd.Function):
         act, group, p = ctx.act, ctx.group, ctx.p
         g = grad_out.contiguous()
         gacc = _accum(w_in.dtype)
-        if t is None:
+        if ctx.kept is not None:
+            # save+fc1+weights: T and both gathered weights kept; nothing to gather.
+            (w_full, wot), ctx.kept = ctx.kept, None
+            wh = woh = None
+        elif t is None:
             # fc1 again: its weights first.
             w_full, wh = _gather(w_in, group, p)
             b_full, bh = _gather(b_in, group, p)
@@ -190,10 +204,10 @@ class GatheredMLPFunction(torch.autograd.Function):
             return (dx, box.hold(0, dw_in, dw_in_h, dw_in_full, w_in),
                     box.hold(1, db_in, db_in_h, db_in_full, b_in) if ctx.has_bias else None,
                     box.hold(2 if ctx.has_bias else 1, dwot, dwot_h, dwot_full, w_out,
-                             transpose=True), None, None, None, None)
+                             transpose=True), None, None, None, None, None)
         _wait(dwot_h, dw_in_h, db_in_h)
         return (dx, dw_in.to(w_in.dtype), db_in.to(b_in.dtype) if ctx.has_bias else None,
-                dwot.t().contiguous().to(w_out.dtype), None, None, None, None)
+                dwot.t().contiguous().to(w_out.dtype), None, None, None, None, None)
 
 
 def gathered_mlp(x: torch.Tensor, weights: Tuple[torch.Tensor, Optional[torch.Tensor],

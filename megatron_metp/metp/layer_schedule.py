@@ -132,6 +132,9 @@ class SublayerLink:
         self._posted: Dict[str, tuple] = {}
         # What the attention's backward gathers, in its order: registered by its forward.
         self.attention_gathers: List[Tuple[str, Optional[torch.Tensor], bool]] = []
+        # Set by the attention's forward when it ran the whole pass (its backward's gathers
+        # above, none where it keeps the gathered weights): the next layer runs it too.
+        self.attention_whole = False
         # The next layer (a MetpTransformerLayer), whose first gathers this layer's MLP posts
         # (post_next); None where there is none or its forward is not to follow this one.
         self.next_layer = None
@@ -171,9 +174,9 @@ class SublayerLink:
         first_gathers``), posted behind this layer's MLP and handed to that layer, which takes
         them over when its forward starts (:class:`MetpTransformerLayer`); called by the MLP's
         forward once its own gathers are in. Only where this layer's attention ran the whole
-        pass (it registered its backward's gathers): the next one, built alike, runs it too."""
+        pass (``attention_whole``): the next one, built alike, runs it too."""
         nxt, self.next_layer = self.next_layer, None
-        if nxt is None or not self.attention_gathers:
+        if nxt is None or not self.attention_whole:
             return
         carried: Dict[str, tuple] = {}
         self._post(first_gathers(nxt.self_attention), into=carried)

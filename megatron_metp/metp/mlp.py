@@ -41,6 +41,7 @@ from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_tensor_model_parallel_group_if_none
 
+from megatron_metp.metp.attention_plan import KEEPS_FC1, KEEPS_WEIGHTS
 from megatron_metp.metp.gathered_mlp import GatheredMLPFunction, takes_gathered
 from megatron_metp.metp.weight_hooks import run_pre_hooks
 from megatron_metp.metp.weight_ring import MetpMLPFunction
@@ -220,8 +221,11 @@ class MetpMLP(MLP):
         self._act = make_activation(config)
         # --metp-qkv-backward save+fc1 (metp.attention.QKV_BACKWARD, carried on the config; read
         # once here): every ring step's fc1 output is kept for the backward, which then runs no
-        # fc1 GEMM.
-        self.keep_fc1 = getattr(config, "metp_qkv_backward", "auto") == "save+fc1"
+        # fc1 GEMM; "save+fc1+weights": the gathered pass keeps its gathered weights too, and
+        # its backward gathers nothing (the ring passes its shards on: nothing whole to keep).
+        qkv_backward = getattr(config, "metp_qkv_backward", "auto")
+        self.keep_fc1 = qkv_backward in KEEPS_FC1
+        self.keep_weights = qkv_backward == KEEPS_WEIGHTS
         # --metp-mlp-pass (MLP_PASSES, carried on the config; read once here).
         self.mlp_pass = getattr(config, "metp_mlp_pass", None) or "auto"
         if self.mlp_pass not in MLP_PASSES:
@@ -267,7 +271,7 @@ class MetpMLP(MLP):
             if link is not None:
                 weights = link.mlp_weights
             out_2d = GatheredMLPFunction.apply(x2d, *weights, self._act, self.weight_group,
-                                               keep, link)
+                                               keep, link, keep and self.keep_weights)
         else:
             out_2d = MetpMLPFunction.apply(x2d, *weights, self._act, self.ring_group, keep)
         out_shard_s = out_2d.view(s_local, b, -1)

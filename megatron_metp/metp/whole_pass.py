@@ -98,7 +98,21 @@ def first_gathers(module) -> list:
     return out
 
 
-def _project_gathered(x2d, w_qkv, b_qkv, plan: _Plan, s: int, b: int):
+def _assemble_qkv(parts, plan: _Plan) -> torch.Tensor:
+    """The gathered ``W_qkv`` in Megatron's per-query-group row order (what one gather of the
+    whole shards gives) from its two gathered parts, every rank's query rows and every rank's
+    key/value rows (:func:`_project_gathered` with ``kept``): one copy of the weight, so that
+    dX is the same GEMM on the same values as where the backward gathers it."""
+    wq, wkv = parts
+    rep, d, h = plan.heads_p // plan.groups_p, plan.d, wq.shape[-1]
+    ng = wkv.shape[0] // (2 * d)
+    full = torch.empty(ng, rep + 2, d, h, dtype=wq.dtype, device=wq.device)
+    full[:, :rep] = wq.view(ng, rep, d, h)
+    full[:, rep:] = wkv.view(ng, 2, d, h)
+    return full.view(-1, h)
+
+
+def _project_gathered(x2d, w_qkv, b_qkv, plan: _Plan, s: int, b: int, kept=None):
     """Q ``[s, b, n, d]`` and K, V ``[s, b, ng, d]`` of every head from this rank's tokens
     ``x2d`` and the gathered ``W_qkv``, as two GEMMs: one on the query rows of every rank, one
     on the key/value rows. Each part's weight rows are gathered on their own, the smaller
@@ -106,7 +120,9 @@ def _project_gathered(x2d, w_qkv, b_qkv, plan: _Plan, s: int, b: int):
     would be exposed at the start of the attention). Every rank's rows stack in rank order,
     so each output is Megatron's head order as it stands, with no copy to put rows back in
     order: returns Q and ``[s, b, ng, 2, d]`` (K and V of each query group), the GEMMs'
-    outputs themselves."""
+    outputs themselves. ``kept``: a list that receives the two gathered weight parts (query
+    rows, key/value rows) instead of their being freed (``--metp-qkv-backward
+    save+fc1+weights``)."""
     d = plan.d
     order = _gather_order(plan.heads_p, plan.groups_p)
     cut = []   # the parts, cut (a copy each) only when something is to be gathered now
@@ -134,6 +150,8 @@ def _project_gathered(x2d, w_qkv, b_qkv, plan: _Plan, s: int, b: int):
         if wh is not None:
             wh.wait()
         out[i] = x2d.mm(w_full.t())
+        if kept is not None:
+            kept.append((i, w_full))
         del w_full
         if b_full is not None:
             if bh is not None:
@@ -160,16 +178,19 @@ class _MetpWholeFunction(torch.autograd.Function):
     def forward(ctx, plan: _Plan, x, w_qkv, b_qkv, w_proj, *norm_params):
         s, b, h = x.shape
         x2d = x.reshape(s * b, h)
-        q_lin, kv_lin = _project_gathered(x2d, w_qkv, b_qkv, plan, s, b)
+        kept = [] if plan.keep_weights else None
+        q_lin, kv_lin = _project_gathered(x2d, w_qkv, b_qkv, plan, s, b, kept)
         # W_proj^T's rows are the heads in order: gathered while the ring computes.
         wpt, wpt_handle = _gather_rows(w_proj.t(), plan, async_op=True)
         if plan.link is not None:
             # The MLP's weights travel next, behind this pass's compute; what this pass's
             # backward gathers, the MLP's backward posts ahead of its reduce-scatters
             # (metp.layer_schedule). The bias only enters a recomputed projection.
-            plan.link.attention_gathers = [
+            # Nothing when the weights are kept (save+fc1+weights).
+            plan.link.attention_gathers = [] if kept is not None else [
                 ("proj", w_proj, True), ("qkv", w_qkv, False),
                 ("qkv_bias", None if plan.save_qkv else b_qkv, False)]
+            plan.link.attention_whole = True
             plan.link.post_mlp()
         q, k = q_lin, kv_lin[:, :, :, 0]
         if plan.has_post:
@@ -194,6 +215,12 @@ class _MetpWholeFunction(torch.autograd.Function):
         out = _flat(a).mm(wpt)
         ctx.plan = plan
         ctx.has_bias = b_qkv is not None
+        # save+fc1+weights: the gathered W_qkv parts (query rows, key/value rows) and W_proj^T
+        # for the backward, which then gathers nothing. Not saved tensors: autograd's version
+        # check guards w_qkv and w_proj, which they were gathered from and which are saved.
+        ctx.kept = ([w for _, w in sorted(kept, key=lambda e: e[0])], wpt) \
+            if kept is not None else None
+        del kept
         ctx.save_for_backward(x, w_qkv, b_qkv, w_proj, a, lse, *keep)
         del keep
         return out.view(s, b, h)
@@ -210,7 +237,13 @@ class _MetpWholeFunction(torch.autograd.Function):
         x2d, dout2d = x.reshape(s * b, h), dout.reshape(s * b, h)
         # The bias only enters the recompute: a saved projection needs no gather of it.
         b_src = None if keep_q is not None else b_qkv
-        if plan.link is not None:
+        if ctx.kept is not None:
+            # save+fc1+weights: Q/K/V saved (save_qkv), both gathered weights kept.
+            (qkv_parts, wpt), ctx.kept = ctx.kept, None
+            w_full, b_full = _assemble_qkv(qkv_parts, plan), None
+            del qkv_parts
+            wpt_handle = w_handle = b_handle = None
+        elif plan.link is not None:
             # Posted by the MLP's backward (metp.layer_schedule), or gathered now.
             wpt, wpt_handle = plan.link.take("proj", w_proj, transpose=True)
             w_full, w_handle = plan.link.take("qkv", w_qkv)

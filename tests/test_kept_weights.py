@@ -1,0 +1,102 @@
+"""``--metp-qkv-backward save+fc1+weights``: the backward reuses the weights its forward gathered.
+
+Keeping the gathered weights changes what the backward receives, never what it computes: the
+same GEMMs on the same values (W_qkv is reassembled in Megatron's row order before dX, one copy
+of the weight), so the model must equal the ``save+fc1`` one bit for bit (gloo's reductions are
+deterministic), and its step must post exactly the backward's weight all-gathers fewer: per
+layer W_proj, W_qkv, fc1 and fc2 (``save+fc1`` gathers no bias in backward: Q/K/V and fc1's
+output are saved, the biases enter nothing the backward recomputes).
+"""
+
+import contextlib
+
+import pytest
+import torch
+
+from tests import _models as M
+from tests._harness import run_ranks
+
+CASES = {
+    # GPT-style: GeLU, fc1 and Q/K/V biases.
+    "gpt": ("gpt", {}),
+    # LLaMA-style: SwiGLU, RoPE, GQA, no biases.
+    "llama": ("llama", {"num_attention_heads": 8, "num_query_groups": 4}),
+}
+
+
+@contextlib.contextmanager
+def _counting():
+    """Count ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` calls (every weight
+    gather and gradient reduce-scatter of the whole pass and the gathered MLP goes through
+    ``comm.rows``, which calls these)."""
+    import torch.distributed as dist
+
+    counts = {"all_gather": 0, "reduce_scatter": 0}
+    ag, rs = dist.all_gather_into_tensor, dist.reduce_scatter_tensor
+
+    def count_ag(*a, **k):
+        counts["all_gather"] += 1
+        return ag(*a, **k)
+
+    def count_rs(*a, **k):
+        counts["reduce_scatter"] += 1
+        return rs(*a, **k)
+
+    dist.all_gather_into_tensor, dist.reduce_scatter_tensor = count_ag, count_rs
+    try:
+        yield counts
+    finally:
+        dist.all_gather_into_tensor, dist.reduce_scatter_tensor = ag, rs
+
+
+@contextlib.contextmanager
+def _unlinked():
+    from megatron_metp.metp import layer_schedule as L
+
+    orig = L.open_link
+    L.open_link = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        L.open_link = orig
+
+
+def _kept_vs_saved(p):
+    M.setup(tp=p, mode="metp")
+    out = {}
+    for case, (style, overrides) in CASES.items():
+        for ring_pass in ("whole", "a2a"):
+            for linked in (True, False):
+                runs, counts = {}, {}
+                for qkv in ("save+fc1", "save+fc1+weights"):
+                    kw = dict(overrides, metp_ring_pass=ring_pass, metp_qkv_backward=qkv,
+                              metp_mlp_pass="gathered")
+                    ctx = contextlib.nullcontext() if linked else _unlinked()
+                    with ctx, _counting() as c:
+                        runs[qkv] = M.step(M.wrap_ddp(M.build("metp", style, **kw)), M.batch())
+                    counts[qkv] = dict(c)
+                kept, saved = runs["save+fc1+weights"], runs["save+fc1"]
+                where = (case, ring_pass, linked)
+                assert kept["loss"] == saved["loss"], where
+                assert torch.equal(kept["logits"], saved["logits"]), where
+                assert kept["grads"].keys() == saved["grads"].keys()
+                for name, g in saved["grads"].items():
+                    assert torch.equal(kept["grads"][name], g), where + (name,)
+                # 2 layers x (W_proj, W_qkv, fc1, fc2) fewer all-gathers; the same
+                # reduce-scatters (every weight gradient still goes home).
+                assert counts["save+fc1"]["all_gather"] - \
+                    counts["save+fc1+weights"]["all_gather"] == 2 * 4, counts
+                assert counts["save+fc1"]["reduce_scatter"] == \
+                    counts["save+fc1+weights"]["reduce_scatter"] > 0, counts
+                out[f"{case} {ring_pass} {'linked' if linked else 'unlinked'}"] = (
+                    kept["loss"], counts["save+fc1"]["all_gather"],
+                    counts["save+fc1+weights"]["all_gather"])
+    return out
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_kept_weights_equal_regathered_ones_bit_for_bit(p, report):
+    res = run_ranks(p, _kept_vs_saved, p)[0]
+    report(f"save+fc1+weights p={p}: == save+fc1 bit for bit (loss, logits, every gradient), "
+           "all-gathers per step save+fc1 -> save+fc1+weights: "
+           + ", ".join(f"{k} {v[1]} -> {v[2]} (loss {v[0]:.6f})" for k, v in res.items()))
