@@ -556,8 +556,8 @@ _QKV_SCRIPT = textwrap.dedent(
     planner = Planner(PlanSettings())
     for s in (32768, 262144):
         # save+fc1 at 32k only: at 256k "save" alone already does not fit.
-        for qkv in ("recompute", "save", "save+fc1", "auto"):
-            if qkv == "save+fc1" and s != 32768:
+        for qkv in ("recompute", "save", "save+fc1", "save+fc1+weights", "auto"):
+            if qkv in ("save+fc1", "save+fc1+weights") and s != 32768:
                 continue
             pt = planner.plan(cfg, "metp", 8, s, metp_ring_pass="whole", metp_qkv_backward=qkv)
             out[f"{s}/{qkv}"] = dict(chosen=pt.qkv_backward, retained=pt.layer_retained,
@@ -570,6 +570,8 @@ _QKV_SCRIPT = textwrap.dedent(
         out[f"head-group/{qkv}"] = dict(chosen=pt.qkv_backward, retained=pt.layer_retained)
     # --metp-ring-pass auto: every choice's need at 32k, then budgets between them.
     choices = planner.metp_choices(cfg, "metp", 8, 32768)
+    out["choices_kept"] = [list(c) for c in planner.metp_choices(cfg, "metp", 8, 32768,
+                                                                 kept_weights=True)]
     need = {f"{r}/{q}": planner._plan(cfg, "metp", 8, 32768, q, r).needed_bytes
             for r, q in choices}
     out["choices"], out["need"], out["picked"] = [list(c) for c in choices], need, {}
@@ -603,6 +605,13 @@ def test_planner_saves_qkv_when_memory_allows(report):
         if s == 32768:
             fc1 = s // p * 2 * 11008 * 2
             assert res[f"{s}/save+fc1"]["retained"] - save["retained"] == fc1, (s, res)
+    # save+fc1+weights keeps the weights the one pass and the gathered MLP (32k: 4k tokens per
+    # rank, the gathered MLP) all-gathered, by hand: W_qkv (h x (n + 2 ng) d), W_proj (h x h)
+    # and fc1 / fc2 (3 h F for SwiGLU), bf16, nothing else; and it is faster (ESTIMATE).
+    kept = res["32768/save+fc1+weights"]
+    weights = 4096 * 3 * 4096 + 4096 * 4096 + 3 * 4096 * 11008
+    assert kept["retained"] - res["32768/save+fc1"]["retained"] == 2 * weights, res
+    assert kept["chosen"] == "save+fc1+weights"
     hg, hg_fc1 = res["head-group/recompute"], res["head-group/save+fc1"]
     assert hg_fc1["chosen"] == "save+fc1"
     assert hg_fc1["retained"] - hg["retained"] == 32768 // p * 2 * 11008 * 2, (hg, hg_fc1)
@@ -622,6 +631,10 @@ def test_planner_saves_qkv_when_memory_allows(report):
     order = [f"{r}/{q}" for r, q in res["choices"]]
     assert order == ["a2a/save+fc1", "a2a/save", "a2a/recompute", "whole/save+fc1",
                      "whole/save", "whole/recompute", "head-group/recompute"]
+    # The frontier's speed choice, first for the two passes that gather whole weights; never
+    # among auto's (by memory).
+    assert [f"{r}/{q}" for r, q in res["choices_kept"]] == [
+        "a2a/save+fc1+weights", *order[:3], "whole/save+fc1+weights", *order[3:]]
     need = {k: res["need"][k] for k in order}
     for pass_ in ("a2a", "whole"):
         run = [need[f"{pass_}/{q}"] for q in ("save+fc1", "save", "recompute")]

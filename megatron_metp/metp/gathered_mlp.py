@@ -24,7 +24,9 @@ operations, as METP's whole attention pass (``metp.whole_pass``) treats the atte
                dX_i = dT W_in.
 
 Per rank it sends what the ring sends: (p-1)/p of the weights twice and of their fp32
-gradients once. The tokens never move: activations stay sequence-sharded, so the memory
+gradients once; with ``--metp-qkv-backward save+fc1+weights`` the gathered weights stay from the
+forward to the backward, which gathers nothing (the weights once, for 2 h F' + 2 h F bytes
+held per layer). The tokens never move: activations stay sequence-sharded, so the memory
 Table 1 counts is unchanged. What it costs instead: this rank's tokens' whole ``[n/p, F']``
 intermediate at once (the ring's steps hold ``[n/p, F'/p]``; with ``--metp-qkv-backward
 save+fc1`` the ring keeps the p steps' outputs, the same ``[n/p, F']``), the gathered weights

@@ -2,7 +2,8 @@
 weights are all-gathered once (W_qkv as its query rows and its key/value rows, the larger part
 behind the smaller part's GEMM), Q, K/V and the output projection are one GEMM each and one
 ring carries every head's K/V; the weight gradients are reduce-scattered.
-``--metp-qkv-backward save`` keeps what the ring read for backward instead of recomputing it.
+``--metp-qkv-backward save`` keeps what the ring read for backward instead of recomputing it;
+``save+fc1+weights`` keeps the gathered weights too, and the backward gathers none.
 The module and its shapes: ``metp.attention``.
 """
 
