@@ -94,7 +94,44 @@ def _kept_vs_saved(p):
     return out
 
 
-@pytest.mark.parametrize("p", [2, 4])
+def _under_full_recompute(p):
+    """Megatron's full recompute runs each layer's forward without autograd, then again inside
+    backward: the kept weights are those of the second forward, used by the backward right
+    after it. Equal bit for bit to ``save+fc1`` under the same recompute, and to itself
+    without recompute (the recomputed forward is the same arithmetic)."""
+    M.setup(tp=p, mode="metp")
+    style, overrides = CASES["llama"]
+    runs, counts = {}, {}
+    for qkv in ("save+fc1", "save+fc1+weights"):
+        for rc in (False, True):
+            extra = dict(recompute_granularity="full", recompute_method="uniform",
+                         recompute_num_layers=1) if rc else {}
+            kw = dict(overrides, metp_ring_pass="a2a", metp_qkv_backward=qkv,
+                      metp_mlp_pass="gathered", **extra)
+            with _counting() as c:
+                runs[qkv, rc] = M.step(M.wrap_ddp(M.build("metp", style, **kw)), M.batch())
+            counts[qkv, rc] = c["all_gather"]
+    ref = runs["save+fc1", False]
+    for key, r in runs.items():
+        assert r["loss"] == ref["loss"], key
+        assert torch.equal(r["logits"], ref["logits"]), key
+        for name, g in ref["grads"].items():
+            assert torch.equal(r["grads"][name], g), key + (name,)
+    # Under recompute as without it: 2 layers x 4 backward all-gathers fewer.
+    assert counts["save+fc1", True] - counts["save+fc1+weights", True] == 8, counts
+    return {f"{q} {'full recompute' if rc else 'no recompute'}": n
+            for (q, rc), n in counts.items()}
+
+
+@pytest.mark.full   # 10 s; the default tier has p = 2 without recompute
+def test_kept_weights_under_full_recompute_bit_for_bit(report):
+    res = run_ranks(2, _under_full_recompute, 2)[0]
+    report("save+fc1+weights under --recompute-granularity full (uniform 1), p=2, LLaMA-style "
+           "a2a: == save+fc1 and == no recompute bit for bit; all-gathers per step "
+           + ", ".join(f"{k} {v}" for k, v in res.items()))
+
+
+@pytest.mark.parametrize("p", [2, pytest.param(4, marks=pytest.mark.full)])
 def test_kept_weights_equal_regathered_ones_bit_for_bit(p, report):
     res = run_ranks(p, _kept_vs_saved, p)[0]
     report(f"save+fc1+weights p={p}: == save+fc1 bit for bit (loss, logits, every gradient), "
