@@ -28,7 +28,9 @@ Modes: ``tp`` (Megatron TP+SP, TP = p), ``tp+full`` / ``metp+full`` (the same wi
 recompute of every layer), ``metp`` (METP weight rings and two-level attention,
 TP = p), ``metp+a2a`` (METP with ``--metp-ring-pass a2a``: all-to-alls in place of its K/V ring),
 ``metp+ring-mlp`` (METP with ``--metp-mlp-pass ring``: the paper's MLP weight ring, which
-``auto`` leaves for all-gathered weights at short lengths), ``wallfacer`` (CP = p, team size C = ``--wallfacer-team-size``, default the largest
+``auto`` leaves for all-gathered weights at short lengths), ``metp+save`` / ``metp+keep`` (the
+a2a pass with ``--metp-qkv-backward save+fc1`` / ``save+fc1+weights``: Q/K/V and fc1 kept, and
+with ``keep`` the gathered weights too; named only), ``wallfacer`` (CP = p, team size C = ``--wallfacer-team-size``, default the largest
 valid C > 1; skipped when only C = 1 is valid, i.e. it would be ``ring``), ``ring`` (WallFacer with
 C = 1: plain ring attention). Shapes per rank: ``x_shard_s [s/p, b, h]`` into the layer.
 
@@ -70,9 +72,12 @@ __all__ = ["BENCH_MODES", "add_arguments", "main", "bench_in_rank", "eq5_thresho
 # "metp+a2a": METP with --metp-ring-pass a2a (all-to-alls in place of its K/V ring);
 # "metp+ring-mlp": METP with --metp-mlp-pass ring (the weight ring where auto gathers the MLP's
 # weights: short inputs); "metp" keeps the model's own rules (the one ring pass and, at these
-# lengths, the gathered MLP).
-BENCH_MODES = ("tp", "metp", "wallfacer", "ring", "tp+full", "metp+full", "metp+a2a",
-               "metp+ring-mlp")
+# lengths, the gathered MLP). "metp+save" / "metp+keep": the a2a pass with --metp-qkv-backward
+# save+fc1 / save+fc1+weights (the second also keeps the weights its forward gathered: its
+# backward gathers none); not run unless named.
+DEFAULT_MODES = ("tp", "metp", "wallfacer", "ring", "tp+full", "metp+full", "metp+a2a",
+                 "metp+ring-mlp")
+BENCH_MODES = DEFAULT_MODES + ("metp+save", "metp+keep")
 VARIANTS = ("overlapped", "serialised", "compute")
 
 
@@ -85,8 +90,9 @@ def _ints(value: str) -> List[int]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     a = p.add_argument
-    a("--modes", type=mode_list("--modes", BENCH_MODES), default=list(BENCH_MODES),
-      help="default tp,metp,wallfacer,ring")
+    a("--modes", type=mode_list("--modes", BENCH_MODES), default=list(DEFAULT_MODES),
+      help=f"comma-separated, of {','.join(BENCH_MODES)} (default: all but metp+save and "
+           "metp+keep)")
     a("--scope", choices=("layer", "model"), default="layer",
       help="layer: one TransformerLayer (attention + MLP); model: a GPTModel with its loss")
     a("--style", choices=("gpt", "llama"), default="gpt")

@@ -32,11 +32,15 @@ def setup(mode: str, args, p: int):
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     mode, _, extra = mode.partition("+")
     # "+full": Megatron's full recompute of every layer; "+a2a": --metp-ring-pass a2a;
-    # "+ring-mlp": --metp-mlp-pass ring (the paper's weight ring at any length).
+    # "+ring-mlp": --metp-mlp-pass ring (the paper's weight ring at any length); "+save" /
+    # "+keep": the a2a pass with --metp-qkv-backward save+fc1 / save+fc1+weights.
     variant = dict(recompute_granularity="full", recompute_method="uniform",
                    recompute_num_layers=1) if extra == "full" else \
         dict(metp_ring_pass="a2a") if extra == "a2a" else \
-        dict(metp_mlp_pass="ring") if extra == "ring-mlp" else {}
+        dict(metp_mlp_pass="ring") if extra == "ring-mlp" else \
+        dict(metp_ring_pass="a2a", metp_qkv_backward="save+fc1") if extra == "save" else \
+        dict(metp_ring_pass="a2a", metp_qkv_backward="save+fc1+weights") if extra == "keep" \
+        else {}
     kw = dict(num_layers=args.num_layers if args.scope == "model" else 1, **variant,
               hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
               params_dtype=dtype, bf16=args.bf16,
