@@ -211,16 +211,19 @@ class _MetpWholeFunction(torch.autograd.Function):
         del q_lin, kv_lin
         a, lse = _attend(plan, _bnsd(q), k, v)
         del q, k, v
+        if kept is not None:
+            # save+fc1+weights: W_qkv in Megatron's row order for the backward's dX, made here,
+            # where the compute stream would otherwise wait for W_proj^T's gather.
+            kept = _assemble_qkv([w for _, w in sorted(kept, key=lambda e: e[0])], plan)
         if wpt_handle is not None:
             wpt_handle.wait()
         out = _flat(a).mm(wpt)
         ctx.plan = plan
         ctx.has_bias = b_qkv is not None
-        # save+fc1+weights: the gathered W_qkv parts (query rows, key/value rows) and W_proj^T
-        # for the backward, which then gathers nothing. Not saved tensors: autograd's version
-        # check guards w_qkv and w_proj, which they were gathered from and which are saved.
-        ctx.kept = ([w for _, w in sorted(kept, key=lambda e: e[0])], wpt) \
-            if kept is not None else None
+        # save+fc1+weights: the gathered W_qkv and W_proj^T for the backward, which then gathers
+        # nothing. Not saved tensors: autograd's version check guards w_qkv and w_proj, which
+        # they were gathered from and which are saved.
+        ctx.kept = (kept, wpt) if kept is not None else None
         del kept
         ctx.save_for_backward(x, w_qkv, b_qkv, w_proj, a, lse, *keep)
         del keep
@@ -240,9 +243,8 @@ class _MetpWholeFunction(torch.autograd.Function):
         b_src = None if keep_q is not None else b_qkv
         if ctx.kept is not None:
             # save+fc1+weights: Q/K/V saved (save_qkv), both gathered weights kept.
-            (qkv_parts, wpt), ctx.kept = ctx.kept, None
-            w_full, b_full = _assemble_qkv(qkv_parts, plan), None
-            del qkv_parts
+            (w_full, wpt), ctx.kept = ctx.kept, None
+            b_full = None
             wpt_handle = w_handle = b_handle = None
         elif plan.link is not None:
             # Posted by the MLP's backward (metp.layer_schedule), or gathered now.
