@@ -276,3 +276,17 @@ def train_capturing(base, argv, capture):
     finally:
         train._train_step = orig
     return res["losses"], held.get("last")
+
+
+@contextmanager
+def unlinked():
+    """METP layers without their ``SublayerLink`` (``metp.layer_schedule.open_link`` returns
+    None): each sublayer gathers and reduces its own weights, as before the layer schedule."""
+    from megatron_metp.metp import layer_schedule as L
+
+    orig = L.open_link
+    L.open_link = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        L.open_link = orig

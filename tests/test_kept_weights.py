@@ -49,18 +49,6 @@ def _counting():
         dist.all_gather_into_tensor, dist.reduce_scatter_tensor = ag, rs
 
 
-@contextlib.contextmanager
-def _unlinked():
-    from megatron_metp.metp import layer_schedule as L
-
-    orig = L.open_link
-    L.open_link = lambda *a, **k: None
-    try:
-        yield
-    finally:
-        L.open_link = orig
-
-
 def _kept_vs_saved(p):
     M.setup(tp=p, mode="metp")
     out = {}
@@ -71,7 +59,7 @@ def _kept_vs_saved(p):
                 for qkv in ("save+fc1", "save+fc1+weights"):
                     kw = dict(overrides, metp_ring_pass=ring_pass, metp_qkv_backward=qkv,
                               metp_mlp_pass="gathered")
-                    ctx = contextlib.nullcontext() if linked else _unlinked()
+                    ctx = contextlib.nullcontext() if linked else M.unlinked()
                     with ctx, _counting() as c:
                         runs[qkv] = M.step(M.wrap_ddp(M.build("metp", style, **kw)), M.batch())
                     counts[qkv] = dict(c)

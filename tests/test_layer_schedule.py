@@ -39,18 +39,6 @@ def _recording():
         L.SublayerLink.take, L._LaterBox.finish = take, finish
 
 
-@contextlib.contextmanager
-def _unlinked():
-    from megatron_metp.metp import layer_schedule as L
-
-    orig = L.open_link
-    L.open_link = lambda *a, **k: None
-    try:
-        yield
-    finally:
-        L.open_link = orig
-
-
 CASES = {
     # GPT-style: GeLU, fc1 and Q/K/V biases (the bias gathers and the fc1 bias gradient).
     "gpt": ("gpt", {}),
@@ -69,7 +57,7 @@ def _linked_vs_unlinked(p):
                       metp_mlp_pass="gathered")
             with _recording() as (takes, finished):
                 linked = M.step(M.wrap_ddp(M.build("metp", style, **kw)), M.batch())
-            with _unlinked(), _recording() as (takes_off, _):
+            with M.unlinked(), _recording() as (takes_off, _):
                 plain = M.step(M.wrap_ddp(M.build("metp", style, **kw)), M.batch())
             assert not takes_off
             assert linked["loss"] == plain["loss"], (case, ring_pass, qkv)
@@ -225,7 +213,7 @@ def _trace(linked: bool):
 
     world = FakeWorld(rank=7)
     try:
-        with (contextlib.nullcontext() if linked else _unlinked()):
+        with (contextlib.nullcontext() if linked else M.unlinked()):
             return trace_layer(load_config("llama-7b"), "metp", 8, 16384, world=world,
                                ring_pass="a2a", qkv_backward="save+fc1")
     finally:
