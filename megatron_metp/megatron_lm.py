@@ -96,15 +96,16 @@ def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
              "batch, no context parallelism), or auto (the planner's choice from memory "
              "headroom: a2a, then whole, wherever the run fits this GPU with it)")
     group.add_argument(
-        "--metp-qkv-backward", choices=("auto", "recompute", "save", "save+fc1", "save+fc1+weights"),
-        default="auto",
+        "--metp-qkv-backward",
+        choices=("auto", "recompute", "save", "save+fc1", "save+fc1+weights"), default="auto",
         help="METP's one ring pass: keep Q/K/V for backward (save: one GEMM less per layer, "
              "2(n+2ng)d bytes more per token and layer) or recompute them (the paper's Alg. 6); "
              "save+fc1: keep the MLP's fc1 output too (2F' bytes more per token and layer); "
              "save+fc1+weights: keep the weights the forward gathered too (the backward "
              "gathers none; 2 bytes per layer parameter held from forward to backward); "
-             "auto: the first of save+fc1+weights, save+fc1, save, recompute that still fits "
-             "this GPU's memory")
+             "auto: the first of save+fc1, save, recompute that still fits this GPU's memory "
+             "(never save+fc1+weights, a choice for speed at short sequences that "
+             "--tensor-parallel-mode auto makes)")
     group.add_argument(
         "--metp-mlp-pass", choices=("auto", "ring", "gathered"), default="auto",
         help="METP MLP: pass its fc1/fc2 shards around the ring one step at a time (ring: the "

@@ -90,15 +90,15 @@ def add_arguments(parser) -> None:
            "operations, all heads' Q/K/V at once), one pass per head group (head-group: the "
            "paper's Alg. 5-6, least memory), the whole pass with all-to-alls in place of its "
            "ring (a2a), or auto (the first of a2a, whole, head-group that fits --memory-gb)")
-    a("--metp-qkv-backward", choices=("auto", "recompute", "save", "save+fc1", "save+fc1+weights"),
-      default="auto",
+    a("--metp-qkv-backward",
+      choices=("auto", "recompute", "save", "save+fc1", "save+fc1+weights"), default="auto",
       help="METP's one ring pass: keep Q/K/V for backward (save: one GEMM less per layer, "
            "2(n+2ng)d bytes more per token and layer) or recompute them (the paper's Alg. 6); "
            "save+fc1: keep the MLP's fc1 output too (2F' bytes more per token and layer); "
            "save+fc1+weights: keep the weights the forward gathered too (the backward gathers "
            "none; 2 bytes per layer parameter held from forward to backward); auto: the first "
-           "of save+fc1+weights, save+fc1, save, recompute with which the point fits "
-           "--memory-gb")
+           "of save+fc1, save, recompute with which the point fits --memory-gb (never "
+           "save+fc1+weights; --frontier plans it)")
     a("--cpu-offloading-num-layers", type=int, default=0, metavar="N",
       help="plan Megatron-LM's --cpu-offloading --cpu-offloading-num-layers N "
            "(TransformerEngine, GPU only): N layers' saved activations in host memory, "

@@ -330,7 +330,8 @@ def transformer_config(cfg, p: int, mode: str, recompute_modules: Optional[List[
     --recompute-num-layers 1`` (the probe wraps it in Megatron's CheckpointFunction, as
     ``TransformerBlock._checkpointed_forward`` does). ``ring_pass``: METP attention's
     ``--metp-ring-pass``; ``qkv_backward``: its ``--metp-qkv-backward`` (resolved: "recompute",
-    "save", "save+fc1" or "save+fc1+weights"). ``cp``: the context-parallel size (wallfacer: p, TP = 1, unless given)."""
+    "save", "save+fc1" or "save+fc1+weights"). ``cp``: the context-parallel size (wallfacer:
+    p, TP = 1, unless given)."""
     import torch.nn.functional as F
 
     from megatron_metp.model import make_config

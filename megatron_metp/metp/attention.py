@@ -67,8 +67,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 # The options and the plan (their public home stays this module: ``metp.attention.RING_PASSES``
 # etc.), and the two ring passes, one file each.
 from megatron_metp.metp.attention_plan import (
-    ATTN_MIN_TOKENS, KEEPS_FC1, KEEPS_WEIGHTS, QKV_BACKWARD, RING_PASSES, WHOLE_MAX_TOKENS, _Plan,
-    check_metp_attention_config, check_qkv_backward, check_ring_pass, head_chunks, whole_pass)
+    ATTN_MIN_TOKENS, KEEPS_FC1, KEEPS_WEIGHTS, QKV_BACKWARD, RING_PASSES,
+    WHOLE_MAX_TOKENS, _Plan, check_metp_attention_config, check_qkv_backward, check_ring_pass,
+    head_chunks, whole_pass)
 from megatron_metp.metp.head_group_pass import _MetpMHAFunction
 from megatron_metp.metp.weight_hooks import run_pre_hooks
 from megatron_metp.metp.whole_pass import _MetpWholeFunction
@@ -207,8 +208,8 @@ class MetpSelfAttention(SelfAttention):
         # "auto" (whole_pass), "whole" or "head-group": how many head groups one ring pass
         # takes (--metp-ring-pass, carried on the config; read once here).
         self.ring_pass = check_ring_pass(getattr(config, "metp_ring_pass", "auto"))
-        # "auto", "recompute", "save", "save+fc1" or "save+fc1+weights": the one pass's Q/K/V in backward (QKV_BACKWARD,
-        # --metp-qkv-backward on the config; read once here).
+        # "auto", "recompute", "save", "save+fc1" or "save+fc1+weights": the one pass's Q/K/V
+        # in backward (QKV_BACKWARD, --metp-qkv-backward on the config; read once here).
         self.qkv_backward = check_qkv_backward(getattr(config, "metp_qkv_backward", "auto"))
         self._softmax_scale = (config.softmax_scale if config.softmax_scale is not None
                                else 1.0 / math.sqrt(self.hidden_size_per_attention_head))

@@ -94,9 +94,10 @@ class GatheredMLPFunction(torch.autograd.Function):
     then runs no fc1 GEMM); with ``keep_weights`` (``--metp-qkv-backward save+fc1+weights``,
     only with ``keep_fc1``) the gathered W_in and W_out^T too, and the backward gathers
     nothing: the same GEMMs on the same values, the weights moved once per step instead of
-    twice, for 2 h F' + 2 h F bytes (bf16) held from this forward to its backward. ``link``: the layer's ``metp.layer_schedule.SublayerLink`` or None;
-    with it the forward takes the gathers the attention posted, the backward posts the
-    attention's before its reduce-scatters, and leaves those to the link's node to wait for.
+    twice, for 2 h F' + 2 h F bytes (bf16) held from this forward to its backward.
+    ``link``: the layer's ``metp.layer_schedule.SublayerLink`` or None; with it the forward
+    takes the gathers the attention posted, the backward posts the attention's before its
+    reduce-scatters, and leaves those to the link's node to wait for.
     The group, the choice and the link arrive as arguments: nothing global is read here.
     """
 

@@ -102,14 +102,14 @@ def _train_parser(p: argparse.ArgumentParser) -> Callable:
            "(head-group: least memory), the whole pass with all-to-alls in place of its ring "
            "(a2a), or auto (default: the planner's choice from memory headroom, a2a then whole "
            "wherever the run fits --auto-memory-gib with it)")
-    a("--metp-qkv-backward", choices=("auto", "recompute", "save", "save+fc1", "save+fc1+weights"),
-      default=None,
+    a("--metp-qkv-backward",
+      choices=("auto", "recompute", "save", "save+fc1", "save+fc1+weights"), default=None,
       help="METP's one ring pass: keep Q/K/V for backward (save: one GEMM less per layer, "
            "more memory) or recompute them (recompute: the paper's Alg. 6); save+fc1: keep "
            "the MLP's fc1 output too (no fc1 GEMM in backward, F' more values per token); "
            "save+fc1+weights: keep the weights the forward gathered too (the backward gathers "
            "none; the layer's weights held from forward to backward); auto (default): the "
-           "first of save+fc1+weights, save+fc1, save, recompute with which the planner "
+           "first of save+fc1, save, recompute (never save+fc1+weights) with which the planner "
            "finds the run still fits --auto-memory-gib")
     a("--metp-mlp-pass", choices=("auto", "ring", "gathered"), default=None,
       help="METP MLP: its weight ring (ring: least memory), its weights all-gathered once "
