@@ -153,6 +153,10 @@ def test_remap_and_validate_on_what_megatron_parsed(monkeypatch):
     ns = mlm.remap_and_validate(_megatron_like_parse(argv + ["--metp-qkv-backward", "recompute"],
                                                      provider), argv)
     assert (ns.metp_ring_pass, ns.metp_qkv_backward) == ("a2a", "recompute")
+    # The kept weights are a named choice (auto never takes them): kept as given.
+    ns = mlm.remap_and_validate(_megatron_like_parse(
+        argv + ["--metp-qkv-backward", "save+fc1+weights"], provider), argv)
+    assert (ns.metp_ring_pass, ns.metp_qkv_backward) == ("a2a", "save+fc1+weights")
     ns = mlm.remap_and_validate(_megatron_like_parse(argv + ["--metp-ring-pass", "head-group"],
                                                      provider), argv)
     assert (ns.metp_ring_pass, ns.metp_qkv_backward) == ("head-group", "recompute")

@@ -64,13 +64,16 @@ def test_metp_flags_reach_the_model_config():
 
     cfg = load_config("tiny-gpt")
     got = {}
-    for argv in ([], ["--metp-ring-pass", "head-group", "--metp-qkv-backward", "save"]):
+    for argv in ([], ["--metp-ring-pass", "head-group", "--metp-qkv-backward", "save"],
+                 ["--metp-ring-pass", "a2a", "--metp-qkv-backward", "save+fc1+weights"]):
         args, _ = _args("--tensor-parallel-mode", "metp", *argv)
         ns = train.resolve_namespace(args, cfg, "metp", 4)
         tconf = train._transformer_config(ns, cfg)
         got[" ".join(argv)] = (tconf.metp_ring_pass, tconf.metp_qkv_backward)
     assert got == {"": ("auto", "auto"),
-                   "--metp-ring-pass head-group --metp-qkv-backward save": ("head-group", "save")}
+                   "--metp-ring-pass head-group --metp-qkv-backward save": ("head-group", "save"),
+                   "--metp-ring-pass a2a --metp-qkv-backward save+fc1+weights": (
+                       "a2a", "save+fc1+weights")}
 
 
 def _compare_task(argv):
