@@ -24,29 +24,12 @@ CASES = {
 }
 
 
-@contextlib.contextmanager
 def _counting():
-    """Count ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` calls (every weight
-    gather and gradient reduce-scatter of the whole pass and the gathered MLP goes through
-    ``comm.rows``, which calls these)."""
-    import torch.distributed as dist
+    """The project's ``CommCounter`` (a dispatch mode: every weight gather and gradient
+    reduce-scatter of the whole pass and the gathered MLP is one call)."""
+    from megatron_metp.measure.comm_counter import CommCounter
 
-    counts = {"all_gather": 0, "reduce_scatter": 0}
-    ag, rs = dist.all_gather_into_tensor, dist.reduce_scatter_tensor
-
-    def count_ag(*a, **k):
-        counts["all_gather"] += 1
-        return ag(*a, **k)
-
-    def count_rs(*a, **k):
-        counts["reduce_scatter"] += 1
-        return rs(*a, **k)
-
-    dist.all_gather_into_tensor, dist.reduce_scatter_tensor = count_ag, count_rs
-    try:
-        yield counts
-    finally:
-        dist.all_gather_into_tensor, dist.reduce_scatter_tensor = ag, rs
+    return CommCounter()
 
 
 def _kept_vs_saved(p):
@@ -62,7 +45,8 @@ def _kept_vs_saved(p):
                     ctx = contextlib.nullcontext() if linked else M.unlinked()
                     with ctx, _counting() as c:
                         runs[qkv] = M.step(M.wrap_ddp(M.build("metp", style, **kw)), M.batch())
-                    counts[qkv] = dict(c)
+                    counts[qkv] = {op: c.stats[op].calls
+                                   for op in ("all_gather", "reduce_scatter")}
                 kept, saved = runs["save+fc1+weights"], runs["save+fc1"]
                 where = (case, ring_pass, linked)
                 assert kept["loss"] == saved["loss"], where
@@ -98,7 +82,7 @@ def _under_full_recompute(p):
                       metp_mlp_pass="gathered", **extra)
             with _counting() as c:
                 runs[qkv, rc] = M.step(M.wrap_ddp(M.build("metp", style, **kw)), M.batch())
-            counts[qkv, rc] = c["all_gather"]
+            counts[qkv, rc] = c.stats["all_gather"].calls
     ref = runs["save+fc1", False]
     for key, r in runs.items():
         assert r["loss"] == ref["loss"], key

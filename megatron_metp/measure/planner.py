@@ -575,6 +575,8 @@ class Planner:
         return point
 
     def _plan(self, cfg, mode: str, p: int, s: int, qkv: str, ring_pass: str = "") -> PlanPoint:
+        from megatron_metp.metp.attention import KEEPS_FC1
+
         st = self.settings
         cp = self._cp(mode, p)
         full = st.recompute_granularity == "full"
@@ -646,8 +648,7 @@ class Planner:
         point.est_time_s = estimate_step_time(cfg, mode, p, s, sent, calls, st,
                                               recomputes_qkv=(qkv == "recompute"
                                                               or ring_pass == "head-group"),
-                                              recomputes_fc1=qkv not in ("save+fc1",
-                                                                         "save+fc1+weights"))
+                                              recomputes_fc1=qkv not in KEEPS_FC1)
         return point
 
     def longest_sequence(self, cfg, mode: str, p: int, lo: int = 4096,

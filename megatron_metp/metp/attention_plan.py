@@ -213,7 +213,10 @@ class _Plan:
         # "save+fc1" or "save+fc1+weights": "auto" is resolved by the launcher, before the
         # model exists), and with "save+fc1+weights" the weights it gathered.
         self.save_qkv = self.whole and module.qkv_backward in ("save",) + KEEPS_FC1
-        self.keep_weights = self.whole and module.qkv_backward == KEEPS_WEIGHTS
+        # Nothing to keep for a forward without autograd (full recompute's first pass); read
+        # here, outside the autograd Function, whose forward always runs without it.
+        self.keep_weights = (self.whole and module.qkv_backward == KEEPS_WEIGHTS
+                             and torch.is_grad_enabled())
         self._neg_freqs = None   # unrotate's -freqs, made on first use
         # The layer's SublayerLink for this forward (metp.layer_schedule), or None: the one
         # pass posts the MLP's gathers behind its own and takes its backward's from it.

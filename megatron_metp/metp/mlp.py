@@ -271,7 +271,7 @@ class MetpMLP(MLP):
             if link is not None:
                 weights = link.mlp_weights
             out_2d = GatheredMLPFunction.apply(x2d, *weights, self._act, self.weight_group,
-                                               keep, link, keep and self.keep_weights)
+                                               keep, link, self.keep_weights)
         else:
             out_2d = MetpMLPFunction.apply(x2d, *weights, self._act, self.ring_group, keep)
         out_shard_s = out_2d.view(s_local, b, -1)

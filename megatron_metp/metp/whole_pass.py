@@ -121,7 +121,7 @@ def _project_gathered(x2d, w_qkv, b_qkv, plan: _Plan, s: int, b: int, kept=None)
     would be exposed at the start of the attention). Every rank's rows stack in rank order,
     so each output is Megatron's head order as it stands, with no copy to put rows back in
     order: returns Q and ``[s, b, ng, 2, d]`` (K and V of each query group), the GEMMs'
-    outputs themselves. ``kept``: a list that receives the two gathered weight parts (query
+    outputs themselves. ``kept``: a list of two that receives the gathered weight parts (query
     rows, key/value rows) instead of their being freed (``--metp-qkv-backward
     save+fc1+weights``)."""
     d = plan.d
@@ -152,7 +152,7 @@ def _project_gathered(x2d, w_qkv, b_qkv, plan: _Plan, s: int, b: int, kept=None)
             wh.wait()
         out[i] = x2d.mm(w_full.t())
         if kept is not None:
-            kept.append((i, w_full))
+            kept[i] = w_full
         del w_full
         if b_full is not None:
             if bh is not None:
@@ -179,7 +179,7 @@ class _MetpWholeFunction(torch.autograd.Function):
     def forward(ctx, plan: _Plan, x, w_qkv, b_qkv, w_proj, *norm_params):
         s, b, h = x.shape
         x2d = x.reshape(s * b, h)
-        kept = [] if plan.keep_weights else None
+        kept = [None, None] if plan.keep_weights else None
         q_lin, kv_lin = _project_gathered(x2d, w_qkv, b_qkv, plan, s, b, kept)
         # W_proj^T's rows are the heads in order: gathered while the ring computes.
         wpt, wpt_handle = _gather_rows(w_proj.t(), plan, async_op=True)
@@ -214,7 +214,7 @@ class _MetpWholeFunction(torch.autograd.Function):
         if kept is not None:
             # save+fc1+weights: W_qkv in Megatron's row order for the backward's dX, made here,
             # where the compute stream would otherwise wait for W_proj^T's gather.
-            kept = _assemble_qkv([w for _, w in sorted(kept, key=lambda e: e[0])], plan)
+            kept = _assemble_qkv(kept, plan)
         if wpt_handle is not None:
             wpt_handle.wait()
         out = _flat(a).mm(wpt)
