@@ -32,6 +32,25 @@ def _counting():
     return CommCounter()
 
 
+@contextlib.contextmanager
+def _deferred():
+    """How many weight gradients a ``_GradsLater`` node handed autograd after waiting for their
+    reduce-scatters (``metp.layer_schedule``): ``[count]``."""
+    from megatron_metp.metp import layer_schedule as L
+
+    n, finish = [0], L._LaterBox.finish
+
+    def rec(self, i, grad):
+        n[0] += i in self.pending
+        return finish(self, i, grad)
+
+    L._LaterBox.finish = rec
+    try:
+        yield n
+    finally:
+        L._LaterBox.finish = finish
+
+
 def _kept_vs_saved(p):
     M.setup(tp=p, mode="metp")
     out = {}
@@ -43,10 +62,11 @@ def _kept_vs_saved(p):
                     kw = dict(overrides, metp_ring_pass=ring_pass, metp_qkv_backward=qkv,
                               metp_mlp_pass="gathered")
                     ctx = contextlib.nullcontext() if linked else M.unlinked()
-                    with ctx, _counting() as c:
+                    with ctx, _counting() as c, _deferred() as later:
                         runs[qkv] = M.step(M.wrap_ddp(M.build("metp", style, **kw)), M.batch())
                     counts[qkv] = {op: c.stats[op].calls
                                    for op in ("all_gather", "reduce_scatter")}
+                    counts[qkv]["later"] = later[0]
                 kept, saved = runs["save+fc1+weights"], runs["save+fc1"]
                 where = (case, ring_pass, linked)
                 assert kept["loss"] == saved["loss"], where
@@ -60,9 +80,16 @@ def _kept_vs_saved(p):
                     counts["save+fc1+weights"]["all_gather"] == 2 * 4, counts
                 assert counts["save+fc1"]["reduce_scatter"] == \
                     counts["save+fc1+weights"]["reduce_scatter"] > 0, counts
+                # Gradients handed over late (layer_schedule): linked, each layer's MLP's (w_in,
+                # [b_in,] w_out), and with the weights kept the second layer's attention's
+                # (W_qkv, [b_qkv,] W_proj), waited for by the first layer after its MLP.
+                n = 3 if case == "gpt" else 2
+                assert counts["save+fc1"]["later"] == (2 * n if linked else 0), counts
+                assert counts["save+fc1+weights"]["later"] == (3 * n if linked else 0), counts
                 out[f"{case} {ring_pass} {'linked' if linked else 'unlinked'}"] = (
                     kept["loss"], counts["save+fc1"]["all_gather"],
-                    counts["save+fc1+weights"]["all_gather"])
+                    counts["save+fc1+weights"]["all_gather"], counts["save+fc1"]["later"],
+                    counts["save+fc1+weights"]["later"])
     return out
 
 
@@ -108,4 +135,5 @@ def test_kept_weights_equal_regathered_ones_bit_for_bit(p, report):
     res = run_ranks(p, _kept_vs_saved, p)[0]
     report(f"save+fc1+weights p={p}: == save+fc1 bit for bit (loss, logits, every gradient), "
            "all-gathers per step save+fc1 -> save+fc1+weights: "
-           + ", ".join(f"{k} {v[1]} -> {v[2]} (loss {v[0]:.6f})" for k, v in res.items()))
+           + ", ".join(f"{k} {v[1]} -> {v[2]} (loss {v[0]:.6f}; gradients handed over "
+                       f"late {v[3]} -> {v[4]})" for k, v in res.items()))

@@ -251,6 +251,21 @@ def fsdp_transient_bytes(mode: str, p: int, layer_params_full: int, layers: int 
     return 0 if d == 1 else (2 * gathered + 4 + 2) * layer_params_full
 
 
+def deferred_grad_bytes(cfg, p: int, param_bytes: int = 2) -> int:
+    """What a METP layer holds for the next one (``--metp-qkv-backward save+fc1+weights``,
+    layers chained: ``metp.layer_schedule.SublayerLink.defer_next_attention``): the next
+    attention's weight-gradient reduce-scatters, waited for after this layer's MLP backward,
+    keep their fp32 inputs (the whole ``W_qkv``, its bias and ``W_proj``), their fp32 outputs
+    (this rank's rows) and the gradients autograd is to receive (the weights' dtype) alive
+    through that backward. An upper bound on what it adds to the step's peak: two real layers
+    measured (``tests/test_layer_schedule.py``) add 0 to 29 MiB of it (LLaMA-7B 4k-16k,
+    LLaMA-70B 16k), since the peak is mostly the last layer's backward, before any is held."""
+    qkv_rows = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * cfg.kv_channels
+    proj = cfg.num_attention_heads * cfg.kv_channels
+    whole = (qkv_rows + proj) * cfg.hidden_size + (qkv_rows if cfg.add_bias_linear else 0)
+    return whole * 4 + whole // p * (4 + param_bytes)
+
+
 # ------------------------------------------------------------------------------------------
 # fake world
 
@@ -575,7 +590,7 @@ class Planner:
         return point
 
     def _plan(self, cfg, mode: str, p: int, s: int, qkv: str, ring_pass: str = "") -> PlanPoint:
-        from megatron_metp.metp.attention import KEEPS_FC1
+        from megatron_metp.metp.attention import KEEPS_FC1, KEEPS_WEIGHTS
 
         st = self.settings
         cp = self._cp(mode, p)
@@ -607,6 +622,11 @@ class Planner:
                                     shared, head_extra, resident)
         if st.megatron_fsdp:
             act += fsdp_transient_bytes(mode, p, lm.params, L)
+        if mode == "metp" and qkv == KEEPS_WEIGHTS and L > 1:
+            from megatron_metp.measure.op_trace import chains_layers
+
+            if chains_layers(cfg, mode, p, s, b, full):
+                act += deferred_grad_bytes(cfg, p)
         if mode == "wallfacer":
             act += team_shard_bytes(cfg, p, s, b, st.wallfacer_team)
         if st.count_send_buffers:

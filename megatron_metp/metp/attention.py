@@ -192,8 +192,10 @@ class MetpSelfAttention(SelfAttention):
         from megatron_metp.parallel_state import metp_weight_group
 
         self.weight_group = metp_weight_group(self.tp_group)
-        # Set by MetpTransformerLayer for one forward (metp.layer_schedule.SublayerLink).
+        # Set by MetpTransformerLayer for one forward (metp.layer_schedule.SublayerLink), and
+        # the views of this module's weights the layer before made (defer_next_attention).
         self.link = None
+        self.later = None
         # The K/V ring: the TP group, or under CP the TP x CP ranks of this sequence with each
         # one's block index (megatron_metp.parallel_state.metp_kv_ring); read once here.
         from megatron_metp.parallel_state import metp_kv_balanced_blocks, metp_kv_ring
@@ -292,10 +294,18 @@ class MetpSelfAttention(SelfAttention):
         norm_params = [prm for m in (self.q_layernorm, self.k_layernorm) if m is not None
                        for prm in m.parameters()]
         fn = _MetpWholeFunction if plan.whole else _MetpMHAFunction
-        out = fn.apply(
-            plan, hidden_states, self.linear_qkv.weight, self.linear_qkv.bias,
-            self.linear_proj.weight, *norm_params,
-        )
+        w_qkv, b_qkv, w_proj = self.linear_qkv.weight, self.linear_qkv.bias, self.linear_proj.weight
+        if plan.later_box is not None:
+            # Views through the layer before's _GradsLater node, which waits for their
+            # gradients' reduce-scatters (metp.layer_schedule).
+            views = self.later[1]
+            w_qkv, w_proj = views[0], views[-1]
+            b_qkv = views[1] if len(views) == 3 else b_qkv
+        out = fn.apply(plan, hidden_states, w_qkv, b_qkv, w_proj, *norm_params)
+        if plan.keep_weights and plan.link is not None:
+            # Where the next layer keeps its weights too, the node that waits for its
+            # attention's gradients, made here: after this attention, before this MLP.
+            plan.link.defer_next_attention()
         # RowParallelLinear(skip_bias_add=True), as Attention builds it, returns its bias apart
         # for the fused bias-dropout-add; the bias is replicated, so it never travels.
         if self.linear_proj.skip_bias_add:

@@ -221,6 +221,10 @@ class _Plan:
         # The layer's SublayerLink for this forward (metp.layer_schedule), or None: the one
         # pass posts the MLP's gathers behind its own and takes its backward's from it.
         self.link = getattr(module, "link", None) if self.whole else None
+        # The layer before waits for this pass's weight-gradient reduce-scatters where both keep
+        # their weights (layer_schedule.SublayerLink.defer_next_attention): the box, or None.
+        later = getattr(module, "later", None)
+        self.later_box = later[0] if later is not None and self.keep_weights else None
 
     def row_blocks(self, w_qkv, b_qkv, gs: slice):
         """The q / k / v row blocks of query groups ``gs`` of head group j's ``w_qkv`` (and its

@@ -40,6 +40,22 @@ sublayer's traffic behind the other's compute:
   layer in a stack at 16k / 32k: 7.03 -> 6.85 / 15.22 -> 15.11 ms; at 4k / 8k unchanged
   (``metp plan --timeline``'s "in a stack" column, ESTIMATE).
 
+* **the next attention's gradients** (:meth:`SublayerLink.defer_next_attention`), where both
+  layers keep their gathered weights (``--metp-qkv-backward save+fc1+weights``: neither
+  sublayer's backward gathers anything): the attention's backward ends with its fp32 ``W_qkv``
+  gradient's reduce-scatter posted behind dX's GEMM alone, and waited for right after it. This
+  layer's attention, once its Function is made, applies a :class:`_GradsLater` to the next
+  layer's attention weights, whose forward then runs on those views; that attention's backward
+  posts its reduce-scatters without waiting, and the node, created after this attention and
+  before this MLP, runs after this layer's MLP backward (later created) and before this
+  attention's: the transfers travel behind this MLP's backward GEMMs. The first layer of a
+  chain waits for its own. Cost: those fp32 gradients (the whole ``W_qkv`` and ``W_proj``, and
+  this rank's rows) live through this MLP's backward: 304 MiB for LLaMA-7B, 684 MiB for
+  LLaMA-70B at p = 8, which the planner adds to the step's peak
+  (``planner.deferred_grad_bytes``; two real LLaMA-7B layers at 4k add 29 MiB to it, none at
+  16k: ``tests/test_layer_schedule.py``). LLaMA-7B's layer in a stack at 4k / 8k / 16k: 3.62 ->
+  3.36 / 4.00 -> 3.59 / 6.82 -> 6.56 ms; LLaMA-70B's at 16k 20.98 -> 20.55 ms (ESTIMATE).
+
 The same arithmetic, the same bytes, the same calls: only when each is posted and waited for
 moves (tested bit for bit: ``tests/test_layer_schedule.py``). LLaMA-7B's layer at 16k: 8.10 ->
 7.36 ms, LLaMA-70B's 25.2 -> 21.6 ms (ESTIMATE, links shared: ``measure.timeline``). What it
@@ -63,10 +79,11 @@ import torch
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_metp.comm import gather_rows
+from megatron_metp.metp.attention_plan import KEEPS_WEIGHTS
 from megatron_metp.metp.weight_hooks import run_pre_hooks
 from megatron_metp.metp.whole_pass import first_gathers
 
-__all__ = ["SublayerLink", "MetpTransformerLayer", "chain", "chain_layers"]
+__all__ = ["SublayerLink", "MetpTransformerLayer", "chain", "chain_layers", "attention_weights"]
 
 
 class _LaterBox:
@@ -138,6 +155,9 @@ class SublayerLink:
         # The next layer (a MetpTransformerLayer), whose first gathers this layer's MLP posts
         # (post_next); None where there is none or its forward is not to follow this one.
         self.next_layer = None
+        # The next layer's attention weights as views through a _GradsLater node made after
+        # this layer's attention (defer_next_attention): (box, views), or None.
+        self.next_later = None
 
     def adopt(self, carried: Optional[Dict[str, tuple]]) -> None:
         """Take over the gathers the layer before posted for this one (:meth:`post_next`)."""
@@ -178,9 +198,34 @@ class SublayerLink:
         nxt, self.next_layer = self.next_layer, None
         if nxt is None or not self.attention_whole:
             return
+        later, self.next_later = self.next_later, None
         carried: Dict[str, tuple] = {}
-        self._post(first_gathers(nxt.self_attention), into=carried)
-        nxt._carried = carried
+        # Cut from the views the next attention is to run on, where it defers its gradients
+        # (defer_next_attention): take() matches them by the tensor they are cut from.
+        self._post(first_gathers(nxt.self_attention, later[1] if later else None),
+                   into=carried)
+        nxt._carried, nxt._later = carried, later
+
+    def defer_next_attention(self) -> None:
+        """Where both this layer's attention and the next one's keep their gathered weights
+        (``--metp-qkv-backward save+fc1+weights``: neither backward gathers anything), make the
+        node that is to wait for the next attention's weight-gradient reduce-scatters: a
+        :class:`_GradsLater` on its ``linear_qkv`` / ``linear_proj`` weights (and bias), made
+        here, after this layer's attention and before its MLP, so that autograd runs it after
+        this layer's MLP backward and before its attention's (module docstring). The next
+        layer's attention runs on its views (:class:`MetpTransformerLayer`) and its backward
+        posts those reduce-scatters without waiting (``whole_pass``). Called by this layer's
+        attention, in a forward autograd records, after its Function."""
+        nxt = self.next_layer
+        att = getattr(nxt, "self_attention", None)
+        if (nxt is None or not self.attention_whole or not torch.is_grad_enabled()
+                or getattr(att, "qkv_backward", None) != KEEPS_WEIGHTS):
+            return
+        weights = attention_weights(att)
+        if not any(w.requires_grad for w in weights):
+            return
+        box = _LaterBox()
+        self.next_later = (box, _GradsLater.apply(box, *weights))
 
     def take(self, name: str, t, transpose: bool = False,
              origin: Optional[torch.Tensor] = None):
@@ -205,7 +250,15 @@ class SublayerLink:
     def close(self) -> None:
         """Wait for and drop whatever was posted and not taken (the layer's forward ends)."""
         drop(self._posted)
-        self.next_layer = None
+        self.next_layer = self.next_later = None
+
+
+def attention_weights(attention) -> Tuple[torch.Tensor, ...]:
+    """A METP attention's ``(linear_qkv.weight[, linear_qkv.bias], linear_proj.weight)``: what
+    its autograd Function takes, in that order (the bias where it has one)."""
+    qkv, proj = attention.linear_qkv, attention.linear_proj
+    b = qkv.bias if qkv.bias is not None and qkv.bias.numel() else None
+    return tuple(w for w in (qkv.weight, b, proj.weight) if w is not None)
 
 
 def drop(posted: Optional[Dict[str, tuple]]) -> None:
@@ -252,16 +305,18 @@ class MetpTransformerLayer(TransformerLayer):
 
     _next = ()          # (the next layer of the block,) once chained: a tuple, not a submodule
     _carried = None     # the first gathers the layer before posted for this one
+    _later = None       # (box, views) of this layer's attention weights the layer before made
 
     def forward(self, *args, **kwargs):
         x = kwargs["hidden_states"] if "hidden_states" in kwargs else (args[0] if args else None)
         carried, self._carried = self._carried, None
+        later, self._later = self._later, None
         nxt = self._next[0] if self._next else None
-        if nxt is not None and nxt._carried:
-            # Posted by an earlier forward of this layer that the next one never took (an
-            # error between them): waited for and dropped, never taken by a later forward.
+        if nxt is not None:
+            # Posted (and views made) by an earlier forward of this layer that the next one
+            # never took (an error between them): waited for and dropped, never taken later.
             drop(nxt._carried)
-            nxt._carried = None
+            nxt._carried = nxt._later = None
         link = open_link(self.self_attention, self.mlp, x)
         if link is None:
             drop(carried)
@@ -275,10 +330,13 @@ class MetpTransformerLayer(TransformerLayer):
             # backward, long after the next layer's, so it posts nothing ahead.
             link.next_layer = nxt
         self.self_attention.link = self.mlp.link = link
+        # The views the layer before made of this attention's weights, whose gradients it
+        # waits for (SublayerLink.defer_next_attention): only in the forward it made them for.
+        self.self_attention.later = later if torch.is_grad_enabled() else None
         try:
             return super().forward(*args, **kwargs)
         finally:
-            self.self_attention.link = self.mlp.link = None
+            self.self_attention.link = self.mlp.link = self.self_attention.later = None
             link.close()
 
 

@@ -82,12 +82,16 @@ def _gather_order(heads_p: int, groups_p: int) -> list:
     return sorted(range(2), key=lambda i: rows[i])
 
 
-def first_gathers(module) -> list:
+def first_gathers(module, weights=None) -> list:
     """What this pass's forward gathers first, for a METP attention ``module``: its W_qkv parts
     (and their bias rows), in its order, as ``(name, tensor, transpose, origin)`` (``origin``:
-    the parameter the part is cut from). The layer before posts them behind its MLP
-    (``metp.layer_schedule``); :func:`_project_gathered` takes them by these names."""
+    the tensor the part is cut from, the one the pass will be given). The layer before posts
+    them behind its MLP (``metp.layer_schedule``); :func:`_project_gathered` takes them by
+    these names. ``weights``: the views the pass is to run on instead of the parameters
+    (``layer_schedule.attention_weights``' order), or None."""
     w, b = module.linear_qkv.weight, module.linear_qkv.bias
+    if weights is not None:
+        w, b = weights[0], (weights[1] if len(weights) == 3 else None)
     parts = _qkv_parts(w, b, module.num_attention_heads_per_partition,
                        module.num_query_groups_per_partition,
                        module.hidden_size_per_attention_head)
@@ -241,6 +245,9 @@ class _MetpWholeFunction(torch.autograd.Function):
         x2d, dout2d = x.reshape(s * b, h), dout.reshape(s * b, h)
         # The bias only enters the recompute: a saved projection needs no gather of it.
         b_src = None if keep_q is not None else b_qkv
+        # The layer before waits for this pass's reduce-scatters, after its MLP's backward
+        # (layer_schedule.SublayerLink.defer_next_attention), where the weights are kept.
+        box = plan.later_box if ctx.kept is not None else None
         if ctx.kept is not None:
             # save+fc1+weights: Q/K/V saved (save_qkv), both gathered weights kept.
             (w_full, wpt), ctx.kept = ctx.kept, None
@@ -258,6 +265,7 @@ class _MetpWholeFunction(torch.autograd.Function):
         # Weight gradients are summed over p ranks: in fp32 for bf16/fp16 weights, so the sum
         # adds no rounding TP's single matmul does not have.
         gacc = torch.promote_types(w_proj.dtype, torch.float32)
+
         # --metp-ring-pass a2a: the exchanges of what backward's attention reads and we already
         # hold (O, its lse; Q/K/V when saved after RoPE) travel behind the two GEMMs below.
         posted = None
@@ -267,8 +275,11 @@ class _MetpWholeFunction(torch.autograd.Function):
             posted = post_backward_inputs(plan.group, *saved, out=a, lse=lse)
         a2d = _flat(a)
         # dW_proj^T = A^T dO (this rank's tokens), reduce-scattered while the ring runs.
-        dwpt, dwpt_handle = _scatter_rows(a2d.t().mm(dout2d).to(gacc), plan)
+        dwpt_full = a2d.t().mm(dout2d).to(gacc)
+        dwpt, dwpt_handle = _scatter_rows(dwpt_full, plan)
         del a2d
+        if box is None:
+            del dwpt_full
         if wpt_handle is not None:
             wpt_handle.wait()
         da = dout2d.mm(wpt.t()).view(s, b, -1, plan.d).permute(1, 2, 0, 3)
@@ -346,12 +357,23 @@ class _MetpWholeFunction(torch.autograd.Function):
         del dk, dv
         dqkv2d = dqkv.view(s * b, -1)
         # The weight gradient first, so that its reduce-scatter runs behind dX's GEMM.
-        dw, dw_handle = _scatter_rows(dqkv2d.t().mm(x2d).to(gacc), plan)
-        db, db_handle = _scatter_rows(dqkv2d.sum(0).to(gacc) if ctx.has_bias else None, plan)
+        dw_full = dqkv2d.t().mm(x2d).to(gacc)
+        db_full = dqkv2d.sum(0).to(gacc) if ctx.has_bias else None
+        dw, dw_handle = _scatter_rows(dw_full, plan)
+        db, db_handle = _scatter_rows(db_full, plan)
+        if box is None:
+            del dw_full, db_full
         if w_handle is not None:
             w_handle.wait()
         dx = dqkv2d.mm(w_full)
         del w_full, b_full
+        if box is not None:
+            # Posted, not waited for: the box keeps each reduce-scatter's input alive and hands
+            # autograd the gradient once the layer before has waited (_GradsLater).
+            return (None, dx.view(s, b, h), box.hold(0, dw, dw_handle, dw_full, w_qkv),
+                    box.hold(1, db, db_handle, db_full, b_qkv) if ctx.has_bias else None,
+                    box.hold(2 if ctx.has_bias else 1, dwpt, dwpt_handle, dwpt_full, w_proj,
+                             transpose=True), *dnorm)
         for hnd in (dwpt_handle, dw_handle, db_handle):
             if hnd is not None:
                 hnd.wait()
