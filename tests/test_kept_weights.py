@@ -93,6 +93,36 @@ def _kept_vs_saved(p):
     return out
 
 
+def _with_overlapped_grad_reduce(p):
+    """Megatron DDP's ``--overlap-grad-reduce`` starts a bucket's reduction from the gradient
+    hooks, as each parameter's gradient reaches autograd: with the weights kept, the second
+    layer's attention gradients reach it late (after the first layer's MLP backward,
+    ``layer_schedule``). The model still equals ``save+fc1`` without the overlap, bit for bit."""
+    M.setup(tp=p, mode="metp")
+    style, overrides = CASES["gpt"]
+    runs = {}
+    for qkv, overlap in (("save+fc1", False), ("save+fc1+weights", True)):
+        kw = dict(overrides, metp_ring_pass="a2a", metp_qkv_backward=qkv,
+                  metp_mlp_pass="gathered")
+        with _deferred() as later:
+            runs[qkv] = M.step(M.wrap_ddp(M.build("metp", style, **kw),
+                                          overlap_grad_reduce=overlap, bucket_size=4096),
+                               M.batch())
+        runs[qkv]["later"] = later[0]
+    kept, saved = runs["save+fc1+weights"], runs["save+fc1"]
+    assert kept["later"] == 9 and saved["later"] == 6, (kept["later"], saved["later"])
+    assert kept["loss"] == saved["loss"]
+    for name, g in saved["grads"].items():
+        assert torch.equal(kept["grads"][name], g), name
+    return kept["loss"], len(saved["grads"])
+
+
+def test_late_gradients_with_overlapped_grad_reduce_bit_for_bit(report):
+    loss, n = run_ranks(2, _with_overlapped_grad_reduce, 2)[0]
+    report(f"save+fc1+weights with --overlap-grad-reduce (buckets of 4096), p=2 GPT-style a2a: "
+           f"== save+fc1 without it bit for bit ({n} gradients, loss {loss:.6f})")
+
+
 def _under_full_recompute(p):
     """Megatron's full recompute runs each layer's forward without autograd, then again inside
     backward: the kept weights are those of the second forward, used by the backward right

@@ -265,7 +265,6 @@ class _MetpWholeFunction(torch.autograd.Function):
         # Weight gradients are summed over p ranks: in fp32 for bf16/fp16 weights, so the sum
         # adds no rounding TP's single matmul does not have.
         gacc = torch.promote_types(w_proj.dtype, torch.float32)
-
         # --metp-ring-pass a2a: the exchanges of what backward's attention reads and we already
         # hold (O, its lse; Q/K/V when saved after RoPE) travel behind the two GEMMs below.
         posted = None
@@ -358,11 +357,13 @@ class _MetpWholeFunction(torch.autograd.Function):
         dqkv2d = dqkv.view(s * b, -1)
         # The weight gradient first, so that its reduce-scatter runs behind dX's GEMM.
         dw_full = dqkv2d.t().mm(x2d).to(gacc)
-        db_full = dqkv2d.sum(0).to(gacc) if ctx.has_bias else None
         dw, dw_handle = _scatter_rows(dw_full, plan)
+        if box is None:
+            del dw_full
+        db_full = dqkv2d.sum(0).to(gacc) if ctx.has_bias else None
         db, db_handle = _scatter_rows(db_full, plan)
         if box is None:
-            del dw_full, db_full
+            del db_full
         if w_handle is not None:
             w_handle.wait()
         dx = dqkv2d.mm(w_full)
