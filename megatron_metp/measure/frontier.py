@@ -226,7 +226,8 @@ class Frontier:
         """ESTIMATED seconds of one layer per GPU, ``(first, steady)`` (``timeline.
         layer_in_stack``: alone, and in a stack): plain (with ``v``'s selective recompute) or
         inside Megatron's CheckpointFunction (``full``)."""
-        from megatron_metp.measure.op_trace import chains_layers, trace_layer
+        from megatron_metp.measure.op_trace import trace_layer
+        from megatron_metp.measure.planner import chains_layers
 
         sel = () if full else v.selective
         key = (cfg.name, v.mode, p, s, v.cp, sel, full, v.ring_pass, v.qkv, v.cp_comm)

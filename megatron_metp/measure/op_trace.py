@@ -40,8 +40,7 @@ from torch.utils.flop_counter import flop_registry
 from megatron_metp import cpu_compat
 from megatron_metp.measure.comm_counter import CommCounter
 
-__all__ = ["TraceOp", "OpRecorder", "attention_flops", "trace_layer", "chains_layers",
-           "group_roles",
+__all__ = ["TraceOp", "OpRecorder", "attention_flops", "trace_layer", "group_roles",
            "is_strided"]
 
 # Ops that launch no kernel and move no bytes although their schemas return a fresh tensor
@@ -261,20 +260,6 @@ def trace_layer(cfg, mode: str, p: int, s: int, world=None, micro_batch: int = 1
     with cpu_compat.planning():
         return _trace_layer(cfg, mode, p, s, world, micro_batch, recompute_modules, tcfg,
                             ring_pass, qkv_backward, cp, full_recompute, cp_comm_type, layers)
-
-
-def chains_layers(cfg, mode: str, p: int, s: int, micro_batch: int = 1,
-                  full_recompute: bool = False) -> bool:
-    """Whether two layers of ``cfg`` hand work from one to the next (``metp.layer_schedule.
-    chain``: METP without full recompute, its MLP on the gathered pass, ``--metp-mlp-pass
-    auto``): there a stack's trace is not one layer's run twice (``timeline.stack_of_two``),
-    so ``trace_layer(layers=2)`` traces it."""
-    if mode != "metp" or full_recompute:
-        return False
-    from megatron_metp.metp.gathered_mlp import takes_gathered
-
-    rows = cfg.ffn_hidden_size * (2 if cfg.swiglu else 1)
-    return takes_gathered(s // p * micro_batch, rows, 2)
 
 
 def _clear_sp_scratch() -> None:

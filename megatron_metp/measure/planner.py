@@ -251,6 +251,20 @@ def fsdp_transient_bytes(mode: str, p: int, layer_params_full: int, layers: int 
     return 0 if d == 1 else (2 * gathered + 4 + 2) * layer_params_full
 
 
+def chains_layers(cfg, mode: str, p: int, s: int, micro_batch: int = 1,
+                  full_recompute: bool = False) -> bool:
+    """Whether two layers of ``cfg`` hand work from one to the next (``metp.layer_schedule.
+    chain``: METP without full recompute, its MLP on the gathered pass, ``--metp-mlp-pass
+    auto``): there a stack's trace is not one layer's run twice (``timeline.stack_of_two``),
+    so ``trace_layer(layers=2)`` traces it."""
+    if mode != "metp" or full_recompute:
+        return False
+    from megatron_metp.metp.gathered_mlp import takes_gathered
+
+    rows = cfg.ffn_hidden_size * (2 if cfg.swiglu else 1)
+    return takes_gathered(s // p * micro_batch, rows, 2)
+
+
 def deferred_grad_bytes(cfg, p: int, param_bytes: int = 2) -> int:
     """What a METP layer holds for the next one (``--metp-qkv-backward save+fc1+weights``,
     layers chained: ``metp.layer_schedule.SublayerLink.defer_next_attention``): the next
@@ -623,8 +637,6 @@ class Planner:
         if st.megatron_fsdp:
             act += fsdp_transient_bytes(mode, p, lm.params, L)
         if mode == "metp" and qkv == KEEPS_WEIGHTS and L > 1:
-            from megatron_metp.measure.op_trace import chains_layers
-
             if chains_layers(cfg, mode, p, s, b, full):
                 act += deferred_grad_bytes(cfg, p)
         if mode == "wallfacer":

@@ -326,7 +326,7 @@ def stack_of_two(ops: List[TraceOp]) -> List[TraceOp]:
     first, the forward of the second, the backward of the second, the backward of the first
     (the second's comm calls renumbered). Two layers that hand nothing from one to the other
     trace to exactly this (``tests/test_timeline.py``); METP's chained layers do hand work
-    across (``op_trace.chains_layers``), and are traced as two."""
+    across (``planner.chains_layers``), and are traced as two."""
     off = max([o.comm_id for o in ops] + [0]) + 1
     second = [replace(o, comm_id=o.comm_id + off) if o.comm_id >= 0 else o for o in ops]
     fwd = lambda lst: [o for o in lst if o.phase == "fwd"]  # noqa: E731

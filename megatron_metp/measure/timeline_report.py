@@ -113,8 +113,9 @@ def timeline_rows(cfgs, ps, modes, seqs, gpus, efficiency, gpus_per_node, keep=N
     from dataclasses import replace
 
     from megatron_metp.models.flops import training_flops
-    from megatron_metp.measure.op_trace import chains_layers, summary, trace_layer
-    from megatron_metp.measure.planner import FakeWorld, resolve_metp_attention, seq_label
+    from megatron_metp.measure.op_trace import summary, trace_layer
+    from megatron_metp.measure.planner import (FakeWorld, chains_layers, resolve_metp_attention,
+                                               seq_label)
     from megatron_metp.measure.timeline import tp_comm_overlap
 
     rows = []
