@@ -39,8 +39,17 @@ T0=$(date +%s)
 mkdir -p out
 bash scripts/setup_env.sh mcore019 > out/setup_mcore019.log 2>&1 &
 SETUP19=$!
-timeout 300 bash scripts/slurm/local_cluster.sh start \
-  || echo "run_tests.sh: no local SLURM cluster; tests/test_slurm.py will skip its real jobs"
+# The daemons this run starts are stopped when it ends (a cluster already running is left be).
+if SLURM_UP=$(timeout 300 bash scripts/slurm/local_cluster.sh start 2>&1); then
+  echo "$SLURM_UP"
+else
+  echo "$SLURM_UP"
+  echo "run_tests.sh: no local SLURM cluster; tests/test_slurm.py will skip its real jobs"
+fi
+case "$SLURM_UP" in
+  *"already running"*) ;;
+  *) trap 'bash scripts/slurm/local_cluster.sh stop > /dev/null 2>&1 || true' EXIT ;;
+esac
 echo "=== full tier, 1 of 2: $VENV, every test (-m '') ==="
 RC1=0
 # tests/test_megatron_lm_training.py's launches (the GPT and LLaMA runs in every mode, the
