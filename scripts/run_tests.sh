@@ -40,12 +40,9 @@ mkdir -p out
 bash scripts/setup_env.sh mcore019 > out/setup_mcore019.log 2>&1 &
 SETUP19=$!
 # The daemons this run starts are stopped when it ends (a cluster already running is left be).
-if SLURM_UP=$(timeout 300 bash scripts/slurm/local_cluster.sh start 2>&1); then
-  echo "$SLURM_UP"
-else
-  echo "$SLURM_UP"
-  echo "run_tests.sh: no local SLURM cluster; tests/test_slurm.py will skip its real jobs"
-fi
+SLURM_UP=$(timeout 300 bash scripts/slurm/local_cluster.sh start 2>&1) || SLURM_UP+=$'\n'\
+"run_tests.sh: no local SLURM cluster; tests/test_slurm.py will skip its real jobs"
+echo "$SLURM_UP"
 case "$SLURM_UP" in
   *"already running"*) ;;
   *) trap 'bash scripts/slurm/local_cluster.sh stop > /dev/null 2>&1 || true' EXIT ;;

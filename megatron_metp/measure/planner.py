@@ -636,9 +636,8 @@ class Planner:
                                     shared, head_extra, resident)
         if st.megatron_fsdp:
             act += fsdp_transient_bytes(mode, p, lm.params, L)
-        if mode == "metp" and qkv == KEEPS_WEIGHTS and L > 1:
-            if chains_layers(cfg, mode, p, s, b, full):
-                act += deferred_grad_bytes(cfg, p)
+        if qkv == KEEPS_WEIGHTS and L > 1 and chains_layers(cfg, mode, p, s, b, full):
+            act += deferred_grad_bytes(cfg, p)
         if mode == "wallfacer":
             act += team_shard_bytes(cfg, p, s, b, st.wallfacer_team)
         if st.count_send_buffers:

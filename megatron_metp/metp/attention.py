@@ -298,9 +298,8 @@ class MetpSelfAttention(SelfAttention):
         if plan.later_box is not None:
             # Views through the layer before's _GradsLater node, which waits for their
             # gradients' reduce-scatters (metp.layer_schedule).
-            views = self.later[1]
-            w_qkv, w_proj = views[0], views[-1]
-            b_qkv = views[1] if len(views) == 3 else b_qkv
+            w_qkv, b_view, w_proj = self.later[1]
+            b_qkv = b_qkv if b_view is None else b_view
         out = fn.apply(plan, hidden_states, w_qkv, b_qkv, w_proj, *norm_params)
         if plan.keep_weights and plan.link is not None:
             # Where the next layer keeps its weights too, the node that waits for its

@@ -156,7 +156,8 @@ class SublayerLink:
         # (post_next); None where there is none or its forward is not to follow this one.
         self.next_layer = None
         # The next layer's attention weights as views through a _GradsLater node made after
-        # this layer's attention (defer_next_attention): (box, views), or None.
+        # this layer's attention (defer_next_attention): (box, (w_qkv, b_qkv | None, w_proj)),
+        # or None.
         self.next_later = None
 
     def adopt(self, carried: Optional[Dict[str, tuple]]) -> None:
@@ -222,10 +223,12 @@ class SublayerLink:
                 or getattr(att, "qkv_backward", None) != KEEPS_WEIGHTS):
             return
         weights = attention_weights(att)
-        if not any(w.requires_grad for w in weights):
+        present = [w for w in weights if w is not None]
+        if not any(w.requires_grad for w in present):
             return
         box = _LaterBox()
-        self.next_later = (box, _GradsLater.apply(box, *weights))
+        views = iter(_GradsLater.apply(box, *present))
+        self.next_later = (box, tuple(next(views) if w is not None else None for w in weights))
 
     def take(self, name: str, t, transpose: bool = False,
              origin: Optional[torch.Tensor] = None):
@@ -253,12 +256,13 @@ class SublayerLink:
         self.next_layer = self.next_later = None
 
 
-def attention_weights(attention) -> Tuple[torch.Tensor, ...]:
-    """A METP attention's ``(linear_qkv.weight[, linear_qkv.bias], linear_proj.weight)``: what
-    its autograd Function takes, in that order (the bias where it has one)."""
+def attention_weights(attention) -> Tuple[Optional[torch.Tensor], ...]:
+    """A METP attention's ``(linear_qkv.weight, linear_qkv.bias or None, linear_proj.weight)``:
+    the weights its autograd Function takes, in that order (its gradients' box indices skip
+    the bias where there is none)."""
     qkv, proj = attention.linear_qkv, attention.linear_proj
     b = qkv.bias if qkv.bias is not None and qkv.bias.numel() else None
-    return tuple(w for w in (qkv.weight, b, proj.weight) if w is not None)
+    return qkv.weight, b, proj.weight
 
 
 def drop(posted: Optional[Dict[str, tuple]]) -> None:

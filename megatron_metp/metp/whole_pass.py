@@ -87,11 +87,10 @@ def first_gathers(module, weights=None) -> list:
     (and their bias rows), in its order, as ``(name, tensor, transpose, origin)`` (``origin``:
     the tensor the part is cut from, the one the pass will be given). The layer before posts
     them behind its MLP (``metp.layer_schedule``); :func:`_project_gathered` takes them by
-    these names. ``weights``: the views the pass is to run on instead of the parameters
-    (``layer_schedule.attention_weights``' order), or None."""
-    w, b = module.linear_qkv.weight, module.linear_qkv.bias
-    if weights is not None:
-        w, b = weights[0], (weights[1] if len(weights) == 3 else None)
+    these names. ``weights``: the views ``(w_qkv, b_qkv | None, w_proj)`` the pass is to run on
+    instead of the parameters, or None."""
+    w, b = ((module.linear_qkv.weight, module.linear_qkv.bias) if weights is None
+            else weights[:2])
     parts = _qkv_parts(w, b, module.num_attention_heads_per_partition,
                        module.num_query_groups_per_partition,
                        module.hidden_size_per_attention_head)
