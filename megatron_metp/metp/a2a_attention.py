@@ -19,22 +19,37 @@ The functions take and return exactly what the ring's do (:func:`a2a_attention_f
 :func:`a2a_attention_backward` against ``ring_attention_forward`` / ``ring_attention_backward``),
 so the whole pass saves the same tensors either way and the memory plan differs only in the
 transients: the whole-sequence tensors of this rank's heads (the bytes of the local shards) and
-the exchange's send and receive buffers, one tensor at a time.
+the exchange's send and receive buffers, one tensor at a time. That is the pass where Q/K/V are
+recomputed in backward, or saved before a q/k norm: 14 all-to-alls per layer over the METP
+group, 12 of a Q- or K/V-sized tensor and 2 of the log-sum-exp (forward: Q, K, V in, O and its
+lse out; backward: Q, K, V, O, lse and dO in, dQ, dK, dV out), (p-1)/p of each on the wire, and
+two layout copies per exchange (``ulysses.attention``).
 
-What it costs against the ring, per layer: 14 all-to-alls over the METP group, 12 of a Q- or
-K/V-sized tensor and 2 of the log-sum-exp (forward: Q, K, V in, O and its lse out; backward: Q,
-K, V, O, lse and dO in, dQ, dK, dV out), (p-1)/p of each on the wire; and two layout copies per
-exchange (``ulysses.attention``). The forward's exchanges wait on the compute stream; the
-backward's of what the whole pass saved (O and its lse; Q/K/V too when saved after RoPE) are
-posted before the output projection's two GEMMs and travel behind them
-(:func:`post_backward_inputs`), where the ring's p - 1 hops hide behind its blocks' kernels.
-What it saves: the ring's p - 1 merges into the fp32 output (two strided passes over it each),
-the p - 1 fp32 dQ and 2(p-1) fp32 dK/dV adds, the half-block kernel calls, and the ring's K/V
-(forward) and K/V + fp32 dK/dV (backward) traffic: p - 1 hops of 2 n_kv d (forward) and 6 n_kv d
-(backward) values per token against 12 exchanges of at most n d. And memory: no fp32 state
-the size of the output and of dK/dV (LLaMA-7B at p = 8, 128k: 60.9 GiB planned per GPU
-against 62.1 with the ring, Q/K/V and fc1 saved). ``metp plan --timeline --metp-ring-pass
-a2a`` gives the time (ESTIMATE).
+Saving the heads (:func:`a2a_heads_forward` / :func:`a2a_heads_backward`; the whole pass with
+``--metp-qkv-backward save`` or more and no q/k norm, RoPE or nothing after the projection):
+what backward's attention reads of Q/K/V and the lse is what the forward's exchange delivered,
+the whole sequence of this rank's heads, and that is what is saved: as many bytes as this
+rank's tokens of every head (the ring's saved Q and K/V buffer), so the memory plan is the
+same, and backward exchanges none of them. Q, K and V travel in one all-to-all (one send
+buffer, this rank's tokens of each rank's query, key and value heads side by side: one copy in,
+one reordering cat out), and dQ, dK, dV come back in one, laid straight into the rows of the
+weight gradient's GEMM (``whole_pass._rows_to_qkv``). Per layer 5 all-to-alls instead of 14
+(forward Q/K/V in, O out; backward O and dO in, dQ/dK/dV out) and 5 exchanges' bytes fewer
+(backward's Q, K, V and the lse both ways): BERT-Large's layer at p = 8 issues 90 ops instead of
+118 (`metp plan --timeline`). The same kernels on the same values: bit for bit against the
+recomputing pass (``tests/test_metp_a2a_attention.py``).
+
+The forward's exchanges wait on the compute stream; the backward's of what the whole pass saved
+(O, and its lse and Q/K/V where the heads are not saved) are posted before the output
+projection's two GEMMs and travel behind them (:func:`post_backward_inputs`), where the ring's
+p - 1 hops hide behind its blocks' kernels. What it saves against the ring: the ring's p - 1
+merges into the fp32 output (two strided passes over it each), the p - 1 fp32 dQ and 2(p-1)
+fp32 dK/dV adds, the half-block kernel calls, and the ring's K/V (forward) and K/V + fp32 dK/dV
+(backward) traffic: p - 1 hops of 2 n_kv d (forward) and 6 n_kv d (backward) values per token
+against 12 exchanges of at most n d (5, saving the heads). And memory: no fp32 state the size
+of the output and of dK/dV (LLaMA-7B at p = 8, 128k: 60.9 GiB planned per GPU against 62.1
+with the ring, Q/K/V and fc1 saved). ``metp plan --timeline --metp-ring-pass a2a`` gives the
+time (ESTIMATE).
 
 Where it applies: one sequence per micro batch in the balanced layout (causal), or any layout
 without a mask (non-causal: attention is the same under one permutation of queries, keys and
@@ -51,7 +66,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_metp import kernels
-from megatron_metp.ulysses.attention import Pending, post_heads_to_seq, post_seq_to_heads
+from megatron_metp.ulysses.attention import (Pending, post_heads_to_rows, post_heads_to_seq,
+                                             post_rows_to_heads, post_seq_to_heads)
 
 
 def _post_to_heads(t: torch.Tensor, group) -> Pending:
@@ -157,3 +173,71 @@ def a2a_attention_backward(
     if with_dq is not None:
         with_dq(dq)
     return dq, back[1].result(), back[2].result()
+
+
+def a2a_heads_forward(
+    group: dist.ProcessGroup,
+    qkv_in: list,
+    causal: bool,
+    softmax_scale: Optional[float] = None,
+    backend: Optional[str] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The forward whose backward reads the exchanged tensors (module docstring, "Saving the
+    heads"): ``qkv_in = [q [s/p, b, n, d], k [s/p, b, n_kv, d], v]`` (sequence first, any
+    strides; the list is emptied, so that they are freed once packed) in one all-to-all, one
+    attention, the output back in another. Returns ``(out [b, n, s/p,
+    d], qkv [b, (n + 2 n_kv)/p, s, d], lse [b, n/p, s])``: the output as
+    :func:`a2a_attention_forward`'s, and what :func:`a2a_heads_backward` takes, the whole
+    sequence of this rank's query heads, then its key heads, then its value heads, and the
+    log-sum-exp of its query heads."""
+    p = dist.get_world_size(group)
+    q, k, v = qkv_in
+    qkv_in.clear()
+    sl, b, n, d = q.shape
+    nq, nkv = n // p, k.shape[2] // p
+    dtype = q.dtype
+    # Row j of the one send buffer: this rank's tokens of rank j's query, key and value heads.
+    send = torch.empty((p, sl, b, nq + 2 * nkv, d), dtype=dtype, device=q.device)
+    torch.cat([t.view(sl, b, p, t.shape[2] // p, d).permute(2, 0, 1, 3, 4) for t in (q, k, v)],
+              dim=3, out=send)
+    del q, k, v
+    qkv = post_rows_to_heads(send, group).result()
+    del send
+    out_h, lse_h = kernels.attention_forward(qkv[:, :nq], qkv[:, nq:nq + nkv], qkv[:, nq + nkv:],
+                                             causal=causal, softmax_scale=softmax_scale,
+                                             backend=backend)
+    out = _Seq(out_h, group)
+    del out_h
+    return out.result(), qkv, lse_h.to(kernels.acc_dtype(dtype))
+
+
+def a2a_heads_backward(
+    group: dist.ProcessGroup,
+    dout: torch.Tensor,
+    posted_out: Pending,
+    qkv: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    softmax_scale: Optional[float] = None,
+    backend: Optional[str] = None,
+) -> torch.Tensor:
+    """Gradients of :func:`a2a_heads_forward`: ``dout [b, n, s/p, d]`` in (one all-to-all),
+    ``posted_out`` the forward's output on its way to heads (:func:`post_backward_inputs`,
+    posted by the caller behind its GEMMs), ``qkv`` and ``lse`` as the forward returned them.
+    Returns ``[s/p, b, p, (n + 2 n_kv)/p, d]``: this rank's tokens, row j rank j's query, key
+    and value heads' gradients side by side, as one all-to-all delivered them (a view, no
+    copy): the caller lays them out for its weight gradient."""
+    nq = lse.shape[1]
+    nkv = (qkv.shape[1] - nq) // 2
+    douth = _post_to_heads(dout.to(qkv.dtype), group).result()
+    outh = posted_out.result()
+    qh, kh, vh = qkv[:, :nq], qkv[:, nq:nq + nkv], qkv[:, nq + nkv:]
+    douth, qh, outh = kernels.backward_rows(douth, qh, outh, kh, vh, backend)
+    dqh, dkh, dvh = kernels.attention_backward(douth, qh, kh, vh, outh, lse, causal=causal,
+                                               softmax_scale=softmax_scale, backend=backend)
+    del douth, qh, kh, vh, outh
+    dqkv = torch.cat([t.to(qkv.dtype) for t in (dqh, dkh, dvh)], dim=1)
+    del dqh, dkh, dvh
+    back = post_heads_to_rows(dqkv, group)
+    del dqkv
+    return back.result()

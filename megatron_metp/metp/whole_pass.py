@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from megatron_metp.comm import gather_rows, scatter_rows
 from megatron_metp.metp.a2a_attention import (a2a_attention_backward, a2a_attention_forward,
+                                              a2a_heads_backward, a2a_heads_forward,
                                               post_backward_inputs)
 from megatron_metp.metp.attention_plan import _Plan, _bnsd, _flat, _post_grad, _sbnd
 from megatron_metp.metp.ring_attention import (ring_attention_backward, ring_attention_forward,
@@ -164,6 +165,26 @@ def _project_gathered(x2d, w_qkv, b_qkv, plan: _Plan, s: int, b: int, kept=None)
     return out[0].view(s, b, -1, d), out[1].view(s, b, -1, 2, d)
 
 
+def _rows_to_qkv(rows: torch.Tensor, plan: _Plan) -> torch.Tensor:
+    """``a2a_heads_backward``'s ``[s, b, p, H, d]`` (row j: rank j's n/p query heads' dQ, then
+    its ng/p dK, then its ng/p dV) -> dQKV ``[s, b, ng, n/ng + 2, d]`` in Megatron's row
+    layout (rank j's query groups are groups j ng/p ..), RoPE's gradient applied to dQ and dK
+    (:meth:`_Plan.unrotate`, on ``[s, b, heads, d]`` as the ring's backward applies it)."""
+    s, b, p, _, d = rows.shape
+    nq, nkv = plan.heads_p, plan.groups_p
+    rep = nq // nkv
+    dqkv = torch.empty((s, b, p * nkv, rep + 2, d), dtype=rows.dtype, device=rows.device)
+    dst = dqkv.view(s, b, p, nkv, rep + 2, d)
+    for which, (lo, hi), (r0, r1) in ((0, (0, nq), (0, rep)), (1, (nq, nq + nkv), (rep, rep + 1)),
+                                      (2, (nq + nkv, nq + 2 * nkv), (rep + 1, rep + 2))):
+        part = rows[:, :, :, lo:hi]
+        if which < 2 and plan.freqs is not None:
+            part = plan.unrotate(part.reshape(s, b, p * (hi - lo), d), which).view(
+                s, b, p, hi - lo, d)
+        dst[:, :, :, :, r0:r1].copy_(part.view(s, b, p, nkv, r1 - r0, d))
+    return dqkv
+
+
 class _MetpWholeFunction(torch.autograd.Function):
     """Every head group in one K/V ring pass: the coarse end of the head slicing.
 
@@ -199,21 +220,35 @@ class _MetpWholeFunction(torch.autograd.Function):
         q, k = q_lin, kv_lin[:, :, :, 0]
         if plan.has_post:
             q, k = plan.post(q, k)
-        # K and V into the buffer the ring sends; the projection's output is freed before it.
-        k, v = stack_kv(_bnsd(k), _bnsd(kv_lin[:, :, :, 1]))
-        # QKV_BACKWARD "save": what the ring reads stays for backward, else it is freed here
-        # and backward recomputes it. With RoPE alone (or nothing) after the projection, that is
-        # Q after RoPE and the K/V buffer (the ring never writes it: comm.DoubleBuffer), as many
-        # values as the projection, (n + 2 ng) d per token: backward then runs neither the
-        # split's copies nor RoPE again, and takes RoPE's gradient as a turn by -θ
-        # (_Plan.unrotate). A q/k norm needs its input for its gradient: the projection's two
-        # parts are kept.
         ctx.rotated = plan.save_qkv and plan.post_is_rotation
-        keep = ((q, k._base) if ctx.rotated else (q_lin, kv_lin) if plan.save_qkv
-                else (None, None))
-        del q_lin, kv_lin
-        a, lse = _attend(plan, _bnsd(q), k, v)
-        del q, k, v
+        # --metp-ring-pass a2a with Q/K/V saved after RoPE: the all-to-all's head-sharded
+        # Q/K/V and lse are what backward keeps (metp.a2a_attention, "Saving the heads"); the
+        # same bytes as this rank's tokens of every head, and backward exchanges none of them.
+        ctx.heads = plan.a2a and ctx.rotated
+        if ctx.heads:
+            # Handed over as a list the exchange empties: the projection is freed once packed.
+            qkv = [q, k, kv_lin[:, :, :, 1]]
+            del q, k, q_lin, kv_lin
+            a, qkv_h, lse = a2a_heads_forward(plan.group, qkv, plan.causal, plan.scale,
+                                              plan.backend)
+            keep = (qkv_h, None)
+            del qkv_h
+        else:
+            # K and V into the buffer the ring sends; the projection's output is freed before
+            # it.
+            k, v = stack_kv(_bnsd(k), _bnsd(kv_lin[:, :, :, 1]))
+            # QKV_BACKWARD "save": what the ring reads stays for backward, else it is freed
+            # here and backward recomputes it. With RoPE alone (or nothing) after the
+            # projection, that is Q after RoPE and the K/V buffer (the ring never writes it:
+            # comm.DoubleBuffer), as many values as the projection, (n + 2 ng) d per token:
+            # backward then runs neither the split's copies nor RoPE again, and takes RoPE's
+            # gradient as a turn by -θ (_Plan.unrotate). A q/k norm needs its input for its
+            # gradient: the projection's two parts are kept.
+            keep = ((q, k._base) if ctx.rotated else (q_lin, kv_lin) if plan.save_qkv
+                    else (None, None))
+            del q_lin, kv_lin
+            a, lse = _attend(plan, _bnsd(q), k, v)
+            del q, k, v
         if kept is not None:
             # save+fc1+weights: W_qkv in Megatron's row order for the backward's dX, made here,
             # where the compute stream would otherwise wait for W_proj^T's gather.
@@ -265,12 +300,11 @@ class _MetpWholeFunction(torch.autograd.Function):
         # adds no rounding TP's single matmul does not have.
         gacc = torch.promote_types(w_proj.dtype, torch.float32)
         # --metp-ring-pass a2a: the exchanges of what backward's attention reads and we already
-        # hold (O, its lse; Q/K/V when saved after RoPE) travel behind the two GEMMs below.
+        # hold travel behind the two GEMMs below: O, and its lse unless saved head-sharded
+        # (then Q/K/V are too, ctx.heads; else they are recomputed after the GEMMs).
         posted = None
         if plan.a2a:
-            saved = ((_bnsd(keep_q), keep_kv[0], keep_kv[1]) if ctx.rotated
-                     else (None, None, None))
-            posted = post_backward_inputs(plan.group, *saved, out=a, lse=lse)
+            posted = post_backward_inputs(plan.group, out=a, lse=None if ctx.heads else lse)
         a2d = _flat(a)
         # dW_proj^T = A^T dO (this rank's tokens), reduce-scattered while the ring runs.
         dwpt_full = a2d.t().mm(dout2d).to(gacc)
@@ -286,7 +320,14 @@ class _MetpWholeFunction(torch.autograd.Function):
         # dQ, dK, dV in Megatron's row layout, for one GEMM; allocated when the ring hands over
         # dQ (after its kernels), as the per-head-group loop allocates its buffers.
         grads = {}
-        if ctx.rotated:
+        dqkv = None
+        if ctx.heads:
+            rows = a2a_heads_backward(plan.group, da, posted.pop("out"), keep_q, lse,
+                                      plan.causal, plan.scale, plan.backend)
+            del da, keep_q, keep_kv, lse
+            dqkv = _rows_to_qkv(rows, plan)
+            del rows
+        elif ctx.rotated:
             q_rot, kv_rot = keep_q, keep_kv
             del keep_q, keep_kv
             # Saved after RoPE: the ring's backward reads what its forward read, and RoPE's
@@ -349,10 +390,11 @@ class _MetpWholeFunction(torch.autograd.Function):
                 del k, k_lin
             del q, q_lin
         # dK (through RoPE / the q/k norm) and dV into the rows the q side allocated.
-        dqkv = grads.pop("qkv")
-        dqkv[:, :, :, rep] = dk
-        dqkv[:, :, :, rep + 1] = _sbnd(dv)
-        del dk, dv
+        if dqkv is None:
+            dqkv = grads.pop("qkv")
+            dqkv[:, :, :, rep] = dk
+            dqkv[:, :, :, rep + 1] = _sbnd(dv)
+            del dk, dv
         dqkv2d = dqkv.view(s * b, -1)
         # The weight gradient first, so that its reduce-scatter runs behind dX's GEMM.
         dw_full = dqkv2d.t().mm(x2d).to(gacc)

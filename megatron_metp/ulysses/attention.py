@@ -79,15 +79,24 @@ def post_seq_to_heads(x: torch.Tensor, group, async_op: bool = True) -> Pending:
     cp = dist.get_world_size(group)
     sl, b, n, d = x.shape
     send = x.reshape(sl, b, cp, n // cp, d).permute(2, 0, 1, 3, 4).contiguous()
-    recv, work = _exchange(send, group, async_op)     # [cp (source rank), s/cp, b, n/cp, d]
+    return post_rows_to_heads(send, group, async_op)
+
+
+def post_rows_to_heads(send: torch.Tensor, group, async_op: bool = True) -> Pending:
+    """Post the exchange of ``send [cp, s/cp, b, hh, d]`` (row j: this rank's tokens of rank
+    j's ``hh`` heads, dense), whose result is ``[b, hh, s, d]``: the whole sequence in order,
+    this rank's heads (:func:`post_seq_to_heads` makes ``send`` from a ``[s/cp, b, n, d]``
+    tensor; one ``send`` may hold several tensors' heads side by side)."""
+    cp, sl, b, hh, d = send.shape
+    recv, work = _exchange(send, group, async_op)     # [cp (source rank), s/cp, b, hh, d]
 
     def finish(recv):
-        # [b, n/cp, c, d] views of the 2cp received chunks.
-        halves = recv.view(cp, 2, sl // 2, b, n // cp, d).permute(0, 1, 3, 4, 2, 5)
+        # [b, hh, c, d] views of the 2cp received chunks.
+        halves = recv.view(cp, 2, sl // 2, b, hh, d).permute(0, 1, 3, 4, 2, 5)
         # Rank i sent chunks i and 2cp-1-i: the first halves are chunks 0..cp-1, the second
         # halves in reverse rank order chunks cp..2cp-1. One cat of the 2cp chunk views puts
         # them in order (a flip would copy the second halves once more first), into a dense
-        # [b, n/cp, s, d]: the layout cuDNN's attention reads without a copy of its own.
+        # [b, hh, s, d]: the layout cuDNN's attention reads without a copy of its own.
         chunks = [halves[i, 0] for i in range(cp)] + [halves[i, 1] for i in reversed(range(cp))]
         return torch.cat(chunks, dim=2)
 
@@ -102,6 +111,15 @@ def seq_to_heads(x: torch.Tensor, group) -> torch.Tensor:
 
 def post_heads_to_seq(y: torch.Tensor, group, async_op: bool = True) -> Pending:
     """Post :func:`heads_to_seq`'s exchange of ``y``."""
+    return post_heads_to_rows(y, group, async_op, flat=True)
+
+
+def post_heads_to_rows(y: torch.Tensor, group, async_op: bool = True,
+                       flat: bool = False) -> Pending:
+    """Post the exchange of ``y [b, hh, s, d]`` (the whole sequence, this rank's heads) whose
+    result is ``[s/cp, b, cp, hh, d]``: this rank's tokens, rank j's heads in row j (a view of
+    what was received, no copy); ``flat``: ``[s/cp, b, cp hh, d]`` (:func:`post_heads_to_seq`,
+    one copy)."""
     cp = dist.get_world_size(group)
     b, hh, s, d = y.shape
     c = s // (2 * cp)
@@ -112,7 +130,8 @@ def post_heads_to_seq(y: torch.Tensor, group, async_op: bool = True) -> Pending:
     recv, work = _exchange(send, group, async_op)        # [cp (head group), 2, c, b, hh, d]
 
     def finish(recv):
-        return recv.permute(1, 2, 3, 0, 4, 5).reshape(2 * c, b, cp * hh, d)
+        rows = recv.permute(1, 2, 3, 0, 4, 5)                # [2, c, b, cp, hh, d]
+        return rows.reshape(2 * c, b, cp * hh, d) if flat else rows.flatten(0, 1)
 
     return Pending(recv, work, finish, send)
 
