@@ -230,6 +230,10 @@ class SublayerLink:
         views = iter(_GradsLater.apply(box, *present))
         self.next_later = (box, tuple(next(views) if w is not None else None for w in weights))
 
+    def holds(self, name: str) -> bool:
+        """Whether a gather named ``name`` was posted and not yet taken."""
+        return name in self._posted
+
     def take(self, name: str, t, transpose: bool = False,
              origin: Optional[torch.Tensor] = None):
         """``gather_rows(t or t.t())``: the posted one when it was posted for the same

@@ -84,23 +84,35 @@ def _gather_order(heads_p: int, groups_p: int) -> list:
 
 
 def first_gathers(module, weights=None) -> list:
-    """What this pass's forward gathers first, for a METP attention ``module``: its W_qkv parts
-    (and their bias rows), in its order, as ``(name, tensor, transpose, origin)`` (``origin``:
-    the tensor the part is cut from, the one the pass will be given). The layer before posts
-    them behind its MLP (``metp.layer_schedule``); :func:`_project_gathered` takes them by
-    these names. ``weights``: the views ``(w_qkv, b_qkv | None, w_proj)`` the pass is to run on
-    instead of the parameters, or None."""
+    """What this pass's forward gathers first, for a METP attention ``module``: its whole
+    ``W_qkv`` shard and its bias, as ``(name, tensor, transpose, origin)`` (``origin``: the
+    tensor the pass will be given). The layer before posts them behind its MLP
+    (``metp.layer_schedule``); :func:`_project_gathered` takes them by these names and, given
+    them, runs one GEMM (no cut, no split: the gather is hidden already). ``weights``: the
+    views ``(w_qkv, b_qkv | None, w_proj)`` the pass is to run on instead of the parameters,
+    or None."""
     w, b = ((module.linear_qkv.weight, module.linear_qkv.bias) if weights is None
             else weights[:2])
-    parts = _qkv_parts(w, b, module.num_attention_heads_per_partition,
-                       module.num_query_groups_per_partition,
-                       module.hidden_size_per_attention_head)
-    out = []
-    for i in _gather_order(module.num_attention_heads_per_partition,
-                           module.num_query_groups_per_partition):
-        out += [(f"qkv_part{i}", parts[i][0], False, w),
-                (f"qkv_part{i}_bias", parts[i][1], False, b)]
-    return out
+    return [("first_qkv", w, False, w), ("first_qkv_bias", b, False, b)]
+
+
+def _project_posted(x2d, w_qkv, b_qkv, plan: _Plan, s: int, b: int, kept=None):
+    """:func:`_project_gathered` where the layer before posted the whole ``W_qkv`` (and its
+    bias) behind its MLP (:func:`first_gathers`): one GEMM on every row, already in Megatron's
+    per-query-group order; Q its rows (a dense copy for the ring), K/V a view of theirs.
+    ``kept`` receives the gathered weight itself."""
+    rep, d = plan.heads_p // plan.groups_p, plan.d
+    w_full, wh = plan.link.take("first_qkv", w_qkv)
+    b_full, bh = (plan.link.take("first_qkv_bias", b_qkv) if b_qkv is not None
+                  else (None, None))
+    qkv = _linear(x2d, w_full, wh, b_full, bh).view(s, b, -1, rep + 2, d)
+    if kept is not None:
+        kept[:] = [w_full]
+    del w_full, b_full
+    q = qkv[:, :, :, :rep].reshape(s, b, -1, d)
+    # Dense for the ring, which reads Q block by block (a view would also keep K/V's rows
+    # alive through it); the all-to-alls copy it into their send buffer as it is.
+    return (q if plan.a2a else q.contiguous()), qkv[:, :, :, rep:]
 
 
 def _assemble_qkv(parts, plan: _Plan) -> torch.Tensor:
@@ -129,40 +141,34 @@ def _project_gathered(x2d, w_qkv, b_qkv, plan: _Plan, s: int, b: int, kept=None)
     rows, key/value rows) instead of their being freed (``--metp-qkv-backward
     save+fc1+weights``)."""
     d = plan.d
+    if plan.link is not None and plan.link.holds("first_qkv"):
+        return _project_posted(x2d, w_qkv, b_qkv, plan, s, b, kept)
     order = _gather_order(plan.heads_p, plan.groups_p)
-    cut = []   # the parts, cut (a copy each) only when something is to be gathered now
-
-    def part(i, j):
-        if not cut:
-            cut.extend(_qkv_parts(w_qkv, b_qkv, plan.heads_p, plan.groups_p, d))
-        return cut[i][j]
-
+    parts = _qkv_parts(w_qkv, b_qkv, plan.heads_p, plan.groups_p, d)   # a copy each
     gathered = {}
     for i in order:
-        if plan.link is not None:
-            # Posted by the layer before, behind its MLP (metp.layer_schedule), or gathered now.
-            w_full, wh = plan.link.take(f"qkv_part{i}", lambda i=i: part(i, 0), origin=w_qkv)
-            b_full, bh = (plan.link.take(f"qkv_part{i}_bias", lambda i=i: part(i, 1),
-                                         origin=b_qkv) if b_qkv is not None else (None, None))
-        else:
-            w_full, wh = _gather_rows(part(i, 0), plan, async_op=True)
-            b_full, bh = _gather_rows(part(i, 1), plan, async_op=True)
-        gathered[i] = (w_full, wh, b_full, bh)
-    cut.clear()
+        gathered[i] = (*_gather_rows(parts[i][0], plan, async_op=True),
+                       *_gather_rows(parts[i][1], plan, async_op=True))
+    del parts
     out = [None, None]
     for i in order:
         w_full, wh, b_full, bh = gathered.pop(i)
-        if wh is not None:
-            wh.wait()
-        out[i] = x2d.mm(w_full.t())
+        out[i] = _linear(x2d, w_full, wh, b_full, bh)
         if kept is not None:
             kept[i] = w_full
-        del w_full
-        if b_full is not None:
-            if bh is not None:
-                bh.wait()
-            out[i].add_(b_full)
+        del w_full, b_full
     return out[0].view(s, b, -1, d), out[1].view(s, b, -1, 2, d)
+
+
+def _linear(x2d, w_full, wh, b_full, bh) -> torch.Tensor:
+    """``x2d w^T + b`` once the gathers ``wh`` / ``bh`` (None: done) are in: one GEMM with
+    the bias (``addmm``, as ``F.linear`` runs the backward's recomputed projection)."""
+    for hnd in (wh, bh):
+        if hnd is not None:
+            hnd.wait()
+    if b_full is None:
+        return x2d.mm(w_full.t())
+    return torch.addmm(b_full, x2d, w_full.t())
 
 
 def _rows_to_qkv(rows: torch.Tensor, plan: _Plan) -> torch.Tensor:
@@ -244,15 +250,18 @@ class _MetpWholeFunction(torch.autograd.Function):
             # backward then runs neither the split's copies nor RoPE again, and takes RoPE's
             # gradient as a turn by -θ (_Plan.unrotate). A q/k norm needs its input for its
             # gradient: the projection's two parts are kept.
-            keep = ((q, k._base) if ctx.rotated else (q_lin, kv_lin) if plan.save_qkv
+            keep = ((q, k._base) if ctx.rotated
+                    # (dense: views of one projection would keep all of it)
+                    else (q_lin.contiguous(), kv_lin.contiguous()) if plan.save_qkv
                     else (None, None))
             del q_lin, kv_lin
             a, lse = _attend(plan, _bnsd(q), k, v)
             del q, k, v
         if kept is not None:
-            # save+fc1+weights: W_qkv in Megatron's row order for the backward's dX, made here,
-            # where the compute stream would otherwise wait for W_proj^T's gather.
-            kept = _assemble_qkv(kept, plan)
+            # save+fc1+weights: W_qkv in Megatron's row order for the backward's dX, made here
+            # from the two parts (where the compute stream would otherwise wait for W_proj^T's
+            # gather), or gathered so whole.
+            kept = kept[0] if len(kept) == 1 else _assemble_qkv(kept, plan)
         if wpt_handle is not None:
             wpt_handle.wait()
         out = _flat(a).mm(wpt)
