@@ -433,3 +433,26 @@ def test_timeline_prints_no_megatron_spec_notes(tmp_path):
     # The METP row names the attention pass the planner resolved (auto: the all-to-all pass).
     assert "| tiny-llama | 2 | H100 | 4k | metp (a2a) |" in out.stdout, out.stdout[-2000:]
     assert "Unknown MLP type" not in out.stdout + out.stderr, out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("argv, want", [
+    # Named, even as plan's own defaults: traced as named.
+    (["--models", "bert-large,llama-7b,llama-70b,gpt-175b", "--modes", "tp,metp", "--p",
+      "2,4,8", "--seq-lengths", "4k"],
+     (("bert-large", "llama-7b", "llama-70b", "gpt-175b"), [4096], [2, 4, 8], ("tp", "metp"))),
+    # Left out: --timeline's own defaults.
+    ([], (("llama-7b", "gpt-175b"), [32768, 131072, 524288, 1048576], [8],
+          ("tp", "metp", "wallfacer"))),
+])
+def test_timeline_takes_named_flags_as_named(argv, want):
+    """A flag named with plan's default value is named: ``metp plan --timeline --models
+    bert-large,llama-7b,llama-70b,gpt-175b`` once traced only --timeline's default two."""
+    import argparse
+
+    from megatron_metp.measure import plan_report, timeline_report
+
+    parser = argparse.ArgumentParser()
+    plan_report.add_arguments(parser)
+    args = parser.parse_args(["--timeline"] + argv)
+    plan_report.fill_defaults(args)
+    assert timeline_report._defaults(args, plan_report._ints) == want

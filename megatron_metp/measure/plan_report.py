@@ -46,14 +46,16 @@ def _ints(value: str) -> List[int]:
 
 def add_arguments(parser) -> None:
     a = parser.add_argument
-    a("--models", default=",".join(DEFAULT_MODELS),
+    # None: not named (fill_defaults), so that --timeline and --frontier can tell a value left
+    # out from one named that equals plan's default.
+    a("--models", default=None,
       help="comma-separated configs (configs/<name>.yaml); default: METP Table 3's four")
-    a("--modes", default=",".join(PLAN_MODES),
+    a("--modes", default=None,
       help="comma-separated: tp, metp, wallfacer (C = 1: ring attention, CP = p, TP = 1, "
            "distributed optimizer over CP)")
-    a("--tensor-model-parallel-size", "--p", dest="p", default="2,4,8",
+    a("--tensor-model-parallel-size", "--p", dest="p", default=None,
       help="parallel degrees p (default 2,4,8)")
-    a("--seq-lengths", default=",".join(seq_label(s) for s in DEFAULT_SEQS),
+    a("--seq-lengths", default=None,
       help="sequence lengths, e.g. 4k,32k,512k (default 4k..512k)")
     a("--longest-p", default="8", help="p values for the longest-sequence bisection ('' = skip)")
     a("--memory-gb", type=float, default=80.0, help="memory per GPU, GiB (default 80)")
@@ -234,17 +236,37 @@ def _check(args) -> None:
                 raise ValueError(refusal)
 
 
+def fill_defaults(args) -> None:
+    """Note which of --models, --modes, --p and --seq-lengths the command named
+    (``args.named``) and give the others plan's defaults. --timeline and --frontier have
+    defaults of their own for the ones left out, never for one named (even as plan's
+    default: ``--models bert-large,llama-7b,llama-70b,gpt-175b --timeline`` traces all
+    four)."""
+    defaults = dict(models=",".join(DEFAULT_MODELS), modes=",".join(PLAN_MODES), p="2,4,8",
+                    seq_lengths=",".join(seq_label(s) for s in DEFAULT_SEQS))
+    if getattr(args, "named", None) is None:
+        args.named = {k for k in defaults if getattr(args, k, None) is not None}
+    for k, v in defaults.items():
+        if getattr(args, k, None) is None:
+            setattr(args, k, v)
+
+
+def named(args, flag: str) -> bool:
+    """Whether the command named ``flag`` (an ``args`` attribute; :func:`fill_defaults`)."""
+    return flag in args.named
+
+
 def run(args) -> int:
     import warnings
 
     from megatron_metp.models.config import load_config
 
+    fill_defaults(args)
     _check(args)
     if args.frontier:
         return run_frontier(args)
     if args.timeline:
-        return timeline_report.run(args, _ints, DEFAULT_MODELS,
-                                   ",".join(seq_label(s) for s in DEFAULT_SEQS))
+        return timeline_report.run(args, _ints)
     if args.validate:
         raise ValueError("--validate compares the --timeline simulator with metp bench: add "
                          "--timeline")
@@ -427,15 +449,14 @@ def run_frontier(args) -> int:
     bad = [g for g in gpus if g not in GPUS]
     if bad or not gpus:
         raise ValueError(f"--gpus {args.gpus!r}: choose from {', '.join(GPUS)}")
-    ps = [8] if args.p == "2,4,8" else _ints(args.p)
+    ps = _ints(args.p) if named(args, "p") else [8]
     settings = PlanSettings(memory_gib=args.memory_gb, reserve_gib=args.reserve_gb,
                             fragmentation=args.fragmentation, efficiency=args.efficiency,
                             attention_efficiency=args.attention_efficiency,
                             distributed_optimizer=args.use_distributed_optimizer)
     cfgs = [load_config(n.strip()) for n in args.models.split(",") if n.strip()]
     # --seq-lengths named on the command line: those lengths instead of 4k .. the longest.
-    default = ",".join(seq_label(s) for s in DEFAULT_SEQS)
-    seqs = None if args.seq_lengths == default else _ints(args.seq_lengths)
+    seqs = _ints(args.seq_lengths) if named(args, "seq_lengths") else None
     with quiet_megatron():
         doc = frontier.run_frontier(cfgs, ps, gpus, settings, args.host_op_us * 1e-6,
                                     args.gpus_per_node, seqs=seqs)

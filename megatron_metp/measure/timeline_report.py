@@ -56,14 +56,16 @@ def add_arguments(parser) -> None:
            "FLOP/s and gloo ring and report the error against its measured step times")
 
 
-def _defaults(args, ints, default_models, default_seqs):
-    """--timeline's own defaults where the user left plan's."""
-    models = TIMELINE_MODELS if args.models == ",".join(default_models) else \
-        tuple(m.strip() for m in args.models.split(",") if m.strip())
-    seqs = ints(TIMELINE_SEQS if args.seq_lengths == default_seqs else args.seq_lengths)
-    ps = [8] if args.p == "2,4,8" else ints(args.p)
-    modes = ("tp", "metp", "wallfacer") if args.modes == "tp,metp" else \
-        tuple(m.strip() for m in args.modes.split(",") if m.strip())
+def _defaults(args, ints):
+    """--timeline's own defaults for the flags the command left out (``args.named``:
+    ``plan_report.fill_defaults``)."""
+    named = args.named
+    models = tuple(m.strip() for m in args.models.split(",") if m.strip()) \
+        if "models" in named else TIMELINE_MODELS
+    seqs = ints(args.seq_lengths if "seq_lengths" in named else TIMELINE_SEQS)
+    ps = ints(args.p) if "p" in named else [8]
+    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip()) \
+        if "modes" in named else ("tp", "metp", "wallfacer")
     return models, seqs, ps, modes
 
 
@@ -258,7 +260,7 @@ def svg(rows, path: str) -> None:
         f.write("\n".join(parts))
 
 
-def run(args, ints, default_models, default_seqs) -> int:
+def run(args, ints) -> int:
     import warnings
 
     from megatron_metp.models.config import load_config
@@ -277,7 +279,7 @@ def run(args, ints, default_models, default_seqs) -> int:
         print(res["markdown"])
         print(f"[metp plan --timeline --validate] wrote {path}")
         return 0
-    models, seqs, ps, modes = _defaults(args, ints, default_models, default_seqs)
+    models, seqs, ps, modes = _defaults(args, ints)
     gpus = [g.strip() for g in args.gpus.split(",") if g.strip()]
     trace_s = ints(args.trace_seq_length)[0]
     if trace_s not in seqs and args.trace_seq_length == TRACE_DEFAULT:
