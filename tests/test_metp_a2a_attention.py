@@ -17,6 +17,7 @@ def _comm_calls(rec):
 
 def _a2a_cases(kinds, causal):
     from megatron_metp.measure.op_trace import OpRecorder
+    from megatron_metp.metp import a2a_attention
     from megatron_metp.token_layout import chunks_of, permute_sequence
     from tests._models import gather_full, setup
 
@@ -39,29 +40,36 @@ def _a2a_cases(kinds, causal):
         if causal and freqs is not None:
             freqs = permute_sequence(freqs, p, dim=0)   # the table in the tokens' order
         runs = {}
-        for variant in ("whole", "a2a", "a2a-save"):
+        for variant in ("whole", "a2a", "a2a-save", "a2a-save-ahead"):
             torch.manual_seed(5)
-            attn = _build(config, "metp", causal=causal, ring_pass=variant)
+            attn = _build(config, "metp", causal=causal, ring_pass=variant.replace("-ahead", ""))
             attn.balanced_layout = causal
             with torch.no_grad():
                 for prm in attn.parameters():
                     prm.add_(0.05 * torch.randn_like(prm))   # nonzero biases (same everywhere)
-            with OpRecorder() as rec:
-                res = _run(attn, x[mine], g[mine], freqs)
+            # -ahead: the output sent to heads ahead of backward's GEMMs, as at long sequences
+            # (a2a_attention.FUSE_OUT_MAX_VALUES; these shapes are below it).
+            limit = a2a_attention.FUSE_OUT_MAX_VALUES
+            a2a_attention.FUSE_OUT_MAX_VALUES = -1 if variant.endswith("-ahead") else limit
+            try:
+                with OpRecorder() as rec:
+                    res = _run(attn, x[mine], g[mine], freqs)
+            finally:
+                a2a_attention.FUSE_OUT_MAX_VALUES = limit
             runs[variant] = (res, _comm_calls(rec), attn)
         # Saving the exchanged Q/K/V (a2a-save) and recomputing them (a2a) run the same kernel
         # on the same values: bit for bit (with a q/k norm the save path keeps the
         # projection, and the norm runs again through autograd: held to the bound below).
         bitwise = kind != "qkln"
-        if bitwise:
-            (o1, dx1, g1), (o2, dx2, g2) = runs["a2a"][0], runs["a2a-save"][0]
-            assert torch.equal(o1, o2) and torch.equal(dx1, dx2), kind
-            assert all(torch.equal(g1[k], g2[k]) for k in g1), kind
+        for other in ("a2a-save", "a2a-save-ahead") if bitwise else ():
+            (o1, dx1, g1), (o2, dx2, g2) = runs["a2a"][0], runs[other][0]
+            assert torch.equal(o1, o2) and torch.equal(dx1, dx2), (kind, other)
+            assert all(torch.equal(g1[k], g2[k]) for k in g1), (kind, other)
         attn = runs["a2a"][2]
         full = {k: gather_full(prm.detach(), prm) for k, prm in attn.named_parameters()}
         ref_out, ref_dx, ref_dw = R.attention_sublayer(full, config, x, g, rope, causal=causal)
         errs = {}
-        for variant in ("a2a", "a2a-save"):
+        for variant in ("a2a", "a2a-save", "a2a-save-ahead"):
             (o, dx, grads), calls, mod = runs[variant]
             ring = runs["whole"][0]
             pairs = [("out", o, ref_out[mine], ring[0]), ("dx", dx, ref_dx[mine], ring[1])]
@@ -101,15 +109,17 @@ def test_a2a_matches_fp64_and_the_ring(world, causal, report):
     per_rank = run_ranks(world, _a2a_cases, ["mha", "gqa", "qkln"], causal)
     for res in per_rank:
         for kind, got in res.items():
-            for variant in ("a2a", "a2a-save"):
+            for variant in ("a2a", "a2a-save", "a2a-save-ahead"):
                 calls = got["calls"][variant]
                 # Recomputing Q/K/V (or saving them before a q/k norm): forward Q, K, V in, the
                 # output and its lse back (5); backward dO, Q, K, V, O and the lse in, dQ, dK,
                 # dV out (9). Saving them after RoPE (a2a-save, no q/k norm): the head-sharded
                 # Q/K/V and lse are saved, so forward Q/K/V in (one exchange) and the output
-                # back (2), backward O and dO in and dQ/dK/dV out (one exchange; 3).
-                heads = variant == "a2a-save" and kind != "qkln"
-                assert calls.count("all_to_all") == (5 if heads else 14), (kind, variant, calls)
+                # back (2), backward O and dO in (one) and dQ/dK/dV out (one; 2); O sent ahead
+                # (-ahead), O and dO in two (3).
+                heads = variant != "a2a" and kind != "qkln"
+                want = (4 if variant == "a2a-save" else 5) if heads else 14
+                assert calls.count("all_to_all") == want, (kind, variant, calls)
                 assert not any(c in ("send", "recv", "batch_isend_irecv") for c in calls), calls
             ring = got["calls"]["whole"]
             assert "all_to_all" not in ring and any(

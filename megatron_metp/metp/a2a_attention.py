@@ -211,26 +211,56 @@ def a2a_heads_forward(
     return out.result(), qkv, lse_h.to(kernels.acc_dtype(dtype))
 
 
+# The forward's output (``tokens per rank x hidden`` values) at or below which backward sends
+# it to heads in one all-to-all with dO (three ops fewer) rather than ahead of the output
+# projection's two GEMMs (hidden behind them): that is where those GEMMs take less time than
+# the host takes to issue the three ops, and the layer is host-bound (``measure.timeline``:
+# ~30 us per op; BERT-Large at 16k and LLaMA-7B at 4k tokens, p = 8, have 2^21 values: their
+# layer in a stack 2.22 -> 2.13 and 3.238 -> 3.228 ms fused; LLaMA-7B at 8k and 16k (2^22,
+# 2^23) 3.478 -> 3.524 and 6.297 -> 6.383 ms, so there O goes ahead. ESTIMATES, H100).
+FUSE_OUT_MAX_VALUES = 1 << 21
+
+
+def fuse_out(values: int) -> bool:
+    """Whether :func:`a2a_heads_backward` is to take the forward's output (``values`` per
+    rank) with dO (:data:`FUSE_OUT_MAX_VALUES`) rather than posted ahead
+    (:func:`post_backward_inputs`). Decided by the plan, outside autograd (``_Plan``)."""
+    return values <= FUSE_OUT_MAX_VALUES
+
+
 def a2a_heads_backward(
     group: dist.ProcessGroup,
     dout: torch.Tensor,
-    posted_out: Pending,
+    out,
     qkv: torch.Tensor,
     lse: torch.Tensor,
     causal: bool,
     softmax_scale: Optional[float] = None,
     backend: Optional[str] = None,
 ) -> torch.Tensor:
-    """Gradients of :func:`a2a_heads_forward`: ``dout [b, n, s/p, d]`` in (one all-to-all),
-    ``posted_out`` the forward's output on its way to heads (:func:`post_backward_inputs`,
-    posted by the caller behind its GEMMs), ``qkv`` and ``lse`` as the forward returned them.
-    Returns ``[s/p, b, p, (n + 2 n_kv)/p, d]``: this rank's tokens, row j rank j's query, key
-    and value heads' gradients side by side, as one all-to-all delivered them (a view, no
-    copy): the caller lays them out for its weight gradient."""
-    nq = lse.shape[1]
+    """Gradients of :func:`a2a_heads_forward`: ``dout`` and the forward's output ``out``
+    (``[b, n, s/p, d]`` each, this rank's tokens) in one all-to-all (:func:`fuse_out`), or
+    ``out`` as the :class:`Pending` exchange :func:`post_backward_inputs` posted ahead; ``qkv``
+    and ``lse`` as the forward returned them. Returns ``[s/p, b, p, (n + 2 n_kv)/p, d]``: this rank's tokens,
+    row j rank j's query, key and value heads' gradients side by side, as one all-to-all
+    delivered them (a view, no copy): the caller lays them out for its weight gradient."""
+    p = dist.get_world_size(group)
+    b, n, sl, d = dout.shape
+    nq = n // p
     nkv = (qkv.shape[1] - nq) // 2
-    douth = _post_to_heads(dout.to(qkv.dtype), group).result()
-    outh = posted_out.result()
+    if isinstance(out, Pending):
+        douth = _post_to_heads(dout.to(qkv.dtype), group).result()
+        outh = out.result()
+    else:
+        # O and dO side by side in one send buffer (row j: this rank's tokens of rank j's
+        # heads).
+        send = torch.empty((p, sl, b, 2 * nq, d), dtype=qkv.dtype, device=qkv.device)
+        torch.cat([t.to(qkv.dtype).permute(2, 0, 1, 3).view(sl, b, p, nq, d)
+                   .permute(2, 0, 1, 3, 4) for t in (out, dout)], dim=3, out=send)
+        both = post_rows_to_heads(send, group).result()
+        del send
+        outh, douth = both[:, :nq], both[:, nq:]
+        del both
     qh, kh, vh = qkv[:, :nq], qkv[:, nq:nq + nkv], qkv[:, nq + nkv:]
     douth, qh, outh = kernels.backward_rows(douth, qh, outh, kh, vh, backend)
     dqh, dkh, dvh = kernels.attention_backward(douth, qh, kh, vh, outh, lse, causal=causal,

@@ -23,6 +23,7 @@ from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_metp.metp.a2a_attention import fuse_out
 from megatron_metp.token_layout import BALANCED
 
 
@@ -209,6 +210,9 @@ class _Plan:
         self.a2a = (module.ring_pass == "a2a" and self.p > 1 and module.kv_blocks is None
                     and (self.layout is BALANCED if causal else layout is None)
                     and s_shard % 2 == 0)
+        # a2a saving the heads: the forward's output goes to heads in backward with dO, in one
+        # all-to-all, where it is small (a2a_attention.fuse_out), else ahead of two GEMMs.
+        self.fuse_out = self.a2a and fuse_out(tokens * self.heads_p * self.p * self.d)
         # The one pass keeps its Q/K/V projection for backward (QKV_BACKWARD "save",
         # "save+fc1" or "save+fc1+weights": "auto" is resolved by the launcher, before the
         # model exists), and with "save+fc1+weights" the weights it gathered.

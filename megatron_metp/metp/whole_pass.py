@@ -309,10 +309,11 @@ class _MetpWholeFunction(torch.autograd.Function):
         # adds no rounding TP's single matmul does not have.
         gacc = torch.promote_types(w_proj.dtype, torch.float32)
         # --metp-ring-pass a2a: the exchanges of what backward's attention reads and we already
-        # hold travel behind the two GEMMs below: O, and its lse unless saved head-sharded
-        # (then Q/K/V are too, ctx.heads; else they are recomputed after the GEMMs).
+        # hold travel behind the two GEMMs below: O and its lse. Saved head-sharded
+        # (ctx.heads) only O is to travel: ahead, or with dO in one exchange where that is
+        # faster (_Plan.fuse_out).
         posted = None
-        if plan.a2a:
+        if plan.a2a and not (ctx.heads and plan.fuse_out):
             posted = post_backward_inputs(plan.group, out=a, lse=None if ctx.heads else lse)
         a2d = _flat(a)
         # dW_proj^T = A^T dO (this rank's tokens), reduce-scattered while the ring runs.
@@ -331,8 +332,8 @@ class _MetpWholeFunction(torch.autograd.Function):
         grads = {}
         dqkv = None
         if ctx.heads:
-            rows = a2a_heads_backward(plan.group, da, posted.pop("out"), keep_q, lse,
-                                      plan.causal, plan.scale, plan.backend)
+            rows = a2a_heads_backward(plan.group, da, posted.pop("out") if posted else a,
+                                      keep_q, lse, plan.causal, plan.scale, plan.backend)
             del da, keep_q, keep_kv, lse
             dqkv = _rows_to_qkv(rows, plan)
             del rows
