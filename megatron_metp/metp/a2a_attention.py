@@ -33,11 +33,13 @@ rank's tokens of every head (the ring's saved Q and K/V buffer), so the memory p
 same, and backward exchanges none of them. Q, K and V travel in one all-to-all (one send
 buffer, this rank's tokens of each rank's query, key and value heads side by side: one copy in,
 one reordering cat out), and dQ, dK, dV come back in one, laid straight into the rows of the
-weight gradient's GEMM (``whole_pass._rows_to_qkv``). Per layer 5 all-to-alls instead of 14
-(forward Q/K/V in, O out; backward O and dO in, dQ/dK/dV out) and 5 exchanges' bytes fewer
-(backward's Q, K, V and the lse both ways): BERT-Large's layer at p = 8 issues 90 ops instead of
-118 (`metp plan --timeline`). The same kernels on the same values: bit for bit against the
-recomputing pass (``tests/test_metp_a2a_attention.py``).
+weight gradient's GEMM (``whole_pass._rows_to_qkv``). Backward sends O to heads ahead of the
+output projection's GEMMs, or, where it is small (:data:`FUSE_OUT_MAX_VALUES`), with dO in one
+exchange. Per layer 4 or 5 all-to-alls instead of 14 (forward Q/K/V in, O out; backward O and
+dO in, dQ/dK/dV out) and the bytes of backward's Q, K, V and lse exchanges fewer: BERT-Large's
+layer at p = 8 (with the one-GEMM projection, ``whole_pass._project_posted``) issues 85 ops
+instead of 118 (``metp plan --timeline``, ``save+fc1``). The same kernels on the same values:
+bit for bit against the recomputing pass (``tests/test_metp_a2a_attention.py``).
 
 The forward's exchanges wait on the compute stream; the backward's of what the whole pass saved
 (O, and its lse and Q/K/V where the heads are not saved) are posted before the output

@@ -24,9 +24,12 @@ sublayer's traffic behind the other's compute:
   MLP's reduce-scatters travel behind the attention's backward.
 
 * **the next layer** (:func:`chain`, which ``MetpGPTModel`` applies to its blocks): the MLP,
-  once its own gathers are in, cuts the next layer's ``W_qkv`` parts and posts their gathers
-  (:meth:`SublayerLink.post_next`) behind its fc2 GEMM; the next layer takes them over when
-  its forward starts, instead of waiting for them in front of its first GEMM. Only in a
+  once its own gathers are in, posts the gather of the next layer's whole ``W_qkv`` shard and
+  its bias (:meth:`SublayerLink.post_next`) behind its fc2 GEMM; the next layer takes them over
+  when its forward starts, instead of waiting for them in front of its first GEMM, and runs
+  its projection as one GEMM on them (a layer that gathers its own cuts ``W_qkv`` in two parts
+  to hide the larger one's gather behind the smaller one's GEMM: four copies, two gathers and
+  one GEMM more, which a gather posted this early does not need). Only in a
   training forward that runs once (not under ``--recompute-granularity full``, whose layers
   run their forward again inside backward), and only where nothing prepares the next layer's
   weights when its forward starts (a forward pre-hook: Megatron DDP's
@@ -191,7 +194,7 @@ class SublayerLink:
         self.attention_gathers = []
 
     def post_next(self) -> None:
-        """The next layer's first gathers (its attention's W_qkv parts, ``whole_pass.
+        """The next layer's first gathers (its attention's whole W_qkv and bias, ``whole_pass.
         first_gathers``), posted behind this layer's MLP and handed to that layer, which takes
         them over when its forward starts (:class:`MetpTransformerLayer`); called by the MLP's
         forward once its own gathers are in. Only where this layer's attention ran the whole

@@ -139,7 +139,8 @@ def _project_gathered(x2d, w_qkv, b_qkv, plan: _Plan, s: int, b: int, kept=None)
     order: returns Q and ``[s, b, ng, 2, d]`` (K and V of each query group), the GEMMs'
     outputs themselves. ``kept``: a list of two that receives the gathered weight parts (query
     rows, key/value rows) instead of their being freed (``--metp-qkv-backward
-    save+fc1+weights``)."""
+    save+fc1+weights``). Where the layer before posted the whole shard's gather behind its MLP
+    (``metp.layer_schedule``), one GEMM on it instead (:func:`_project_posted`)."""
     d = plan.d
     if plan.link is not None and plan.link.holds("first_qkv"):
         return _project_posted(x2d, w_qkv, b_qkv, plan, s, b, kept)
