@@ -132,6 +132,22 @@ def is_fake(t: torch.Tensor) -> bool:
     return isinstance(t, FakeTensor)
 
 
+def widening_mm(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``a @ b`` in ``dtype`` (a weight gradient in fp32, to be summed over ranks in it): one
+    GEMM whose output is ``dtype`` where there is one (cuBLAS takes bf16 / fp16 in and gives
+    fp32 out, ``torch.mm(..., out_dtype=)``, as Megatron's fused weight-gradient GEMM writes
+    fp32 ``main_grad``; fake tensors, which plan the GPU, run it so), else the GEMM in the
+    inputs' dtype and a cast (the CPU kernels have none: there ``a @ b`` is rounded to bf16
+    first, where the one GEMM keeps its fp32 sum). Either way one more op on a CPU than on a
+    GPU, never different FLOPs."""
+    if a.dtype == dtype:
+        return a.mm(b)
+    if dtype == torch.float32 and a.dtype in (torch.bfloat16, torch.float16) and (
+            a.is_cuda or is_fake(a)):
+        return torch.mm(a, b, out_dtype=dtype)
+    return a.mm(b).to(dtype)
+
+
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """The accumulator / statistics dtype for data of ``dtype``: fp32, or fp64 for fp64 data
     (the tests' references). The one such rule of the package: the rings' merges, WallFacer's

@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_metp.comm import gather_rows as _gather, scatter_rows as _scatter
+from megatron_metp.kernels import widening_mm
 from megatron_metp.metp.weight_ring import _fc1, accum_dtype as _accum
 
 __all__ = ["GATHERED_MLP_BYTES", "takes_gathered", "GatheredMLPFunction"]
@@ -179,7 +180,7 @@ class GatheredMLPFunction(torch.autograd.Function):
             d3 = act(ts)
         d = d3.reshape(n, -1)
         # dW_out^T = D^T dO over this rank's tokens; summed over the ranks behind dD's GEMM.
-        dwot_full = torch.mm(d.t(), g).to(gacc)
+        dwot_full = widening_mm(d.t(), g, gacc)
         dwot, dwot_h = _scatter(dwot_full, group, p)
         if box is None:
             del dwot_full
@@ -192,7 +193,7 @@ class GatheredMLPFunction(torch.autograd.Function):
             dt = back(dd.view_as(d3), ts)
         del d, d3, dd, ts, t
         dt = dt.reshape(n, -1)
-        dw_in_full = torch.mm(dt.t(), x).to(gacc)
+        dw_in_full = widening_mm(dt.t(), x, gacc)
         db_in_full = dt.sum(0, dtype=gacc) if ctx.has_bias else None
         dw_in, dw_in_h = _scatter(dw_in_full, group, p)
         db_in, db_in_h = _scatter(db_in_full, group, p)

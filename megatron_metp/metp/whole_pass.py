@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_metp.comm import gather_rows, scatter_rows
+from megatron_metp.kernels import widening_mm
 from megatron_metp.metp.a2a_attention import (a2a_attention_backward, a2a_attention_forward,
                                               a2a_heads_backward, a2a_heads_forward,
                                               post_backward_inputs)
@@ -318,7 +319,7 @@ class _MetpWholeFunction(torch.autograd.Function):
             posted = post_backward_inputs(plan.group, out=a, lse=None if ctx.heads else lse)
         a2d = _flat(a)
         # dW_proj^T = A^T dO (this rank's tokens), reduce-scattered while the ring runs.
-        dwpt_full = a2d.t().mm(dout2d).to(gacc)
+        dwpt_full = widening_mm(a2d.t(), dout2d, gacc)
         dwpt, dwpt_handle = _scatter_rows(dwpt_full, plan)
         del a2d
         if box is None:
@@ -408,11 +409,11 @@ class _MetpWholeFunction(torch.autograd.Function):
             del dk, dv
         dqkv2d = dqkv.view(s * b, -1)
         # The weight gradient first, so that its reduce-scatter runs behind dX's GEMM.
-        dw_full = dqkv2d.t().mm(x2d).to(gacc)
+        dw_full = widening_mm(dqkv2d.t(), x2d, gacc)
         dw, dw_handle = _scatter_rows(dw_full, plan)
         if box is None:
             del dw_full
-        db_full = dqkv2d.sum(0).to(gacc) if ctx.has_bias else None
+        db_full = dqkv2d.sum(0, dtype=gacc) if ctx.has_bias else None
         db, db_handle = _scatter_rows(db_full, plan)
         if box is None:
             del db_full
