@@ -286,3 +286,33 @@ def test_cuda_backends_match_fp64(causal, n_kv, report):
                                        atol=tol * ref.abs().max().item(),
                                        msg=lambda m: f"{backend} {name}: {m}")
         report(f"kernels {backend} bf16 causal={causal} n_kv={n_kv}: ok within {tol}")
+
+
+def test_widening_mm_is_one_fp32_gemm_where_the_gpu_has_one():
+    """``kernels.widening_mm`` (METP's weight-gradient GEMMs): on the planner's fake tensors,
+    which stand for the GPU, one GEMM with an fp32 output (cuBLAS's bf16-in, fp32-out GEMM:
+    ``torch.mm(..., out_dtype=)``), its FLOPs and bytes those of the GEMM alone, no cast;
+    on CPU tensors, which have no such kernel, the bf16 GEMM and a cast, equal bit for bit to
+    what the METP passes computed before; fp32 inputs, the plain GEMM."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from megatron_metp.measure.op_trace import OpRecorder
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(64, 32, generator=g).to(torch.bfloat16)
+    b = torch.randn(32, 48, generator=g).to(torch.bfloat16)
+    got = kernels.widening_mm(a, b, torch.float32)
+    assert got.dtype == torch.float32 and torch.equal(got, a.mm(b).to(torch.float32))
+    # The sum itself: within bf16's rounding of the result (2^-8 relative) of fp64's.
+    ref = a.double() @ b.double()
+    assert (got.double() - ref).abs().max() <= 2 ** -8 * ref.abs().max()
+    af, bf = a.float(), b.float()
+    assert torch.equal(kernels.widening_mm(af, bf, torch.float32), af.mm(bf))
+    with FakeTensorMode():
+        fa, fb = torch.empty(64, 32, dtype=torch.bfloat16), torch.empty(32, 48,
+                                                                        dtype=torch.bfloat16)
+        with OpRecorder() as rec:
+            out = kernels.widening_mm(fa, fb, torch.float32)
+    assert out.dtype == torch.float32 and out.shape == (64, 48)
+    ops = [(o.name, o.flops, o.bytes) for o in rec.ops if o.kind == "compute"]
+    assert ops == [("mm", 2.0 * 64 * 32 * 48, 64 * 32 * 2 + 32 * 48 * 2 + 64 * 48 * 4)], ops

@@ -268,6 +268,12 @@ class _Plan:
         return self.q_norm is not None or self.k_norm is not None or self.freqs is not None
 
     @property
+    def saves_heads(self) -> bool:
+        """The all-to-all pass with Q/K/V saved after RoPE (or nothing): backward keeps what
+        its exchange delivered (``metp.a2a_attention``, "Saving the heads")."""
+        return self.a2a and self.save_qkv and self.post_is_rotation
+
+    @property
     def post_is_rotation(self) -> bool:
         """Whether :meth:`post` is RoPE alone, or nothing: a rotation of each (q, k) pair of
         channels, linear in its input, so its vector-Jacobian product needs no input

@@ -111,9 +111,10 @@ def _project_posted(x2d, w_qkv, b_qkv, plan: _Plan, s: int, b: int, kept=None):
         kept[:] = [w_full]
     del w_full, b_full
     q = qkv[:, :, :, :rep].reshape(s, b, -1, d)
-    # Dense for the ring, which reads Q block by block (a view would also keep K/V's rows
-    # alive through it); the all-to-alls copy it into their send buffer as it is.
-    return (q if plan.a2a else q.contiguous()), qkv[:, :, :, rep:]
+    # Dense, so that no view of Q keeps K/V's rows alive through the attention (and the ring
+    # reads Q block by block), except where the all-to-alls saving the heads pack it straight
+    # into their send buffer and free the projection (_Plan.saves_heads).
+    return (q if plan.saves_heads else q.contiguous()), qkv[:, :, :, rep:]
 
 
 def _assemble_qkv(parts, plan: _Plan) -> torch.Tensor:
@@ -232,7 +233,7 @@ class _MetpWholeFunction(torch.autograd.Function):
         # --metp-ring-pass a2a with Q/K/V saved after RoPE: the all-to-all's head-sharded
         # Q/K/V and lse are what backward keeps (metp.a2a_attention, "Saving the heads"); the
         # same bytes as this rank's tokens of every head, and backward exchanges none of them.
-        ctx.heads = plan.a2a and ctx.rotated
+        ctx.heads = plan.saves_heads
         if ctx.heads:
             # Handed over as a list the exchange empties: the projection is freed once packed.
             qkv = [q, k, kv_lin[:, :, :, 1]]
