@@ -177,6 +177,20 @@ def a2a_attention_backward(
     return dq, back[1].result(), back[2].result()
 
 
+def _post_side_by_side(ts, group) -> Pending:
+    """One all-to-all of the tensors ``ts`` (``[s/p, b, heads_i, d]`` each, any strides) side
+    by side: row j of the one send buffer (one copy in) holds this rank's tokens of rank j's
+    heads of each in turn. Its result is ``[b, sum_i heads_i / p, s, d]``
+    (``ulysses.attention.post_rows_to_heads``)."""
+    p = dist.get_world_size(group)
+    sl, b, _, d = ts[0].shape
+    send = torch.empty((p, sl, b, sum(t.shape[2] for t in ts) // p, d), dtype=ts[0].dtype,
+                       device=ts[0].device)
+    torch.cat([t.view(sl, b, p, t.shape[2] // p, d).permute(2, 0, 1, 3, 4) for t in ts], dim=3,
+              out=send)
+    return post_rows_to_heads(send, group)
+
+
 def a2a_heads_forward(
     group: dist.ProcessGroup,
     qkv_in: list,
@@ -195,16 +209,12 @@ def a2a_heads_forward(
     p = dist.get_world_size(group)
     q, k, v = qkv_in
     qkv_in.clear()
-    sl, b, n, d = q.shape
-    nq, nkv = n // p, k.shape[2] // p
+    nq, nkv = q.shape[2] // p, k.shape[2] // p
     dtype = q.dtype
-    # Row j of the one send buffer: this rank's tokens of rank j's query, key and value heads.
-    send = torch.empty((p, sl, b, nq + 2 * nkv, d), dtype=dtype, device=q.device)
-    torch.cat([t.view(sl, b, p, t.shape[2] // p, d).permute(2, 0, 1, 3, 4) for t in (q, k, v)],
-              dim=3, out=send)
+    posted = _post_side_by_side((q, k, v), group)
     del q, k, v
-    qkv = post_rows_to_heads(send, group).result()
-    del send
+    qkv = posted.result()
+    del posted
     out_h, lse_h = kernels.attention_forward(qkv[:, :nq], qkv[:, nq:nq + nkv], qkv[:, nq + nkv:],
                                              causal=causal, softmax_scale=softmax_scale,
                                              backend=backend)
@@ -243,24 +253,18 @@ def a2a_heads_backward(
     """Gradients of :func:`a2a_heads_forward`: ``dout`` and the forward's output ``out``
     (``[b, n, s/p, d]`` each, this rank's tokens) in one all-to-all (:func:`fuse_out`), or
     ``out`` as the :class:`Pending` exchange :func:`post_backward_inputs` posted ahead; ``qkv``
-    and ``lse`` as the forward returned them. Returns ``[s/p, b, p, (n + 2 n_kv)/p, d]``: this rank's tokens,
-    row j rank j's query, key and value heads' gradients side by side, as one all-to-all
-    delivered them (a view, no copy): the caller lays them out for its weight gradient."""
-    p = dist.get_world_size(group)
-    b, n, sl, d = dout.shape
-    nq = n // p
+    and ``lse`` as the forward returned them. Returns ``[s/p, b, p, (n + 2 n_kv)/p, d]``: this
+    rank's tokens, row j rank j's query, key and value heads' gradients side by side, as one
+    all-to-all delivered them (a view, no copy): the caller lays them out for its weight
+    gradient."""
+    nq = dout.shape[1] // dist.get_world_size(group)
     nkv = (qkv.shape[1] - nq) // 2
     if isinstance(out, Pending):
         douth = _post_to_heads(dout.to(qkv.dtype), group).result()
         outh = out.result()
     else:
-        # O and dO side by side in one send buffer (row j: this rank's tokens of rank j's
-        # heads).
-        send = torch.empty((p, sl, b, 2 * nq, d), dtype=qkv.dtype, device=qkv.device)
-        torch.cat([t.to(qkv.dtype).permute(2, 0, 1, 3).view(sl, b, p, nq, d)
-                   .permute(2, 0, 1, 3, 4) for t in (out, dout)], dim=3, out=send)
-        both = post_rows_to_heads(send, group).result()
-        del send
+        both = _post_side_by_side([t.to(qkv.dtype).permute(2, 0, 1, 3) for t in (out, dout)],
+                                  group).result()
         outh, douth = both[:, :nq], both[:, nq:]
         del both
     qh, kh, vh = qkv[:, :nq], qkv[:, nq:nq + nkv], qkv[:, nq + nkv:]
