@@ -384,10 +384,13 @@ def test_kept_weights_wait_for_the_next_attentions_gradients_after_this_mlp(repo
     rs = [i for i, o in enumerate(ops) if o.kind == "comm" and o.group == "metp_weight"
           and o.name == "reduce_scatter"]
     # Backward: the second layer's MLP (fc2, fc1), its attention (W_proj^T, W_qkv), then the
-    # first layer's MLP and attention, two each.
-    assert len(rs) == 8, [ops[i].bytes for i in rs]
+    # first layer's MLP, two each, and its attention: W_proj^T, then W_qkv in the two parts it
+    # was gathered and kept in (nothing posted it whole: whole_pass._dqkv_slots), the query
+    # rows first.
+    assert len(rs) == 9, [ops[i].bytes for i in rs]
     h = cfg.hidden_size
     assert [ops[i].bytes for i in rs[2:4]] == [4 * h * h, 4 * 3 * h * h]
+    assert [ops[i].bytes for i in rs[6:]] == [4 * h * h, 4 * h * h, 4 * 2 * h * h]
     mlp1_last, att1_kernel = rs[5], next(i for i, o in enumerate(ops) if i > rs[5]
                                          and o.kind == "compute" and is_attention_kernel(o.name))
     ids = {ops[i].comm_id for i in rs[2:4]}

@@ -3,7 +3,8 @@ weights are all-gathered once (W_qkv as its query rows and its key/value rows, t
 behind the smaller part's GEMM), Q, K/V and the output projection are one GEMM each and one
 ring carries every head's K/V; the weight gradients are reduce-scattered.
 ``--metp-qkv-backward save`` keeps what the ring read for backward instead of recomputing it;
-``save+fc1+weights`` keeps the gathered weights too, and the backward gathers none.
+``save+fc1+weights`` keeps the gathered weights too, and the backward gathers none; W_qkv
+gathered in two parts is kept so, and each part's gradients are reduce-scattered on their own.
 The module and its shapes: ``metp.attention``.
 """
 
@@ -174,24 +175,51 @@ def _linear(x2d, w_full, wh, b_full, bh) -> torch.Tensor:
     return torch.addmm(b_full, x2d, w_full.t())
 
 
-def _rows_to_qkv(rows: torch.Tensor, plan: _Plan) -> torch.Tensor:
+def _dqkv_slots(s: int, b: int, ng: int, rep: int, d: int, dtype, device, parted: bool):
+    """Where backward lays dQ, dK and dV for the weight-gradient and dX GEMMs: one
+    ``[s, b, ng, rep + 2, d]`` in Megatron's row layout, or, where the forward kept ``W_qkv``'s
+    two gathered parts (query rows, key/value rows: :func:`_project_gathered`), two of their
+    own, ``[s, b, ng, rep, d]`` and ``[s, b, ng, 2, d]``, so that each part's GEMMs run on the
+    part as kept. Returns ``(mats, q, k, v)``: the GEMMs' ``[s b, -]`` matrices (one or two),
+    and the slots ``[s, b, ng, rep, d]``, ``[s, b, ng, 1, d]``, ``[s, b, ng, 1, d]``."""
+    if not parted:
+        t = torch.empty((s, b, ng, rep + 2, d), dtype=dtype, device=device)
+        return [t.view(s * b, -1)], t[:, :, :, :rep], t[:, :, :, rep:rep + 1], t[:, :, :, rep + 1:]
+    tq = torch.empty((s, b, ng, rep, d), dtype=dtype, device=device)
+    tkv = torch.empty((s, b, ng, 2, d), dtype=dtype, device=device)
+    return [tq.view(s * b, -1), tkv.view(s * b, -1)], tq, tkv[:, :, :, :1], tkv[:, :, :, 1:]
+
+
+def _rows_to_qkv(rows: torch.Tensor, plan: _Plan, parted: bool) -> list:
     """``a2a_heads_backward``'s ``[s, b, p, H, d]`` (row j: rank j's n/p query heads' dQ, then
-    its ng/p dK, then its ng/p dV) -> dQKV ``[s, b, ng, n/ng + 2, d]`` in Megatron's row
-    layout (rank j's query groups are groups j ng/p ..), RoPE's gradient applied to dQ and dK
-    (:meth:`_Plan.unrotate`, on ``[s, b, heads, d]`` as the ring's backward applies it)."""
+    its ng/p dK, then its ng/p dV) -> dQ, dK, dV in Megatron's row layout (rank j's query groups
+    are groups j ng/p ..), RoPE's gradient applied to dQ and dK (:meth:`_Plan.unrotate`, on
+    ``[s, b, heads, d]`` as the ring's backward applies it): the GEMMs' matrices of
+    :func:`_dqkv_slots` (``parted``: one per kept part of ``W_qkv``)."""
     s, b, p, _, d = rows.shape
     nq, nkv = plan.heads_p, plan.groups_p
     rep = nq // nkv
-    dqkv = torch.empty((s, b, p * nkv, rep + 2, d), dtype=rows.dtype, device=rows.device)
-    dst = dqkv.view(s, b, p, nkv, rep + 2, d)
-    for which, (lo, hi), (r0, r1) in ((0, (0, nq), (0, rep)), (1, (nq, nq + nkv), (rep, rep + 1)),
-                                      (2, (nq + nkv, nq + 2 * nkv), (rep + 1, rep + 2))):
+    mats, *slots = _dqkv_slots(s, b, p * nkv, rep, d, rows.dtype, rows.device, parted)
+    for which, (lo, hi) in enumerate(((0, nq), (nq, nq + nkv), (nq + nkv, nq + 2 * nkv))):
         part = rows[:, :, :, lo:hi]
         if which < 2 and plan.freqs is not None:
             part = plan.unrotate(part.reshape(s, b, p * (hi - lo), d), which).view(
                 s, b, p, hi - lo, d)
-        dst[:, :, :, :, r0:r1].copy_(part.view(s, b, p, nkv, r1 - r0, d))
-    return dqkv
+        width = slots[which].shape[3]
+        slots[which].view(s, b, p, nkv, width, d).copy_(part.view(s, b, p, nkv, width, d))
+    return mats
+
+
+def _join_parts(parts, like: torch.Tensor, plan: _Plan) -> torch.Tensor:
+    """This rank's ``linear_qkv`` weight (or bias) gradient in ``like``'s dtype and Megatron's
+    per-query-group row order from its two reduce-scattered parts (query rows, key/value rows;
+    :func:`_qkv_parts`'s split): the cast the whole gradient takes anyway, in two copies."""
+    rep = plan.heads_p // plan.groups_p
+    out = torch.empty_like(like)
+    o = out.view(plan.groups_p, rep + 2, plan.d, *like.shape[1:])
+    o[:, :rep].copy_(parts[0].view(plan.groups_p, rep, plan.d, *like.shape[1:]))
+    o[:, rep:].copy_(parts[1].view(plan.groups_p, 2, plan.d, *like.shape[1:]))
+    return out
 
 
 class _MetpWholeFunction(torch.autograd.Function):
@@ -261,10 +289,13 @@ class _MetpWholeFunction(torch.autograd.Function):
             a, lse = _attend(plan, _bnsd(q), k, v)
             del q, k, v
         if kept is not None:
-            # save+fc1+weights: W_qkv in Megatron's row order for the backward's dX, made here
-            # from the two parts (where the compute stream would otherwise wait for W_proj^T's
-            # gather), or gathered so whole.
-            kept = kept[0] if len(kept) == 1 else _assemble_qkv(kept, plan)
+            # save+fc1+weights: W_qkv gathered whole (posted by the layer before), or its two
+            # parts as gathered: the backward runs each part's GEMMs on it (_dqkv_slots), so
+            # nothing copies the weight. Reassembled (one copy of it) only where the layer
+            # before is to wait for this pass's gradients (plan.later_box: it hands autograd
+            # one tensor per weight), which in practice comes with a whole, posted W_qkv.
+            kept = (kept[0] if len(kept) == 1 else tuple(kept) if plan.later_box is None
+                    else _assemble_qkv(kept, plan))
         if wpt_handle is not None:
             wpt_handle.wait()
         out = _flat(a).mm(wpt)
@@ -294,10 +325,13 @@ class _MetpWholeFunction(torch.autograd.Function):
         # The layer before waits for this pass's reduce-scatters, after its MLP's backward
         # (layer_schedule.SublayerLink.defer_next_attention), where the weights are kept.
         box = plan.later_box if ctx.kept is not None else None
+        parted = False
         if ctx.kept is not None:
             # save+fc1+weights: Q/K/V saved (save_qkv), both gathered weights kept.
             (w_full, wpt), ctx.kept = ctx.kept, None
             b_full = None
+            # W_qkv as its two gathered parts (query rows, key/value rows), or whole.
+            parted = isinstance(w_full, tuple)
             wpt_handle = w_handle = b_handle = None
         elif plan.link is not None:
             # Posted by the MLP's backward (metp.layer_schedule), or gathered now.
@@ -333,24 +367,23 @@ class _MetpWholeFunction(torch.autograd.Function):
         # dQ, dK, dV in Megatron's row layout, for one GEMM; allocated when the ring hands over
         # dQ (after its kernels), as the per-head-group loop allocates its buffers.
         grads = {}
-        dqkv = None
+        mats = None
         if ctx.heads:
             rows = a2a_heads_backward(plan.group, da, posted.pop("out") if posted else a,
                                       keep_q, lse, plan.causal, plan.scale, plan.backend)
             del da, keep_q, keep_kv, lse
-            dqkv = _rows_to_qkv(rows, plan)
+            mats = _rows_to_qkv(rows, plan, parted)
             del rows
         elif ctx.rotated:
             q_rot, kv_rot = keep_q, keep_kv
             del keep_q, keep_kv
             # Saved after RoPE: the ring's backward reads what its forward read, and RoPE's
             # gradient is the turn by -θ, applied to dQ while the last dK/dV hop travels.
-            shape, q_dtype = (s, b, q_rot.shape[2] // rep, rep + 2, plan.d), q_rot.dtype
+            ng, q_dtype = q_rot.shape[2] // rep, q_rot.dtype
 
             def q_side_rot(dq):
-                grads["qkv"] = torch.empty(shape, dtype=q_dtype, device=dq.device)
-                grads["qkv"][:, :, :, :rep] = plan.unrotate(_sbnd(dq), 0).view(
-                    *shape[:3], rep, plan.d)
+                grads["qkv"] = _dqkv_slots(s, b, ng, rep, plan.d, q_dtype, dq.device, parted)
+                grads["qkv"][1].copy_(plan.unrotate(_sbnd(dq), 0).view(s, b, ng, rep, plan.d))
 
             _, dk, dv = _attend_backward(plan, da, _bnsd(q_rot), kv_rot[0], kv_rot[1], a, lse,
                                          q_side_rot, posted)
@@ -374,8 +407,7 @@ class _MetpWholeFunction(torch.autograd.Function):
                 qkv = keep_kv
                 q_lin, k_lin, v = keep_q.detach(), qkv[:, :, :, 0], qkv[:, :, :, 1]
             del keep_q, keep_kv
-            ng = q_lin.shape[2] // rep
-            qkv_shape, qkv_dtype = (s, b, ng, rep + 2, plan.d), q_lin.dtype
+            ng, qkv_dtype = q_lin.shape[2] // rep, q_lin.dtype
             with torch.enable_grad():
                 if plan.has_post:
                     q_lin.requires_grad_(True)
@@ -391,8 +423,8 @@ class _MetpWholeFunction(torch.autograd.Function):
                 dq = _sbnd(dq)
                 if plan.has_post:
                     dq = _post_grad(q, q_lin, norm_params[:n_q], dq, dnorm[:n_q])
-                grads["qkv"] = torch.empty(qkv_shape, dtype=qkv_dtype, device=dq.device)
-                grads["qkv"][:, :, :, :rep] = dq.view(s, b, ng, rep, plan.d)
+                grads["qkv"] = _dqkv_slots(s, b, ng, rep, plan.d, qkv_dtype, dq.device, parted)
+                grads["qkv"][1].copy_(dq.view(s, b, ng, rep, plan.d))
 
             _, dk, dv = _attend_backward(plan, da, _bnsd(q.detach()), k_ring, v_ring, a, lse,
                                          q_side, posted)
@@ -403,12 +435,35 @@ class _MetpWholeFunction(torch.autograd.Function):
                 del k, k_lin
             del q, q_lin
         # dK (through RoPE / the q/k norm) and dV into the rows the q side allocated.
-        if dqkv is None:
-            dqkv = grads.pop("qkv")
-            dqkv[:, :, :, rep] = dk
-            dqkv[:, :, :, rep + 1] = _sbnd(dv)
-            del dk, dv
-        dqkv2d = dqkv.view(s * b, -1)
+        if mats is None:
+            mats, _, k_slot, v_slot = grads.pop("qkv")
+            k_slot.copy_(dk.unsqueeze(3))
+            v_slot.copy_(_sbnd(dv).unsqueeze(3))
+            del dk, dv, k_slot, v_slot
+        if parted:
+            # W_qkv kept as its two gathered parts (save+fc1+weights, no layer before to wait
+            # for the gradients): each part's weight gradient is reduce-scattered on its own,
+            # the smaller first, behind the larger's GEMM and dX's (one whole reduce-scatter
+            # would start only after the whole weight-gradient GEMM); dX is the sum of the
+            # parts' GEMMs (two partial sums where the gathered weight had one: still fewer
+            # than TP's dX, reduce-scattered from p).
+            parts = []
+            for i in _gather_order(plan.heads_p, plan.groups_p):
+                dw_i = _scatter_rows(widening_mm(mats[i].t(), x2d, gacc), plan)
+                db_i = (_scatter_rows(mats[i].sum(0, dtype=gacc), plan) if ctx.has_bias
+                        else (None, None))
+                parts.append((i, dw_i, db_i))
+            dx = mats[0].mm(w_full[0])
+            dx.addmm_(mats[1], w_full[1])
+            del w_full, mats
+            for hnd in [dwpt_handle] + [h for _, dw_i, db_i in parts for h in (dw_i[1], db_i[1])]:
+                if hnd is not None:
+                    hnd.wait()
+            parts.sort(key=lambda e: e[0])
+            return (None, dx.view(s, b, h), _join_parts([e[1][0] for e in parts], w_qkv, plan),
+                    _join_parts([e[2][0] for e in parts], b_qkv, plan) if ctx.has_bias else None,
+                    dwpt.t().contiguous().to(w_proj.dtype), *dnorm)
+        (dqkv2d,) = mats
         # The weight gradient first, so that its reduce-scatter runs behind dX's GEMM.
         dw_full = widening_mm(dqkv2d.t(), x2d, gacc)
         dw, dw_handle = _scatter_rows(dw_full, plan)
