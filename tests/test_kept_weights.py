@@ -25,6 +25,10 @@ CASES = {
     "gpt": ("gpt", {}),
     # LLaMA-style: SwiGLU, RoPE, GQA, no biases.
     "llama": ("llama", {"num_attention_heads": 8, "num_query_groups": 4}),
+    # With Megatron's q/k norm, whose gradient needs its input: the backward's third way to
+    # dQ/dK/dV (the projection saved, the norm run again through autograd).
+    "llama q/k norm": ("llama", {"num_attention_heads": 8, "num_query_groups": 4,
+                                 "qk_layernorm": True}),
 }
 
 

@@ -456,7 +456,7 @@ class _MetpWholeFunction(torch.autograd.Function):
             dx = mats[0].mm(w_full[0])
             dx.addmm_(mats[1], w_full[1])
             del w_full, mats
-            for hnd in [dwpt_handle] + [h for _, dw_i, db_i in parts for h in (dw_i[1], db_i[1])]:
+            for hnd in [dwpt_handle] + [w for _, dw_i, db_i in parts for w in (dw_i[1], db_i[1])]:
                 if hnd is not None:
                     hnd.wait()
             parts.sort(key=lambda e: e[0])
