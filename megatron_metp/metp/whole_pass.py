@@ -364,8 +364,9 @@ class _MetpWholeFunction(torch.autograd.Function):
         da = dout2d.mm(wpt.t()).view(s, b, -1, plan.d).permute(1, 2, 0, 3)
         del wpt
         rep = plan.heads_p // plan.groups_p
-        # dQ, dK, dV in Megatron's row layout, for one GEMM; allocated when the ring hands over
-        # dQ (after its kernels), as the per-head-group loop allocates its buffers.
+        # dQ, dK, dV in Megatron's row layout, for one GEMM (or one per kept part of W_qkv:
+        # _dqkv_slots); allocated when the ring hands over dQ (after its kernels), as the
+        # per-head-group loop allocates its buffers.
         grads = {}
         mats = None
         if ctx.heads:
@@ -447,21 +448,19 @@ class _MetpWholeFunction(torch.autograd.Function):
             # would start only after the whole weight-gradient GEMM); dX is the sum of the
             # parts' GEMMs (two partial sums where the gathered weight had one: still fewer
             # than TP's dX, reduce-scattered from p).
-            parts = []
+            dws, dbs = [None, None], [(None, None)] * 2   # per part: (mine, handle)
             for i in _gather_order(plan.heads_p, plan.groups_p):
-                dw_i = _scatter_rows(widening_mm(mats[i].t(), x2d, gacc), plan)
-                db_i = (_scatter_rows(mats[i].sum(0, dtype=gacc), plan) if ctx.has_bias
-                        else (None, None))
-                parts.append((i, dw_i, db_i))
+                dws[i] = _scatter_rows(widening_mm(mats[i].t(), x2d, gacc), plan)
+                if ctx.has_bias:
+                    dbs[i] = _scatter_rows(mats[i].sum(0, dtype=gacc), plan)
             dx = mats[0].mm(w_full[0])
             dx.addmm_(mats[1], w_full[1])
             del w_full, mats
-            for hnd in [dwpt_handle] + [w for _, dw_i, db_i in parts for w in (dw_i[1], db_i[1])]:
+            for _, hnd in [(None, dwpt_handle), *dws, *dbs]:
                 if hnd is not None:
                     hnd.wait()
-            parts.sort(key=lambda e: e[0])
-            return (None, dx.view(s, b, h), _join_parts([e[1][0] for e in parts], w_qkv, plan),
-                    _join_parts([e[2][0] for e in parts], b_qkv, plan) if ctx.has_bias else None,
+            return (None, dx.view(s, b, h), _join_parts([m for m, _ in dws], w_qkv, plan),
+                    _join_parts([m for m, _ in dbs], b_qkv, plan) if ctx.has_bias else None,
                     dwpt.t().contiguous().to(w_proj.dtype), *dnorm)
         (dqkv2d,) = mats
         # The weight gradient first, so that its reduce-scatter runs behind dX's GEMM.
