@@ -69,3 +69,61 @@ def _misuse():
 
 def test_misuse_is_refused():
     assert all(run_ranks(2, _misuse))
+
+
+def _together():
+    """gather_rows_together / scatter_rows_together against one gather_rows / scatter_rows per
+    tensor: equal tensors (the same collectives' bytes), one handle waited for once, and the
+    calls counted by the project's CommCounter (one per coalesced call)."""
+    from megatron_metp.comm import (gather_rows, gather_rows_together, scatter_rows,
+                                    scatter_rows_together)
+    from megatron_metp.measure.comm_counter import CommCounter
+
+    r, p = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(r)
+    # Two strided shards of one row shape (a row-parallel weight's rows of its transpose,
+    # packed in one copy), a bias, a dense matrix, a None, another dtype (a call of its own).
+    ts = [torch.randn(6, 3, generator=g).t(), torch.randn(5, generator=g), None,
+          torch.randn(4, 3, generator=g), torch.randn(6, 2, generator=g).t(),
+          torch.randn(2, 2, generator=g).to(torch.float64)]
+    with CommCounter() as c:
+        fulls, handle = gather_rows_together(ts, None, p)
+    assert c.stats["all_gather"].calls == 2   # one per dtype
+    handle.wait()
+    handle.wait()   # a second wait returns at once
+    for t, full in zip(ts, fulls):
+        if t is None:
+            assert full is None
+            continue
+        ref, h = gather_rows(t, None, p)
+        h.wait()
+        assert torch.equal(full, ref)
+    big = [torch.randn(3 * p, 4, generator=g), None, torch.randn(2 * p, generator=g)]
+    with CommCounter() as c:
+        mines, handle = scatter_rows_together(big, None, p)
+    assert c.stats["reduce_scatter"].calls == 1
+    handle.wait()
+    for t, mine in zip(big, mines):
+        if t is None:
+            assert mine is None
+            continue
+        ref, h = scatter_rows(t, None, p)
+        h.wait()
+        assert torch.equal(mine, ref)
+    return True
+
+
+def test_rows_together_equal_one_call_per_tensor():
+    assert all(run_ranks(4, _together))
+
+
+def test_call_groups():
+    from megatron_metp.comm import call_groups
+
+    w = torch.empty(4, 4)             # 64 bytes; 4 x 64 = 256 gathered
+    b = torch.empty(4)
+    # A bias always goes with the call before it; matrices join while the call's gathered
+    # bytes stay within the limit.
+    assert call_groups([w, b, w, None, w], 4, max_bytes=600) == [[0, 1, 2], [4]]
+    assert call_groups([w, b, w, b], 4, max_bytes=512) == [[0, 1], [2, 3]]
+    assert call_groups([None, b, w], 4, max_bytes=10 ** 6) == [[1, 2]]

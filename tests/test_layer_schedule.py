@@ -68,12 +68,14 @@ def _linked_vs_unlinked(p):
             # attention's backward gathers from the MLP's backward; none was gathered anew.
             # The second layer's attention took its first gathers (its whole W_qkv, and its
             # bias) from the first layer's MLP (the chain); the first layer's, which nothing
-            # runs before, gathered them itself (in two parts, never through the link).
+            # runs before, gathered them itself (in two parts, never through the link). Each
+            # attention's forward took its W_proj^T from the call that posted its MLP's
+            # weights ("proj_out": coalesced with them where small, comm.call_groups).
             used = {}
             for name, hit in takes:
                 used.setdefault(name, []).append(hit)
             bias = style == "gpt"
-            want = {"fc1": 2, "fc2": 2, "proj": 2, "qkv": 2}
+            want = {"fc1": 2, "fc2": 2, "proj": 2, "qkv": 2, "proj_out": 2}
             chained = ["first_qkv"]
             if bias:
                 want["fc1_bias"] = 2

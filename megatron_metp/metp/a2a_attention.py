@@ -254,9 +254,10 @@ def a2a_heads_backward(
     (``[b, n, s/p, d]`` each, this rank's tokens) in one all-to-all (:func:`fuse_out`), or
     ``out`` as the :class:`Pending` exchange :func:`post_backward_inputs` posted ahead; ``qkv``
     and ``lse`` as the forward returned them. Returns ``[s/p, b, p, (n + 2 n_kv)/p, d]``: this
-    rank's tokens, row j rank j's query, key and value heads' gradients side by side, as one
-    all-to-all delivered them (a view, no copy): the caller lays them out for its weight
-    gradient."""
+    rank's tokens, row j rank j's heads' gradients in Megatron's row order (per query group
+    its n/n_kv query heads' dQ, then its dK and dV), as one all-to-all delivered them (a view,
+    no copy): the caller lays them out for its weight gradient, one copy where nothing turns
+    them first (``whole_pass._rows_to_qkv``)."""
     nq = dout.shape[1] // dist.get_world_size(group)
     nkv = (qkv.shape[1] - nq) // 2
     if isinstance(out, Pending):
@@ -272,7 +273,11 @@ def a2a_heads_backward(
     dqh, dkh, dvh = kernels.attention_backward(douth, qh, kh, vh, outh, lse, causal=causal,
                                                softmax_scale=softmax_scale, backend=backend)
     del douth, qh, kh, vh, outh
-    dqkv = torch.cat([t.to(qkv.dtype) for t in (dqh, dkh, dvh)], dim=1)
+    # Each query group's dQ, dK, dV side by side (Megatron's rows of W_qkv): one cat, as
+    # three heads-blocks would be.
+    b, _, s, d = dqh.shape
+    dqkv = torch.cat([t.to(qkv.dtype).view(b, nkv, -1, s, d) for t in (dqh, dkh, dvh)],
+                     dim=2).view(b, -1, s, d)
     del dqh, dkh, dvh
     back = post_heads_to_rows(dqkv, group)
     del dqkv

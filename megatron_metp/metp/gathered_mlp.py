@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_metp.comm import gather_rows as _gather, scatter_rows as _scatter
+from megatron_metp.comm import scatter_rows_together
 from megatron_metp.kernels import widening_mm
 from megatron_metp.metp.weight_ring import _fc1, accum_dtype as _accum
 
@@ -195,8 +196,9 @@ class GatheredMLPFunction(torch.autograd.Function):
         dt = dt.reshape(n, -1)
         dw_in_full = widening_mm(dt.t(), x, gacc)
         db_in_full = dt.sum(0, dtype=gacc) if ctx.has_bias else None
-        dw_in, dw_in_h = _scatter(dw_in_full, group, p)
-        db_in, db_in_h = _scatter(db_in_full, group, p)
+        # The weight's and the bias's in one call (comm.scatter_rows_together).
+        (dw_in, db_in), dw_in_h = scatter_rows_together([dw_in_full, db_in_full], group, p)
+        db_in_h = dw_in_h
         if box is None:
             del dw_in_full, db_in_full
         _wait(wh)

@@ -81,7 +81,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from megatron_metp.comm import gather_rows
+from megatron_metp.comm import call_groups, gather_rows, gather_rows_together
 from megatron_metp.metp.attention_plan import KEEPS_WEIGHTS
 from megatron_metp.metp.weight_hooks import run_pre_hooks
 from megatron_metp.metp.whole_pass import first_gathers
@@ -172,20 +172,26 @@ class SublayerLink:
         """Post ``(name, tensor, transpose[, origin])`` gathers; ``origin`` (the tensor itself
         by default) is the parameter whose version :meth:`take` checks."""
         into = self._posted if into is None else into
-        for name, t, transpose, *rest in items:
-            if t is None:
-                continue
-            origin = rest[0] if rest else t
-            full, handle = gather_rows(t.t() if transpose else t, self.group, self.p)
-            into[name] = (origin, origin._version, transpose, full, handle)
+        items = [(name, t, transpose, rest[0] if rest else t)
+                 for name, t, transpose, *rest in items if t is not None]
+        rows = [t.t() if transpose else t for _, t, transpose, _ in items]
+        # A bias with its weight, small weights together: one call each (comm.call_groups).
+        for call in call_groups(rows, self.p):
+            fulls, handle = gather_rows_together([rows[i] for i in call], self.group, self.p)
+            for i, full in zip(call, fulls):
+                name, _, transpose, origin = items[i]
+                into[name] = (origin, origin._version, transpose, full, handle)
 
-    def post_mlp(self) -> None:
+    def post_mlp(self, lead: Sequence[tuple] = ()) -> None:
         """The MLP's forward gathers (fc1's rows, its bias, fc2's as rows of W_out^T), in the
-        order the MLP takes them; called by the attention after posting its own."""
+        order the MLP takes them, after the attention's ``lead`` ones (``(name, tensor,
+        transpose)``: its output projection's, coalesced with them where small); called by
+        the attention."""
         run_pre_hooks(*self.mlp_linears)
         self.mlp_prepared = True
         w_in, b_in, w_out = self.mlp_weights
-        self._post((("fc1", w_in, False), ("fc1_bias", b_in, False), ("fc2", w_out, True)))
+        self._post((*lead, ("fc1", w_in, False), ("fc1_bias", b_in, False),
+                    ("fc2", w_out, True)))
 
     def post_attention(self) -> None:
         """The attention backward's gathers (what its forward registered); called by the MLP's

@@ -15,7 +15,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from megatron_metp.comm import gather_rows, scatter_rows
+from megatron_metp.comm import (gather_rows, gather_rows_together, scatter_rows,
+                                scatter_rows_together)
 from megatron_metp.kernels import widening_mm
 from megatron_metp.metp.a2a_attention import (a2a_attention_backward, a2a_attention_forward,
                                               a2a_heads_backward, a2a_heads_forward,
@@ -151,13 +152,13 @@ def _project_gathered(x2d, w_qkv, b_qkv, plan: _Plan, s: int, b: int, kept=None)
     parts = _qkv_parts(w_qkv, b_qkv, plan.heads_p, plan.groups_p, d)   # a copy each
     gathered = {}
     for i in order:
-        gathered[i] = (*_gather_rows(parts[i][0], plan, async_op=True),
-                       *_gather_rows(parts[i][1], plan, async_op=True))
+        # A part's rows and its bias in one call (comm.gather_rows_together).
+        gathered[i] = gather_rows_together(parts[i], plan.weight_group, plan.p)
     del parts
     out = [None, None]
     for i in order:
-        w_full, wh, b_full, bh = gathered.pop(i)
-        out[i] = _linear(x2d, w_full, wh, b_full, bh)
+        (w_full, b_full), handle = gathered.pop(i)
+        out[i] = _linear(x2d, w_full, handle, b_full, None)
         if kept is not None:
             kept[i] = w_full
         del w_full, b_full
@@ -191,22 +192,27 @@ def _dqkv_slots(s: int, b: int, ng: int, rep: int, d: int, dtype, device, parted
 
 
 def _rows_to_qkv(rows: torch.Tensor, plan: _Plan, parted: bool) -> list:
-    """``a2a_heads_backward``'s ``[s, b, p, H, d]`` (row j: rank j's n/p query heads' dQ, then
-    its ng/p dK, then its ng/p dV) -> dQ, dK, dV in Megatron's row layout (rank j's query groups
-    are groups j ng/p ..), RoPE's gradient applied to dQ and dK (:meth:`_Plan.unrotate`, on
-    ``[s, b, heads, d]`` as the ring's backward applies it): the GEMMs' matrices of
-    :func:`_dqkv_slots` (``parted``: one per kept part of ``W_qkv``)."""
+    """``a2a_heads_backward``'s ``[s, b, p, H, d]`` (row j: rank j's heads' gradients in
+    Megatron's row order, per query group its dQ heads, dK, dV) -> the GEMMs' matrices of
+    :func:`_dqkv_slots` (``parted``: one per kept part of ``W_qkv``): one copy per matrix, or,
+    with RoPE, dQ and dK turned back first (:meth:`_Plan.unrotate`, on ``[s, b, heads, d]`` as
+    the ring's backward applies it) and dV copied."""
     s, b, p, _, d = rows.shape
-    nq, nkv = plan.heads_p, plan.groups_p
-    rep = nq // nkv
+    nkv = plan.groups_p
+    rep = plan.heads_p // nkv
     mats, *slots = _dqkv_slots(s, b, p * nkv, rep, d, rows.dtype, rows.device, parted)
-    for which, (lo, hi) in enumerate(((0, nq), (nq, nq + nkv), (nq + nkv, nq + 2 * nkv))):
-        part = rows[:, :, :, lo:hi]
-        if which < 2 and plan.freqs is not None:
-            part = plan.unrotate(part.reshape(s, b, p * (hi - lo), d), which).view(
-                s, b, p, hi - lo, d)
-        width = slots[which].shape[3]
-        slots[which].view(s, b, p, nkv, width, d).copy_(part.view(s, b, p, nkv, width, d))
+    rows = rows.view(s, b, p, nkv, rep + 2, d)
+    if plan.freqs is None:
+        bounds = ((0, rep), (rep, rep + 2)) if parted else ((0, rep + 2),)
+        for mat, (lo, hi) in zip(mats, bounds):
+            mat.view(s, b, p, nkv, hi - lo, d).copy_(rows[:, :, :, :, lo:hi])
+        return mats
+    for which, (lo, hi) in enumerate(((0, rep), (rep, rep + 1), (rep + 1, rep + 2))):
+        part = rows[:, :, :, :, lo:hi]
+        if which < 2:
+            part = plan.unrotate(part.reshape(s, b, p * nkv * (hi - lo), d), which).view(
+                s, b, p, nkv, hi - lo, d)
+        slots[which].view(s, b, p, nkv, hi - lo, d).copy_(part)
     return mats
 
 
@@ -243,17 +249,20 @@ class _MetpWholeFunction(torch.autograd.Function):
         kept = [None, None] if plan.keep_weights else None
         q_lin, kv_lin = _project_gathered(x2d, w_qkv, b_qkv, plan, s, b, kept)
         # W_proj^T's rows are the heads in order: gathered while the ring computes.
-        wpt, wpt_handle = _gather_rows(w_proj.t(), plan, async_op=True)
         if plan.link is not None:
-            # The MLP's weights travel next, behind this pass's compute; what this pass's
-            # backward gathers, the MLP's backward posts ahead of its reduce-scatters
-            # (metp.layer_schedule). The bias only enters a recomputed projection.
-            # Nothing when the weights are kept (save+fc1+weights).
+            # The MLP's weights travel next, behind this pass's compute (with W_proj^T in one
+            # call where they are small: comm.call_groups); what this pass's backward gathers,
+            # the MLP's backward posts ahead of its reduce-scatters (metp.layer_schedule). The
+            # bias only enters a recomputed projection. Nothing when the weights are kept
+            # (save+fc1+weights).
             plan.link.attention_gathers = [] if kept is not None else [
                 ("proj", w_proj, True), ("qkv", w_qkv, False),
                 ("qkv_bias", None if plan.save_qkv else b_qkv, False)]
             plan.link.attention_whole = True
-            plan.link.post_mlp()
+            plan.link.post_mlp(lead=(("proj_out", w_proj, True),))
+            wpt, wpt_handle = plan.link.take("proj_out", w_proj, transpose=True)
+        else:
+            wpt, wpt_handle = _gather_rows(w_proj.t(), plan, async_op=True)
         q, k = q_lin, kv_lin[:, :, :, 0]
         if plan.has_post:
             q, k = plan.post(q, k)
@@ -448,30 +457,33 @@ class _MetpWholeFunction(torch.autograd.Function):
             # would start only after the whole weight-gradient GEMM); dX is the sum of the
             # parts' GEMMs (two partial sums where the gathered weight had one: still fewer
             # than TP's dX, reduce-scattered from p).
-            dws, dbs = [None, None], [(None, None)] * 2   # per part: (mine, handle)
+            # Per part: ([weight's, bias's] reduce-scattered in one call, its handle).
+            mines, handles = [None, None], [None, None]
             for i in _gather_order(plan.heads_p, plan.groups_p):
-                dws[i] = _scatter_rows(widening_mm(mats[i].t(), x2d, gacc), plan)
-                if ctx.has_bias:
-                    dbs[i] = _scatter_rows(mats[i].sum(0, dtype=gacc), plan)
+                dw_part = widening_mm(mats[i].t(), x2d, gacc)
+                db_part = mats[i].sum(0, dtype=gacc) if ctx.has_bias else None
+                mines[i], handles[i] = scatter_rows_together([dw_part, db_part],
+                                                             plan.weight_group, plan.p)
+                del dw_part, db_part
             dx = mats[0].mm(w_full[0])
             dx.addmm_(mats[1], w_full[1])
             del w_full, mats
-            for _, hnd in [(None, dwpt_handle), *dws, *dbs]:
+            for hnd in (dwpt_handle, *handles):
                 if hnd is not None:
                     hnd.wait()
-            return (None, dx.view(s, b, h), _join_parts([m for m, _ in dws], w_qkv, plan),
-                    _join_parts([m for m, _ in dbs], b_qkv, plan) if ctx.has_bias else None,
+            return (None, dx.view(s, b, h), _join_parts([m[0] for m in mines], w_qkv, plan),
+                    _join_parts([m[1] for m in mines], b_qkv, plan) if ctx.has_bias else None,
                     dwpt.t().contiguous().to(w_proj.dtype), *dnorm)
         (dqkv2d,) = mats
         # The weight gradient first, so that its reduce-scatter runs behind dX's GEMM.
         dw_full = widening_mm(dqkv2d.t(), x2d, gacc)
-        dw, dw_handle = _scatter_rows(dw_full, plan)
-        if box is None:
-            del dw_full
         db_full = dqkv2d.sum(0, dtype=gacc) if ctx.has_bias else None
-        db, db_handle = _scatter_rows(db_full, plan)
+        # The weight's and the bias's in one call (comm.scatter_rows_together).
+        (dw, db), dw_handle = scatter_rows_together([dw_full, db_full], plan.weight_group,
+                                                    plan.p)
+        db_handle = dw_handle
         if box is None:
-            del db_full
+            del dw_full, db_full
         if w_handle is not None:
             w_handle.wait()
         dx = dqkv2d.mm(w_full)
