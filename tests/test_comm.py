@@ -127,3 +127,28 @@ def test_call_groups():
     assert call_groups([w, b, w, None, w], 4, max_bytes=600) == [[0, 1, 2], [4]]
     assert call_groups([w, b, w, b], 4, max_bytes=512) == [[0, 1], [2, 3]]
     assert call_groups([None, b, w], 4, max_bytes=10 ** 6) == [[1, 2]]
+
+
+def test_shared_work_waits_for_every_call_even_after_a_failed_wait():
+    """A coalesced call's handle: waited for once; a work whose wait raised is waited for
+    again by the next wait, and the works after it too (nothing is left in flight)."""
+    from megatron_metp.comm import SharedWork
+
+    class Work:
+        def __init__(self, fails):
+            self.fails, self.waits = fails, 0
+
+        def wait(self):
+            self.waits += 1
+            if self.waits <= self.fails:
+                raise RuntimeError("timed out")
+
+    a, b = Work(1), Work(0)
+    shared = SharedWork([a, b])
+    with pytest.raises(RuntimeError):
+        shared.wait()
+    assert (a.waits, b.waits) == (1, 0)
+    shared.wait()
+    assert (a.waits, b.waits) == (2, 1)
+    shared.wait()   # done: returns at once
+    assert (a.waits, b.waits) == (2, 1)

@@ -80,9 +80,11 @@ class SharedWork:
         self._works = list(works)
 
     def wait(self) -> bool:
-        works, self._works = self._works, []
-        for w in works:
-            w.wait()
+        # Each work leaves the list only once waited for: if one wait raises, a later wait
+        # (``layer_schedule.drop``) still waits for the rest before their buffers go.
+        while self._works:
+            self._works[0].wait()
+            self._works.pop(0)
         return True
 
 
