@@ -71,6 +71,17 @@ def test_misuse_is_refused():
     assert all(run_ranks(2, _misuse))
 
 
+def _equal_one_by_one(ins, outs, single, p):
+    """Each of ``outs`` equals ``single`` (one call) on its input; None stays None."""
+    for t, out in zip(ins, outs):
+        if t is None:
+            assert out is None
+            continue
+        ref, h = single(t, None, p)
+        h.wait()
+        assert torch.equal(out, ref)
+
+
 def _together():
     """gather_rows_together / scatter_rows_together against one gather_rows / scatter_rows per
     tensor: equal tensors (the same collectives' bytes), one handle waited for once, and the
@@ -91,25 +102,13 @@ def _together():
     assert c.stats["all_gather"].calls == 2   # one per dtype
     handle.wait()
     handle.wait()   # a second wait returns at once
-    for t, full in zip(ts, fulls):
-        if t is None:
-            assert full is None
-            continue
-        ref, h = gather_rows(t, None, p)
-        h.wait()
-        assert torch.equal(full, ref)
+    _equal_one_by_one(ts, fulls, gather_rows, p)
     big = [torch.randn(3 * p, 4, generator=g), None, torch.randn(2 * p, generator=g)]
     with CommCounter() as c:
         mines, handle = scatter_rows_together(big, None, p)
     assert c.stats["reduce_scatter"].calls == 1
     handle.wait()
-    for t, mine in zip(big, mines):
-        if t is None:
-            assert mine is None
-            continue
-        ref, h = scatter_rows(t, None, p)
-        h.wait()
-        assert torch.equal(mine, ref)
+    _equal_one_by_one(big, mines, scatter_rows, p)
     return True
 
 

@@ -219,10 +219,17 @@ def test_stack_of_two_is_what_two_traced_layers_run(mode, kw):
         world.teardown()
     expected = stack_of_two(one)
     if mode == "metp" and not kw:
-        # The layer schedule is in the trace: the MLP's 2 gathers are posted before the
-        # attention's kernel, beside the attention's own 3 (without the link: 3).
+        # The layer schedule is in the trace: the MLP's gathers are posted before the
+        # attention's kernel, beside the attention's own. W_qkv's two parts go first (no bias:
+        # a call each), then W_proj^T with the MLP's fc1 and fc2 in one coalesced call (tiny:
+        # comm.call_groups); their bytes are every weight of the layer, bf16, gathered whole.
         kernel = next(i for i, o in enumerate(one) if "attention" in o.name)
-        assert sum(1 for o in one[:kernel] if o.kind == "comm" and o.group == "metp_weight") == 5
+        posted = [o for o in one[:kernel] if o.kind == "comm" and o.group == "metp_weight"]
+        h, f = cfg.hidden_size, cfg.ffn_hidden_size
+        d = h // cfg.num_attention_heads
+        weights = ((cfg.num_attention_heads + 2 * cfg.num_query_groups) * d * h   # W_qkv
+                   + h * h + 2 * f * h + h * f)                                  # W_proj, fc1, fc2
+        assert len(posted) == 3 and sum(o.bytes for o in posted) == 2 * weights, posted
         # ... and the chain: the first layer's MLP posts the second's whole W_qkv gather, and
         # the second layer runs one GEMM on it instead of cutting two parts (a copy each,
         # tiny-llama has no biases), gathering each and running a GEMM each; Q's rows are
