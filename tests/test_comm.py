@@ -1,5 +1,8 @@
 """The ring communicator: blocks arrive from the right neighbour, in order, on every ring length."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -105,9 +108,17 @@ def _together():
     _equal_one_by_one(ts, fulls, gather_rows, p)
     big = [torch.randn(3 * p, 4, generator=g), None, torch.randn(2 * p, generator=g)]
     with CommCounter() as c:
-        mines, handle = scatter_rows_together(big, None, p)
+        mines, handle = scatter_rows_together([t.clone() if t is not None else None
+                                               for t in big], None, p)
     assert c.stats["reduce_scatter"].calls == 1
+    # The caller's inputs are gone (the clones above): the handle holds them until waited
+    # for, since gloo's coalesced reduce-scatter does not (else its thread reads freed memory).
+    gc.collect()
+    held = [weakref.ref(t) for t in handle._tensors]
+    assert len(held) == 4 and all(r() is not None for r in held)
     handle.wait()
+    gc.collect()
+    assert not handle._tensors
     _equal_one_by_one(big, mines, scatter_rows, p)
     return True
 

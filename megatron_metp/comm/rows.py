@@ -15,6 +15,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor
 
 
 def gather_rows(t: Optional[torch.Tensor], group, p: int, async_op: bool = True):
@@ -74,10 +75,15 @@ def call_groups(ts: Sequence[Optional[torch.Tensor]], p: int,
 
 class SharedWork:
     """The one handle of a coalesced call, handed out for each of its tensors: the first
-    :meth:`wait` waits for the call, later ones return at once."""
+    :meth:`wait` waits for the call, later ones return at once. It holds the call's tensors
+    until then: gloo's coalesced reduce-scatter keeps no reference to its inputs (a caller
+    that drops its input after posting would free memory gloo's thread still reads), and
+    NCCL's work stashes them until waited for anyway. Fake tensors (the planner's traces,
+    where nothing runs) are not held, as a single call's ``FakeWork`` holds none."""
 
-    def __init__(self, works) -> None:
+    def __init__(self, works, tensors=()) -> None:
         self._works = list(works)
+        self._tensors = [t for t in tensors if not isinstance(t, FakeTensor)]
 
     def wait(self) -> bool:
         # Each work leaves the list only once waited for: if one wait raises, a later wait
@@ -85,6 +91,7 @@ class SharedWork:
         while self._works:
             self._works[0].wait()
             self._works.pop(0)
+        self._tensors = []
         return True
 
 
@@ -124,6 +131,7 @@ def _together(post, pairs, group) -> Optional[SharedWork]:
     for pair in pairs:
         kinds.setdefault(pair[1].dtype, []).append(pair)
     works = []
+    tensors = [t for pair in pairs for t in pair]
     for same in kinds.values():
         if len(same) == 1:
             works.append(post(*same[0]))
@@ -133,7 +141,7 @@ def _together(post, pairs, group) -> Optional[SharedWork]:
             for out, inp in same:
                 post(out, inp)
         works += cm.works
-    return SharedWork(works)
+    return SharedWork(works, tensors)
 
 
 def _dense(ts: Sequence[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]:
