@@ -166,24 +166,29 @@ def _dense(ts: Sequence[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]
     return out
 
 
+def _each_together(ts, group, p: int, rows, post):
+    """For each of ``ts`` (None stays None) an output of ``rows(t)`` rows, posted with
+    ``post(out, t)`` in one call: ``(outs, handle)``."""
+    outs, pairs = [], []
+    for t in ts:
+        if t is None:
+            outs.append(None)
+            continue
+        out = torch.empty((rows(t), *t.shape[1:]), dtype=t.dtype, device=t.device)
+        outs.append(out)
+        pairs.append((out, t))
+    return outs, _together(post, pairs, group)
+
+
 def gather_rows_together(ts: Sequence[Optional[torch.Tensor]], group, p: int
                          ) -> Tuple[List[Optional[torch.Tensor]], Optional[SharedWork]]:
     """:func:`gather_rows` of each of ``ts`` (None stays None) in one call: ``(fulls,
     handle)``, one handle for all (None for a group of one, or no tensor)."""
     if p == 1:
         return list(ts), None
-    ts = _dense(ts)
-    fulls, pairs = [], []
-    for t in ts:
-        if t is None:
-            fulls.append(None)
-            continue
-        full = torch.empty((p * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
-        fulls.append(full)
-        pairs.append((full, t))
-    return fulls, _together(
-        lambda out, inp: dist.all_gather_into_tensor(out, inp, group=group, async_op=True),
-        pairs, group)
+    return _each_together(
+        _dense(ts), group, p, lambda t: p * t.shape[0],
+        lambda out, inp: dist.all_gather_into_tensor(out, inp, group=group, async_op=True))
 
 
 def scatter_rows_together(fulls: Sequence[Optional[torch.Tensor]], group, p: int
@@ -192,15 +197,6 @@ def scatter_rows_together(fulls: Sequence[Optional[torch.Tensor]], group, p: int
     handle)``."""
     if p == 1:
         return list(fulls), None
-    mines, pairs = [], []
-    for full in fulls:
-        if full is None:
-            mines.append(None)
-            continue
-        mine = torch.empty((full.shape[0] // p, *full.shape[1:]), dtype=full.dtype,
-                           device=full.device)
-        mines.append(mine)
-        pairs.append((mine, full))
-    return mines, _together(
-        lambda out, inp: dist.reduce_scatter_tensor(out, inp, group=group, async_op=True),
-        pairs, group)
+    return _each_together(
+        fulls, group, p, lambda t: t.shape[0] // p,
+        lambda out, inp: dist.reduce_scatter_tensor(out, inp, group=group, async_op=True))
