@@ -567,8 +567,17 @@ class _WgradAccum:
 
     @staticmethod
     def _accum(total_input, grad_output, main_grad):
+        from torch._subclasses.fake_tensor import FakeTensor
+
         x = total_input.reshape(-1, total_input.shape[-1])
         g = grad_output.reshape(-1, grad_output.shape[-1])
+        if (isinstance(main_grad, FakeTensor) and main_grad.dtype == torch.float32
+                and g.dtype in (torch.bfloat16, torch.float16)):
+            # Fake tensors plan the GPU: there apex's kernel is one GEMM that adds its fp32
+            # result into main_grad (beta = 1), no transient; one op here too, of its FLOPs and
+            # bytes (the CPU kernels have no bf16-in, fp32-out GEMM: a real CPU run keeps two).
+            torch.addmm(main_grad, g.t(), x, out_dtype=torch.float32, out=main_grad)
+            return
         main_grad.add_(torch.mm(g.t(), x))
 
     wgrad_gemm_accum_fp32 = _accum

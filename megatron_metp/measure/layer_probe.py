@@ -43,7 +43,8 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 from megatron_metp.measure.comm_counter import CommCounter
 
-__all__ = ["LayerMeasure", "measure_layer", "measure_head", "build_layer", "give_main_grads"]
+__all__ = ["LayerMeasure", "measure_layer", "measure_head", "build_layer", "give_main_grads",
+           "ddp_grad_hooks"]
 
 
 @dataclass
@@ -74,16 +75,34 @@ def _drop_param_grads(module: torch.nn.Module) -> list:
 
 
 def give_main_grads(module: torch.nn.Module) -> list:
-    """What Megatron's DDP gives every parameter: an fp32 ``main_grad`` buffer. With
+    """What Megatron's DDP gives every parameter: an fp32 ``main_grad`` buffer, and the flag
+    ``grad_added_to_main_grad`` (False; DDP's ``zero_grad_buffer`` resets it every step). With
     ``--gradient-accumulation-fusion`` (Megatron-LM's default) the weight-gradient GEMM of its
-    linears accumulates straight into it and no ``.grad`` exists. Model state, not activation:
-    the planner counts it in ``optimizer_bytes_per_param``."""
+    linears accumulates straight into it, sets the flag and hands autograd an uninitialised
+    placeholder (METP's weights too: ``metp.wgrad_accum``). Model state, not activation: the
+    planner counts it in ``optimizer_bytes_per_param``."""
     bufs = []
     for prm in module.parameters():
         if prm.requires_grad and not hasattr(prm, "main_grad"):
             prm.main_grad = torch.zeros(prm.shape, dtype=torch.float32, device=prm.device)
+            prm.grad_added_to_main_grad = False
             bufs.append(prm.main_grad)
     return bufs
+
+
+def ddp_grad_hooks(module: torch.nn.Module) -> list:
+    """Megatron DDP's backward post-hook on every parameter of ``module`` (``distributed.
+    DistributedDataParallel._make_backward_post_hook``): a ``.grad`` that was not already
+    added to ``main_grad`` (by a fused weight-gradient GEMM) is added there, one kernel per
+    parameter, and dropped. Returns the hook handles (remove them after the step)."""
+
+    def hook(prm):
+        if prm.grad is not None and not getattr(prm, "grad_added_to_main_grad", False):
+            prm.main_grad.add_(prm.grad)
+        prm.grad = None
+
+    return [prm.register_post_accumulate_grad_hook(hook)
+            for prm in module.parameters() if prm.requires_grad]
 
 
 def _global_buffer():

@@ -208,11 +208,16 @@ class OpRecorder(CommCounter):
             packet = getattr(torch.ops.aten, name.rstrip("_"), None) if name.endswith("_") \
                 else func.overloadpacket
             if packet in flop_registry:
-                flops = float(flop_registry[packet](*args, **kwargs, out_val=out))
+                # The widening overloads (mm / addmm ``.dtype``, ``.dtype_out``) take their
+                # ``out_dtype`` positionally, which the FLOP formulas do not expect.
+                fargs = [a for a, arg in zip(args, schema.arguments) if arg.name != "out_dtype"]
+                fkw = {k: v for k, v in kwargs.items() if k != "out_dtype"}
+                flops = float(flop_registry[packet](*fargs, **fkw, out_val=out))
         outs = _tensors(out)
         if not outs:
             return  # metadata queries (aten.device, sym sizes): no kernel
-        ins = _tensors(list(args) + list(kwargs.values()))
+        # An ``out=`` tensor is written, not read.
+        ins = _tensors(list(args) + [v for k, v in kwargs.items() if k != "out"])
         moved = _nbytes(ins) + _nbytes(outs)
         if flops or moved:
             self.ops.append(TraceOp("compute", name, self.phase, flops=flops, bytes=float(moved),
@@ -293,8 +298,10 @@ def _trace_layer(cfg, mode, p, s, world, micro_batch, recompute_modules, tcfg, r
                                              getattr(cfg, "rotary_base", 10000), None, None)
                      for _ in range(layers)]
             x = stack[0][1]
+            hooks = []
             for layer, *_ in stack:
                 layer_probe.give_main_grads(layer)
+                hooks += layer_probe.ddp_grad_hooks(layer)
             if mode == "metp":
                 # As a block runs them: each posts the next one's first gathers.
                 from megatron_metp.metp.layer_schedule import chain
@@ -307,6 +314,8 @@ def _trace_layer(cfg, mode, p, s, world, micro_batch, recompute_modules, tcfg, r
                     out = fwd(out)
                 rec.phase = "bwd"
                 out.backward(grad)
+            for hook in hooks:
+                hook.remove()
     finally:
         # Megatron's SP all-gather scratch now holds this trace's fake tensors: a real run on the
         # same groups afterwards (metp bench --calibrate's tp) would gather into one of them.

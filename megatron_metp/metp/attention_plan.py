@@ -196,6 +196,8 @@ class _Plan:
         self.k_norm = module.k_layernorm
         self.freqs = freqs_shard_s  # (q_freqs, k_freqs) for this rank's tokens, or None
         self.config = module.config
+        # Weight gradients straight into main_grad (metp.wgrad_accum).
+        self.fuse_wgrad = bool(module.config.gradient_accumulation_fusion)
         self.cp_group = module.pg_collection.cp
         self.mscale = _yarn_get_concentration_factor_from_config(module.config)
         self.causal = causal

@@ -49,6 +49,7 @@ import torch.distributed as dist
 from megatron_metp.comm import gather_rows as _gather, scatter_rows as _scatter
 from megatron_metp.comm import scatter_rows_together
 from megatron_metp.kernels import widening_mm
+from megatron_metp.metp.wgrad_accum import weight_grad
 from megatron_metp.metp.weight_ring import _fc1, accum_dtype as _accum
 
 __all__ = ["GATHERED_MLP_BYTES", "takes_gathered", "GatheredMLPFunction"]
@@ -105,7 +106,7 @@ class GatheredMLPFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w_in, b_in, w_out, act: Callable, group, keep_fc1: bool = False,
-                link=None, keep_weights: bool = False):
+                link=None, keep_weights: bool = False, fuse_wgrad: bool = False):
         keep_weights = keep_weights and keep_fc1
         p = dist.get_world_size(group) if dist.is_initialized() else 1
         if link is not None:
@@ -134,6 +135,7 @@ class GatheredMLPFunction(torch.autograd.Function):
             link.post_next()
         out = torch.mm(d, wot)
         ctx.act, ctx.group, ctx.p, ctx.link = act, group, p, link
+        ctx.fuse_wgrad = fuse_wgrad
         ctx.has_bias = b_in is not None
         # The gathered weights, when kept, are not saved tensors (autograd's version check
         # guards w_in and w_out, which they were gathered from, and which are saved).
@@ -210,10 +212,13 @@ class GatheredMLPFunction(torch.autograd.Function):
             return (dx, box.hold(0, dw_in, dw_in_h, dw_in_full, w_in),
                     box.hold(1, db_in, db_in_h, db_in_full, b_in) if ctx.has_bias else None,
                     box.hold(2 if ctx.has_bias else 1, dwot, dwot_h, dwot_full, w_out,
-                             transpose=True), None, None, None, None, None)
+                             transpose=True), None, None, None, None, None, None)
         _wait(dwot_h, dw_in_h, db_in_h)
-        return (dx, dw_in.to(w_in.dtype), db_in.to(b_in.dtype) if ctx.has_bias else None,
-                dwot.t().contiguous().to(w_out.dtype), None, None, None, None, None)
+        fuse = ctx.fuse_wgrad
+        return (dx, weight_grad(dw_in, w_in, fuse),
+                weight_grad(db_in, b_in, fuse) if ctx.has_bias else None,
+                weight_grad(dwot, w_out, fuse, transpose=True), None, None, None, None, None,
+                None)
 
 
 def gathered_mlp(x: torch.Tensor, weights: Tuple[torch.Tensor, Optional[torch.Tensor],

@@ -17,6 +17,7 @@ from megatron_metp.metp.attention_plan import (_Plan, _bnsd, _finish_reduce, _fl
                                                _sbnd)
 from megatron_metp.metp.ring_attention import (ring_attention_backward, ring_attention_forward,
                                                stack_kv)
+from megatron_metp.metp.wgrad_accum import weight_grad
 
 
 class _WeightPrefetch:
@@ -182,9 +183,9 @@ class _MetpMHAFunction(torch.autograd.Function):
         while pending:
             _finish_reduce(pending.pop(0), plan, own_grads)
         dw_qkv, db_qkv, dw_proj = own_grads
-        return (None, dx2d.view(s, b, h), dw_qkv.to(w_qkv.dtype),
-                db_qkv.to(b_qkv.dtype) if ctx.has_bias else None,
-                dw_proj.to(w_proj.dtype), *dnorm)
+        return (None, dx2d.view(s, b, h), weight_grad(dw_qkv, w_qkv, plan.fuse_wgrad),
+                weight_grad(db_qkv, b_qkv, plan.fuse_wgrad) if ctx.has_bias else None,
+                weight_grad(dw_proj, w_proj, plan.fuse_wgrad), *dnorm)
 
 class _ProjectionBackward:
     """linear_qkv's backward for head group j, one row block (q, k or v rows of some query

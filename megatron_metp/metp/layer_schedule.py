@@ -83,6 +83,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_metp.comm import call_groups, gather_rows, gather_rows_together
 from megatron_metp.metp.attention_plan import KEEPS_WEIGHTS
+from megatron_metp.metp.wgrad_accum import weight_grad
 from megatron_metp.metp.weight_hooks import run_pre_hooks
 from megatron_metp.metp.whole_pass import first_gathers
 
@@ -94,8 +95,9 @@ class _LaterBox:
     handle, out, transpose)``. The MLP's backward posts each as soon as its input is made and
     hands it over (:meth:`hold`); :class:`_GradsLater` waits for them."""
 
-    def __init__(self) -> None:
+    def __init__(self, fuse_wgrad: bool = False) -> None:
         self.pending: Dict[int, tuple] = {}
+        self.fuse_wgrad = fuse_wgrad   # into main_grad (metp.wgrad_accum)
 
     def hold(self, i: int, mine: torch.Tensor, handle, full: torch.Tensor, like: torch.Tensor,
              transpose: bool = False) -> torch.Tensor:
@@ -104,19 +106,19 @@ class _LaterBox:
         carries to :class:`_GradsLater`: of ``like``'s kind, written there with ``mine``
         (transposed back if ``transpose``)."""
         out = torch.empty_like(like)
-        self.pending[i] = (full, mine, handle, out, transpose)
+        self.pending[i] = (full, mine, handle, out, transpose, like)
         return out
 
     def finish(self, i: int, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         entry = self.pending.pop(i, None)
         if entry is None:
             return grad
-        full, mine, handle, out, transpose = entry
+        full, mine, handle, out, transpose, like = entry
         if handle is not None:
             handle.wait()
         del full, entry
-        out.copy_(mine.t() if transpose else mine)
-        return out
+        # Into main_grad, or cast into ``out``, the tensor autograd carried here.
+        return weight_grad(mine, like, self.fuse_wgrad, transpose, out=out)
 
 
 class _GradsLater(torch.autograd.Function):
@@ -235,7 +237,7 @@ class SublayerLink:
         present = [w for w in weights if w is not None]
         if not any(w.requires_grad for w in present):
             return
-        box = _LaterBox()
+        box = _LaterBox(bool(att.config.gradient_accumulation_fusion))
         views = iter(_GradsLater.apply(box, *present))
         self.next_later = (box, tuple(next(views) if w is not None else None for w in weights))
 
@@ -303,7 +305,7 @@ def open_link(attention, mlp, hidden_states: torch.Tensor) -> Optional[SublayerL
     weights = [w for w in (fc1.weight, b_in, fc2.weight) if w is not None]
     box = None
     if torch.is_grad_enabled() and any(w.requires_grad for w in weights):
-        box = _LaterBox()
+        box = _LaterBox(bool(mlp.config.gradient_accumulation_fusion))
         views = iter(_GradsLater.apply(box, *weights))
         w_in, b_in, w_out = (next(views) if w is not None else None
                              for w in (fc1.weight, b_in, fc2.weight))

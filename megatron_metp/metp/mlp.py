@@ -262,6 +262,8 @@ class MetpMLP(MLP):
                    fc2.weight)
         # Nothing to keep for a forward without autograd (full recompute's first pass).
         keep = self.keep_fc1 and torch.is_grad_enabled()
+        # Weight gradients straight into main_grad (metp.wgrad_accum).
+        fuse = bool(self.config.gradient_accumulation_fusion)
         x2d = x_shard_s.reshape(s_local * b, h)
         if self.takes_gathered_for(s_local * b, x_shard_s.element_size()):
             # The layer's link (metp.layer_schedule), when it was opened for these tokens: the
@@ -271,9 +273,10 @@ class MetpMLP(MLP):
             if link is not None:
                 weights = link.mlp_weights
             out_2d = GatheredMLPFunction.apply(x2d, *weights, self._act, self.weight_group,
-                                               keep, link, self.keep_weights)
+                                               keep, link, self.keep_weights, fuse)
         else:
-            out_2d = MetpMLPFunction.apply(x2d, *weights, self._act, self.ring_group, keep)
+            out_2d = MetpMLPFunction.apply(x2d, *weights, self._act, self.ring_group, keep,
+                                           fuse)
         out_shard_s = out_2d.view(s_local, b, -1)
         bias = fc2.bias if fc2.bias is not None and fc2.bias.numel() else None
         # Megatron's MLP returns fc2's bias for the fused bias-dropout-add (skip_bias_add);

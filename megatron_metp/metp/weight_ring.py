@@ -54,6 +54,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_metp.comm import DoubleBuffer, RingComm
+from megatron_metp.metp.wgrad_accum import weight_grad
 
 Weights = Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]  # (w_in, b_in, w_out)
 
@@ -351,6 +352,7 @@ def metp_mlp_backward(
     act: Callable[[torch.Tensor], torch.Tensor],
     group: Optional[dist.ProcessGroup],
     t_steps: Optional[torch.Tensor] = None,
+    cast: bool = True,
 ) -> Tuple[torch.Tensor, List[torch.Tensor]]:
     """Alg. 2: ``(grad_x [n/p, h_in], [grad w_in, grad b_in?, grad w_out])`` for the shards this
     rank owns; gradients in the dtypes of their inputs. ``t_steps``: the forward's kept fc1
@@ -375,7 +377,7 @@ def metp_mlp_backward(
         return lambda: _add_mm(grad_x[rows], dt, w[0])
 
     own = circulate_for_backward(present, group, step)
-    grads = [g.to(t.dtype) for g, t in zip(own, present)]
+    grads = [g.to(t.dtype) for g, t in zip(own, present)] if cast else own
     return grad_x, grads
 
 
@@ -388,8 +390,9 @@ class MetpMLPFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x_shard_s, w_in, b_in, w_out, act, group, keep_fc1=False):
-        ctx.act, ctx.group = act, group
+    def forward(ctx, x_shard_s, w_in, b_in, w_out, act, group, keep_fc1=False,
+                fuse_wgrad=False):
+        ctx.act, ctx.group, ctx.fuse_wgrad = act, group, fuse_wgrad
         ctx.has_bias = b_in is not None
         got = metp_mlp_forward(x_shard_s, (w_in, b_in, w_out), act, group, keep_fc1)
         out, t_steps = got if keep_fc1 else (got, None)
@@ -401,7 +404,8 @@ class MetpMLPFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         x_shard_s, w_in, b_in, w_out, t_steps = ctx.saved_tensors
         grad_x, grads = metp_mlp_backward(
-            x_shard_s, grad_out.contiguous(), (w_in, b_in, w_out), ctx.act, ctx.group, t_steps
-        )
-        gw_in, gb_in, gw_out = _unpack(grads, ctx.has_bias)
-        return grad_x, gw_in, gb_in, gw_out, None, None, None
+            x_shard_s, grad_out.contiguous(), (w_in, b_in, w_out), ctx.act, ctx.group, t_steps,
+            cast=not ctx.fuse_wgrad)
+        gw_in, gb_in, gw_out = (weight_grad(g, w, ctx.fuse_wgrad) for g, w in
+                                zip(_unpack(grads, ctx.has_bias), (w_in, b_in, w_out)))
+        return grad_x, gw_in, gb_in, gw_out, None, None, None, None

@@ -24,6 +24,7 @@ from megatron_metp.metp.a2a_attention import (a2a_attention_backward, a2a_attent
 from megatron_metp.metp.attention_plan import _Plan, _bnsd, _flat, _post_grad, _sbnd
 from megatron_metp.metp.ring_attention import (ring_attention_backward, ring_attention_forward,
                                                stack_kv)
+from megatron_metp.metp.wgrad_accum import fuses, param_of, placeholder, weight_grad
 
 
 def _attend(plan: _Plan, q, k, v):
@@ -219,13 +220,17 @@ def _rows_to_qkv(rows: torch.Tensor, plan: _Plan, parted: bool) -> list:
 def _join_parts(parts, like: torch.Tensor, plan: _Plan) -> torch.Tensor:
     """This rank's ``linear_qkv`` weight (or bias) gradient in ``like``'s dtype and Megatron's
     per-query-group row order from its two reduce-scattered parts (query rows, key/value rows;
-    :func:`_qkv_parts`'s split): the cast the whole gradient takes anyway, in two copies."""
+    :func:`_qkv_parts`'s split): the cast the whole gradient takes anyway, in two copies; or,
+    where the gradient goes straight into ``main_grad`` (``metp.wgrad_accum``), two adds
+    there."""
     rep = plan.heads_p // plan.groups_p
-    out = torch.empty_like(like)
+    fused = fuses(like, plan.fuse_wgrad)
+    out = param_of(like).main_grad if fused else torch.empty_like(like)
     o = out.view(plan.groups_p, rep + 2, plan.d, *like.shape[1:])
-    o[:, :rep].copy_(parts[0].view(plan.groups_p, rep, plan.d, *like.shape[1:]))
-    o[:, rep:].copy_(parts[1].view(plan.groups_p, 2, plan.d, *like.shape[1:]))
-    return out
+    step = torch.Tensor.add_ if fused else torch.Tensor.copy_
+    step(o[:, :rep], parts[0].view(plan.groups_p, rep, plan.d, *like.shape[1:]))
+    step(o[:, rep:], parts[1].view(plan.groups_p, 2, plan.d, *like.shape[1:]))
+    return placeholder(like) if fused else out
 
 
 class _MetpWholeFunction(torch.autograd.Function):
@@ -473,7 +478,7 @@ class _MetpWholeFunction(torch.autograd.Function):
                     hnd.wait()
             return (None, dx.view(s, b, h), _join_parts([m[0] for m in mines], w_qkv, plan),
                     _join_parts([m[1] for m in mines], b_qkv, plan) if ctx.has_bias else None,
-                    dwpt.t().contiguous().to(w_proj.dtype), *dnorm)
+                    weight_grad(dwpt, w_proj, plan.fuse_wgrad, transpose=True), *dnorm)
         (dqkv2d,) = mats
         # The weight gradient first, so that its reduce-scatter runs behind dX's GEMM.
         dw_full = widening_mm(dqkv2d.t(), x2d, gacc)
@@ -498,6 +503,6 @@ class _MetpWholeFunction(torch.autograd.Function):
         for hnd in (dwpt_handle, dw_handle, db_handle):
             if hnd is not None:
                 hnd.wait()
-        return (None, dx.view(s, b, h), dw.to(w_qkv.dtype),
-                db.to(b_qkv.dtype) if ctx.has_bias else None,
-                dwpt.t().contiguous().to(w_proj.dtype), *dnorm)
+        return (None, dx.view(s, b, h), weight_grad(dw, w_qkv, plan.fuse_wgrad),
+                weight_grad(db, b_qkv, plan.fuse_wgrad) if ctx.has_bias else None,
+                weight_grad(dwpt, w_proj, plan.fuse_wgrad, transpose=True), *dnorm)
