@@ -68,18 +68,19 @@ def _linked_vs_unlinked(p):
             # attention's backward gathers from the MLP's backward; none was gathered anew.
             # The second layer's attention took its first gathers (its whole W_qkv, and its
             # bias) from the first layer's MLP (the chain); the first layer's, which nothing
-            # runs before, gathered them itself (in two parts, never through the link). Each
-            # attention's forward took its W_proj^T from the call that posted its MLP's
-            # weights ("proj_out": coalesced with them where small, comm.call_groups).
+            # runs before, from its own layer, which posted them in two parts when its forward
+            # started (SublayerLink.post_first). Each attention's forward took its W_proj^T
+            # from the call that posted its MLP's weights ("proj_out": coalesced with them
+            # where small, comm.call_groups).
             used = {}
             for name, hit in takes:
                 used.setdefault(name, []).append(hit)
             bias = style == "gpt"
             want = {"fc1": 2, "fc2": 2, "proj": 2, "qkv": 2, "proj_out": 2}
-            chained = ["first_qkv"]
+            chained = ["first_qkv", "qkv_part0", "qkv_part1"]
             if bias:
                 want["fc1_bias"] = 2
-                chained += ["first_qkv_bias"]
+                chained += ["first_qkv_bias", "qkv_part0_bias", "qkv_part1_bias"]
                 if qkv == "recompute":   # the bias enters the backward only when recomputed
                     want["qkv_bias"] = 2
             assert {n: sum(h) for n, h in used.items() if any(h)} == dict(

@@ -85,7 +85,8 @@ from megatron_metp.comm import call_groups, gather_rows, gather_rows_together
 from megatron_metp.metp.attention_plan import KEEPS_WEIGHTS
 from megatron_metp.metp.wgrad_accum import weight_grad
 from megatron_metp.metp.weight_hooks import run_pre_hooks
-from megatron_metp.metp.whole_pass import first_gathers
+from megatron_metp.metp.attention_plan import whole_pass
+from megatron_metp.metp.whole_pass import first_gathers, first_parts
 
 __all__ = ["SublayerLink", "MetpTransformerLayer", "chain", "chain_layers", "attention_weights"]
 
@@ -241,6 +242,21 @@ class SublayerLink:
         views = iter(_GradsLater.apply(box, *present))
         self.next_later = (box, tuple(next(views) if w is not None else None for w in weights))
 
+    def post_first(self, attention, tokens: int) -> None:
+        """Post the attention's first gathers, its ``W_qkv`` parts (``whole_pass.
+        first_parts``), when the layer's forward starts, ahead of its input norm, where no
+        layer before posted them (:meth:`post_next`) and the attention runs the whole pass on
+        ``tokens`` per rank; not where something prepares its weights when it runs (a forward
+        pre-hook: ``_prepares_its_weights``). Each part as soon as its copy is made."""
+        if (self.holds("first_qkv") or _prepares_its_weights(attention)
+                or not whole_pass(getattr(attention, "ring_pass", "auto"), tokens, self.p)):
+            return
+        # Without autograd, as every other gather is posted (inside the Functions' forwards):
+        # the gathered rows are views of one buffer, which the wait writes.
+        with torch.no_grad():
+            for items in first_parts(attention):
+                self._post(items)
+
     def holds(self, name: str) -> bool:
         """Whether a gather named ``name`` was posted and not yet taken."""
         return name in self._posted
@@ -341,6 +357,10 @@ class MetpTransformerLayer(TransformerLayer):
             drop(carried)
             return super().forward(*args, **kwargs)
         link.adopt(carried)
+        if later is None:
+            # The first layer of a chain (or one on its own): its W_qkv gathers before its
+            # input norm.
+            link.post_first(self.self_attention, x.shape[0] * x.shape[1])
         if (nxt is not None and torch.is_grad_enabled()
                 and self.config.recompute_granularity != "full"
                 and getattr(nxt.self_attention, "weight_group", None) is link.group

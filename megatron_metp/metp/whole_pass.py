@@ -101,6 +101,25 @@ def first_gathers(module, weights=None) -> list:
     return [("first_qkv", w, False, w), ("first_qkv_bias", b, False, b)]
 
 
+def first_parts(module) -> list:
+    """What a METP attention ``module`` whose ``W_qkv`` no layer before posted gathers first,
+    for its layer to post when its forward starts (``layer_schedule.MetpTransformerLayer``),
+    ahead of its input norm: per part of ``W_qkv`` (:func:`_qkv_part`), in
+    :func:`_project_gathered`'s order, the list ``[(name, rows, False, origin)]`` of the part's
+    rows and its bias's (a copy each, made when the list is reached)."""
+    w, b = module.linear_qkv.weight, module.linear_qkv.bias
+    b = b if b is not None and b.numel() else None
+    heads_p, groups_p = module.num_attention_heads_per_partition, \
+        module.num_query_groups_per_partition
+    d = module.hidden_size_per_attention_head
+
+    def part(i):
+        wp, bp = _qkv_part(w, b, heads_p, groups_p, d, i)
+        return [(f"qkv_part{i}", wp, False, w), (f"qkv_part{i}_bias", bp, False, b)]
+
+    return (part(i) for i in _gather_order(heads_p, groups_p))
+
+
 def _project_posted(x2d, w_qkv, b_qkv, plan: _Plan, s: int, b: int, kept=None, then=None):
     """:func:`_project_gathered` where the layer before posted the whole ``W_qkv`` (and its
     bias) behind its MLP (:func:`first_gathers`): one GEMM on every row, already in Megatron's
@@ -156,19 +175,30 @@ def _project_gathered(x2d, w_qkv, b_qkv, plan: _Plan, s: int, b: int, kept=None,
         return _project_posted(x2d, w_qkv, b_qkv, plan, s, b, kept, then)
     order = _gather_order(plan.heads_p, plan.groups_p)
     gathered = {}
+    link = plan.link
     for i in order:
+        if link is not None and link.holds(f"qkv_part{i}"):
+            # Posted by the layer when its forward started (first_parts).
+            def part(j, i=i):
+                return lambda: _qkv_part(w_qkv, b_qkv, plan.heads_p, plan.groups_p, d, i)[j]
+            w_full, wh = link.take(f"qkv_part{i}", part(0), origin=w_qkv)
+            b_full, bh = (link.take(f"qkv_part{i}_bias", part(1), origin=b_qkv)
+                          if b_qkv is not None else (None, None))
+            gathered[i] = (w_full, wh, b_full, bh)
+            continue
         # A part's rows and its bias in one call (comm.gather_rows_together), each posted as
         # soon as its copy is made: the first gather, which the first GEMM waits for, does
         # not wait for the second part's copy too (GPT-175B's first layer at 16k: 0.08 ms).
-        gathered[i] = gather_rows_together(
+        (w_full, b_full), handle = gather_rows_together(
             _qkv_part(w_qkv, b_qkv, plan.heads_p, plan.groups_p, d, i), plan.weight_group,
             plan.p)
+        gathered[i] = (w_full, handle, b_full, None)
     if then is not None:
         then()
     out = [None, None]
     for i in order:
-        (w_full, b_full), handle = gathered.pop(i)
-        out[i] = _linear(x2d, w_full, handle, b_full, None)
+        w_full, wh, b_full, bh = gathered.pop(i)
+        out[i] = _linear(x2d, w_full, wh, b_full, bh)
         if kept is not None:
             kept[i] = w_full
         del w_full, b_full
