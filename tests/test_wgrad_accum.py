@@ -7,6 +7,8 @@ cast the shard to a ``.grad`` that DDP's hook then added. In fp32 the cast is ex
 micro-batches; in bf16 the fused path must keep the fp32 shard that the cast rounds.
 """
 
+import contextlib
+
 import pytest
 import torch
 
@@ -71,6 +73,89 @@ def _fused_vs_cast(p):
                 assert torch.equal(g, fused[key][n]), (name, key, n)
         out[name] = (fused["loss"], len(fused["weights"]))
     return out
+
+
+def _bf16_step(model, ddp_kw):
+    """One bf16 step as Megatron-LM runs it (``metp train --bf16``'s path): Megatron's
+    ``Float16Module`` around the bf16 model (inputs cast at the boundary, an fp32 loss), DDP
+    with fp32 ``main_grad``. Returns the loss and every parameter's ``main_grad``."""
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.transformer.module import Float16Module
+
+    ddp = M.wrap_ddp(Float16Module(model.config, model), **(ddp_kw or {}))
+    b = M.batch(0)
+    ddp.zero_grad_buffer()
+    logits = ddp(b["tokens"], b["position_ids"], b["attention_mask"])
+    loss = model.compute_language_model_loss(
+        b["labels"], logits.float().transpose(0, 1).contiguous()).mean()
+    loss.backward()
+    finalize_model_grads([ddp])
+    return dict(loss=loss.item(), grads={n: prm.main_grad.detach().clone()
+                                         for n, prm in model.named_parameters()})
+
+
+def _variants(p):
+    """The fused path where nothing hands gradients over late (no SublayerLink: the gathered
+    MLP returns its gradients itself) and under ``--overlap-grad-reduce`` (DDP's hook then
+    starts a bucket's reduction once its parameters' gradients arrive: the placeholder must
+    arrive after the add), each against the cast path, fp32, bit for bit; and in bf16 (fp32
+    main_grad, as Megatron-LM reduces bf16 gradients), where the cast path's gradients after
+    one micro-batch are bf16 values and the fused path keeps the fp32 shard."""
+    M.setup(tp=p, mode="metp")
+    out = {}
+
+    def run(fuse, ddp_kw=None, unlinked=False, case="gpt a2a kept gathered", **extra):
+        style, overrides = CASES[case]
+        model = M.build("metp", style, gradient_accumulation_fusion=fuse, **overrides,
+                        **extra)
+        with (M.unlinked() if unlinked else contextlib.nullcontext()):
+            if extra.get("bf16"):
+                r = _bf16_step(model, ddp_kw)
+            else:
+                r = M.step(M.wrap_ddp(model, **(ddp_kw or {})), M.batch(0))
+        r["weights"] = _metp_weights(model)
+        r["flags"] = {n: prm.grad_added_to_main_grad for n, prm in model.named_parameters()}
+        return r
+
+    for name, kw in (("unlinked", dict(unlinked=True)),
+                     ("overlap-grad-reduce", dict(ddp_kw=dict(overlap_grad_reduce=True,
+                                                              bucket_size=4096)))):
+        cast, fused = run(False, **kw), run(True, **kw)
+        assert all(fused["flags"][n] for n in fused["weights"]), name
+        assert cast["loss"] == fused["loss"], name
+        for n, g in cast["grads"].items():
+            assert torch.equal(g, fused["grads"][n]), (name, n)
+        out[name] = fused["loss"]
+
+    bf16 = dict(bf16=True, params_dtype=torch.bfloat16)
+    ddp = dict(grad_reduce_in_fp32=True)
+    out["bf16"] = 0
+    # The gathered MLP and the MLP's weight ring (the whole pass with each).
+    for case in ("gpt a2a kept gathered", "gpt whole ring-mlp"):
+        cast, fused = run(False, ddp, case=case, **bf16), run(True, ddp, case=case, **bf16)
+        for n in cast["weights"]:
+            c, f = cast["grads"][n], fused["grads"][n]
+            assert c.dtype == f.dtype == torch.float32, n
+            # Cast path: 0 + a bf16 value, exactly a bf16 value. Fused: the fp32 shard itself,
+            # whose elements are bf16 values with probability 2^-16 each (the test would fail
+            # only if every element of a weight were: ~2^-512 for the smallest, a 32-element
+            # bias).
+            assert torch.equal(c, c.bfloat16().float()), (case, n)
+            assert not torch.equal(f, f.bfloat16().float()), (case, n)
+            # The same gradient either way, within the cast's rounding: bf16 keeps 8 bits, a
+            # relative error of at most 2^-9 per element; the forward is the same arithmetic.
+            assert torch.allclose(c, f, rtol=2 ** -8, atol=0), (case, n, (c - f).abs().max())
+        out["bf16"] += len(cast["weights"])
+    return out
+
+
+def test_fused_weight_gradients_unlinked_overlapped_and_bf16(report):
+    res = run_ranks(2, _variants, 2)[0]
+    report("--gradient-accumulation-fusion, METP p=2: == the cast path bit for bit without the "
+           f"layer's link (loss {res['unlinked']:.6f}) and with --overlap-grad-reduce (loss "
+           f"{res['overlap-grad-reduce']:.6f}), fp32; bf16 with fp32 main_grad: the "
+           f"{res['bf16']} METP weights' fused gradients (gathered MLP and weight ring) keep fp32 "
+           "bits the cast path rounds away, equal within bf16's rounding")
 
 
 @pytest.mark.parametrize("p", [2])

@@ -39,8 +39,15 @@ def param_of(t: torch.Tensor) -> torch.Tensor:
 
 def fuses(weight: Optional[torch.Tensor], on: bool) -> bool:
     """Whether ``weight``'s gradient goes straight into its parameter's ``main_grad``: the
-    fusion is ``on`` and DDP gave the parameter a ``main_grad``."""
-    return bool(on) and weight is not None and hasattr(param_of(weight), "main_grad")
+    fusion is ``on``, DDP gave the parameter a ``main_grad`` and the parameter trains. Not
+    under Megatron-FSDP (``__fsdp_param__``), whose ``main_grad`` is set per bucket by its
+    own gradient hook and may still name the last bucket (Megatron's linears take a branch of
+    their own there; Megatron-FSDP requires the fusion off, which ``metp train`` sets)."""
+    if not on or weight is None:
+        return False
+    prm = param_of(weight)
+    return (hasattr(prm, "main_grad") and prm.requires_grad
+            and not hasattr(prm, "__fsdp_param__"))
 
 
 def placeholder(weight: torch.Tensor, spare: Optional[torch.Tensor] = None
