@@ -278,6 +278,14 @@ def _rows_to_qkv(rows: torch.Tensor, plan: _Plan, parted: bool) -> list:
     return mats
 
 
+def _mlp_gradients_now(plan: _Plan) -> None:
+    """Before the backward waits for its own reduce-scatters: the layer's MLP, whose
+    reduce-scatters the weight group carried first, makes its gradients now, while these
+    travel (``layer_schedule.SublayerLink.mlp_gradients_now``)."""
+    if plan.link is not None:
+        plan.link.mlp_gradients_now()
+
+
 def _join_parts(parts, like: torch.Tensor, plan: _Plan) -> torch.Tensor:
     """This rank's ``linear_qkv`` weight (or bias) gradient in ``like``'s dtype and Megatron's
     per-query-group row order from its two reduce-scattered parts (query rows, key/value rows;
@@ -526,6 +534,7 @@ class _MetpWholeFunction(torch.autograd.Function):
             dx = mats[0].mm(w_full[0])
             dx.addmm_(mats[1], w_full[1])
             del w_full, mats
+            _mlp_gradients_now(plan)
             for hnd in (dwpt_handle, *handles):
                 if hnd is not None:
                     hnd.wait()
@@ -553,6 +562,7 @@ class _MetpWholeFunction(torch.autograd.Function):
                     box.hold(1, db, db_handle, db_full, b_qkv) if ctx.has_bias else None,
                     box.hold(2 if ctx.has_bias else 1, dwpt, dwpt_handle, dwpt_full, w_proj,
                              transpose=True), *dnorm)
+        _mlp_gradients_now(plan)
         for hnd in (dwpt_handle, dw_handle, db_handle):
             if hnd is not None:
                 hnd.wait()
