@@ -42,8 +42,9 @@ def _counting():
 
 @contextlib.contextmanager
 def _deferred():
-    """How many weight gradients a ``_GradsLater`` node handed autograd after waiting for their
-    reduce-scatters (``metp.layer_schedule``): ``[count]``."""
+    """How many weight gradients the layer's box made after waiting for their reduce-scatters
+    (``metp.layer_schedule``; for a ``_GradsLater`` node to hand autograd, when it runs or
+    earlier at the attention's ``_LaterBox.drain``): ``[count]``."""
     from megatron_metp.metp import layer_schedule as L
 
     n, finish = [0], L._LaterBox.finish

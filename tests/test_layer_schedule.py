@@ -19,7 +19,8 @@ from tests._harness import run_ranks
 @contextlib.contextmanager
 def _recording():
     """Record each ``SublayerLink.take`` (name, whether a posted gather was used) and each
-    gradient ``_GradsLater`` handed over after waiting."""
+    gradient the box made after waiting (for ``_GradsLater`` to hand over: when it runs, or
+    earlier at the attention's ``_LaterBox.drain``)."""
     from megatron_metp.metp import layer_schedule as L
 
     takes, finished = [], []
@@ -469,9 +470,9 @@ def test_a_layer_that_waits_for_its_own_gradients_makes_its_mlps_first():
                            lambda self: None):
         late = trace()
     rs = [i for i, o in enumerate(ops) if o.kind == "comm" and o.name == "reduce_scatter"
-          and o.phase == "bwd"]
-    # The MLP's two (fc2's, fc1's: fp32 h F), then the attention's W_proj^T and its W_qkv's
-    # two parts.
+          and o.group == "metp_weight" and o.phase == "bwd"]
+    # The MLP's two (fc2's, then fc1's: its gate and up rows), then the attention's W_proj^T
+    # and its W_qkv's two parts.
     assert len(rs) == 5, [ops[i].bytes for i in rs]
     waits = {o.comm_id: i for i, o in enumerate(ops) if o.kind == "wait"}
     mlp_waits = [waits[ops[i].comm_id] for i in rs[:2]]
@@ -482,7 +483,8 @@ def test_a_layer_that_waits_for_its_own_gradients_makes_its_mlps_first():
     # After the attention's last GEMM (its dX), before any wait for its own gradients, each
     # with its add into main_grad right after it.
     assert all(last_gemm < w < min(att_waits) for w in mlp_waits), (mlp_waits, att_waits)
-    assert all(any(w < a < min(att_waits) for a in adds) for w in mlp_waits)
+    for w, nxt in zip(sorted(mlp_waits), sorted(mlp_waits)[1:] + [min(att_waits)]):
+        assert any(w < a < nxt for a in adds), (w, nxt, adds)
     # The same calls, bytes and ops, in another order.
     key = lambda o: (o.kind, o.name, o.group, o.bytes, o.phase)  # noqa: E731
     assert sorted(map(key, ops)) == sorted(map(key, late))
@@ -490,3 +492,26 @@ def test_a_layer_that_waits_for_its_own_gradients_makes_its_mlps_first():
     # for this layer; GPT-175B's at 16k 37.96 -> 37.19 ms); bar: half of that.
     m = replace(GPUS["H100"], host_op_s=HOST_OP_US * 1e-6)
     assert simulate(ops, m).step < simulate(late, m).step - 0.04e-3
+
+
+def test_a_drained_gradient_never_stands_in_for_a_later_one():
+    # _LaterBox alone (no reduce-scatter in flight: handle None; cast path). A drain whose
+    # gradient no _GradsLater node took (a backward that pruned the node) must not be handed
+    # over for the next backward's gradient of the same weight.
+    from megatron_metp.metp.layer_schedule import _LaterBox
+
+    like = torch.zeros(2, 3, dtype=torch.bfloat16)
+    box = _LaterBox(False)
+    box.hold(0, torch.full((2, 3), 1.0), None, torch.empty(0), like)
+    box.drain()
+    assert 0 in box.done and not box.pending
+    box.hold(0, torch.full((2, 3), 2.0), None, torch.empty(0), like)
+    box.drain()
+    got = box.finish(0, None)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, torch.full((2, 3), 2.0,
+                                                                       dtype=torch.bfloat16))
+    assert not box.done and not box.pending
+    # Without a drain, finish makes it itself, once.
+    box.hold(1, torch.full((2, 3), 3.0), None, torch.empty(0), like)
+    assert torch.equal(box.finish(1, None), torch.full((2, 3), 3.0, dtype=torch.bfloat16))
+    assert box.finish(1, "carried") == "carried"

@@ -100,7 +100,8 @@ class GatheredMLPFunction(torch.autograd.Function):
     twice, for 2 h F' + 2 h F bytes (bf16) held from this forward to its backward.
     ``link``: the layer's ``metp.layer_schedule.SublayerLink`` or None; with it the forward
     takes the gathers the attention posted, the backward posts the attention's before its
-    reduce-scatters, and leaves those to the link's node to wait for.
+    reduce-scatters, and leaves those to the link to wait for (the attention's backward,
+    before it waits for its own, or else the layer's ``_GradsLater`` node).
     The group, the choice and the link arrive as arguments: nothing global is read here.
     """
 
@@ -207,8 +208,9 @@ class GatheredMLPFunction(torch.autograd.Function):
         dx = torch.mm(dt, w_full)
         del w_full, dt
         if box is not None:
-            # Waited for after the attention's backward by the layer's _GradsLater node
-            # (metp.layer_schedule), which keeps their inputs alive until then.
+            # Waited for by the attention's backward before it waits for its own, or else
+            # after it by the layer's _GradsLater node (metp.layer_schedule); the box keeps
+            # their inputs alive until then.
             return (dx, box.hold(0, dw_in, dw_in_h, dw_in_full, w_in),
                     box.hold(1, db_in, db_in_h, db_in_full, b_in) if ctx.has_bias else None,
                     box.hold(2 if ctx.has_bias else 1, dwot, dwot_h, dwot_full, w_out,

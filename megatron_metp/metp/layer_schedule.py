@@ -24,7 +24,8 @@ sublayer's traffic behind the other's compute:
   MLP's reduce-scatters travel behind the attention's backward. Where that backward ends by
   waiting for its own reduce-scatters (queued behind the MLP's), it makes the MLP's
   gradients first (:meth:`SublayerLink.mlp_gradients_now`): their adds into ``main_grad``
-  run while its own travel, and the node hands them over.
+  (or casts, without gradient-accumulation fusion) run while its own travel, and the node
+  hands them over.
 
 * **the next layer** (:func:`chain`, which ``MetpGPTModel`` applies to its blocks): the MLP,
   once its own gathers are in, posts the gather of the next layer's whole ``W_qkv`` shard and
@@ -97,7 +98,8 @@ __all__ = ["SublayerLink", "MetpTransformerLayer", "chain", "chain_layers", "att
 class _LaterBox:
     """The MLP's weight-gradient reduce-scatters in flight: per weight index, ``(full, mine,
     handle, out, transpose)``. The MLP's backward posts each as soon as its input is made and
-    hands it over (:meth:`hold`); :class:`_GradsLater` waits for them."""
+    hands it over (:meth:`hold`); :class:`_GradsLater` waits for them, or the attention's
+    backward already has (:meth:`drain`) and the node hands over what that made."""
 
     def __init__(self, fuse_wgrad: bool = False) -> None:
         self.pending: Dict[int, tuple] = {}
@@ -111,6 +113,9 @@ class _LaterBox:
         carries to :class:`_GradsLater`: of ``like``'s kind, written there with ``mine``
         (transposed back if ``transpose``)."""
         out = torch.empty_like(like)
+        # A gradient drained and never handed over (a backward that did not reach the node)
+        # must not stand in for this one.
+        self.done.pop(i, None)
         self.pending[i] = (full, mine, handle, out, transpose, like)
         return out
 
@@ -278,7 +283,8 @@ class SublayerLink:
         attention's backward right before it waits for its own reduce-scatters, which queue
         behind the MLP's on the weight group. GPT-175B's layer at 16k (one per pipeline
         stage, ``save+fc1+weights``) waited 0.77 ms for its ``W_qkv`` gradient and then added
-        the MLP's two into ``main_grad`` (0.79 ms); now those adds fill that wait."""
+        the MLP's (fc1's weight and bias, fc2's weight) into ``main_grad`` (0.79 ms); now those
+        adds fill that wait (``metp plan --timeline``, ESTIMATE)."""
         if self.box is not None:
             self.box.drain()
 
