@@ -279,6 +279,27 @@ def train_capturing(base, argv, capture):
 
 
 @contextmanager
+def large_layers(on: bool = True):
+    """With ``on``, METP layers take the paths of a layer above ``wgrad_accum.
+    WGRADS_TOGETHER_MAX_VALUES`` and ``gathered_mlp.KEEP_ACT_MAX_VALUES`` (at p = 8 every
+    paper model's layer from 4k, but BERT-Large's up to 8k and 16k): each weight gradient
+    reduce-scattered as soon as its GEMM has run, the first layer's ``W_qkv`` gathered in two
+    parts, the activation recomputed in backward. The test models are far below both limits,
+    so without it they take the small layers' paths (one call per sublayer's gradients, the
+    next attention's handed to the MLP before it, the whole ``W_qkv``, the activation kept).
+    Read where the plan and the MLP's forward decide, outside autograd."""
+    from megatron_metp.metp import gathered_mlp, wgrad_accum
+
+    old = wgrad_accum.WGRADS_TOGETHER_MAX_VALUES, gathered_mlp.KEEP_ACT_MAX_VALUES
+    if on:
+        wgrad_accum.WGRADS_TOGETHER_MAX_VALUES = gathered_mlp.KEEP_ACT_MAX_VALUES = -1
+    try:
+        yield
+    finally:
+        wgrad_accum.WGRADS_TOGETHER_MAX_VALUES, gathered_mlp.KEEP_ACT_MAX_VALUES = old
+
+
+@contextmanager
 def unlinked():
     """METP layers without their ``SublayerLink`` (``metp.layer_schedule.open_link`` returns
     None): each sublayer gathers and reduces its own weights, as before the layer schedule."""

@@ -47,17 +47,17 @@ def _deferred():
     earlier at the attention's ``_LaterBox.drain``): ``[count]``."""
     from megatron_metp.metp import layer_schedule as L
 
-    n, finish = [0], L._LaterBox.finish
+    n, make = [0], L._LaterBox._make
 
-    def rec(self, i, grad):
-        n[0] += i in self.pending
-        return finish(self, i, grad)
+    def rec(self, indices):
+        n[0] += sum(i in self.pending for i in indices)
+        return make(self, indices)
 
-    L._LaterBox.finish = rec
+    L._LaterBox._make = rec
     try:
         yield n
     finally:
-        L._LaterBox.finish = finish
+        L._LaterBox._make = make
 
 
 @contextlib.contextmanager
@@ -117,7 +117,7 @@ def _regathered(model, p: int) -> int:
                                  "linear_fc1.weight", "linear_fc2.weight")))
 
 
-def _kept_vs_saved(p):
+def _kept_vs_saved(p, large):
     M.setup(tp=p, mode="metp")
     out = {}
     for case, (style, overrides) in CASES.items():
@@ -129,7 +129,8 @@ def _kept_vs_saved(p):
                               metp_mlp_pass="gathered")
                     ctx = contextlib.nullcontext() if linked else M.unlinked()
                     model = M.build("metp", style, **kw)
-                    with ctx, _counting() as c, _deferred() as later, _joined() as joined:
+                    with M.large_layers(large), ctx, _counting() as c, _deferred() as later, \
+                            _joined() as joined:
                         runs[qkv] = M.step(M.wrap_ddp(model), M.batch())
                     counts[qkv] = {op: c.stats[op].calls
                                    for op in ("all_gather", "reduce_scatter")}
@@ -139,10 +140,11 @@ def _kept_vs_saved(p):
                     counts[qkv]["joined"] = joined[0]
                 kept, saved = runs["save+fc1+weights"], runs["save+fc1"]
                 where = (case, ring_pass, linked)
-                # The layers whose W_qkv was gathered in two parts: the first (linked; the
-                # second took its whole W_qkv from the first's MLP) or both (unlinked). Each
-                # joins its weight's (and bias's) two reduce-scattered parts.
-                parted = 1 if linked else 2
+                # The layers whose W_qkv was gathered in two parts (large layers only; a small
+                # one gathers it whole): the first (linked; the second took its whole W_qkv
+                # from the first's MLP) or both (unlinked). Each joins its weight's (and
+                # bias's) two reduce-scattered parts.
+                parted = (1 if linked else 2) if large else 0
                 n_joined = parted * (2 if case == "gpt" else 1)
                 assert (counts["save+fc1"]["joined"], counts["save+fc1+weights"]["joined"]) \
                     == (0, n_joined), counts
@@ -158,7 +160,10 @@ def _kept_vs_saved(p):
                     "all_gather"], counts
                 assert counts["save+fc1"]["reduce_scatter bytes"] == \
                     counts["save+fc1+weights"]["reduce_scatter bytes"] > 0, counts
-                assert counts["save+fc1"]["reduce_scatter"] + parted == \
+                # Small layers post each sublayer's gradients in one call, and, linked with
+                # the weights kept, the second attention's in the first MLP's call.
+                fewer = -parted if large else (1 if linked else 0)
+                assert counts["save+fc1"]["reduce_scatter"] - fewer == \
                     counts["save+fc1+weights"]["reduce_scatter"], counts
                 # Gradients handed over late (layer_schedule): linked, each layer's MLP's (w_in,
                 # [b_in,] w_out), and with the weights kept the second layer's attention's
@@ -173,7 +178,7 @@ def _kept_vs_saved(p):
     return out
 
 
-def _with_overlapped_grad_reduce(p):
+def _with_overlapped_grad_reduce(p, large):
     """Megatron DDP's ``--overlap-grad-reduce`` starts a bucket's reduction from the gradient
     hooks, as each parameter's gradient reaches autograd: with the weights kept, the second
     layer's attention gradients reach it late (after the first layer's MLP backward,
@@ -185,7 +190,7 @@ def _with_overlapped_grad_reduce(p):
     for qkv, overlap in (("save+fc1", False), ("save+fc1+weights", True)):
         kw = dict(overrides, metp_ring_pass="a2a", metp_qkv_backward=qkv,
                   metp_mlp_pass="gathered")
-        with _deferred() as later, _joined() as joined:
+        with M.large_layers(large), _deferred() as later, _joined() as joined:
             runs[qkv] = M.step(M.wrap_ddp(M.build("metp", style, **kw),
                                           overlap_grad_reduce=overlap, bucket_size=4096),
                                M.batch())
@@ -193,17 +198,20 @@ def _with_overlapped_grad_reduce(p):
         runs[qkv]["joined"] = joined[0]
     kept, saved = runs["save+fc1+weights"], runs["save+fc1"]
     assert kept["later"] == 9 and saved["later"] == 6, (kept["later"], saved["later"])
-    # The first layer's W_qkv (and bias) kept as its two gathered parts.
-    assert (kept["joined"], saved["joined"]) == (2, 0)
-    _assert_alike(kept, saved, 1, "overlap")
+    # Large layers: the first layer's W_qkv (and bias) kept as its two gathered parts. Small
+    # ones: whole, and the second attention's gradients posted in the first MLP's call.
+    assert (kept["joined"], saved["joined"]) == ((2, 0) if large else (0, 0))
+    _assert_alike(kept, saved, 1 if large else 0, "overlap")
     return kept["loss"], len(saved["grads"])
 
 
-def test_late_gradients_with_overlapped_grad_reduce(report):
-    loss, n = run_ranks(2, _with_overlapped_grad_reduce, 2)[0]
-    report(f"save+fc1+weights with --overlap-grad-reduce (buckets of 4096), p=2 GPT-style a2a: "
-           f"== save+fc1 without it ({n} gradients, loss {loss:.6f}; bit for bit but for the "
-           "first layer's two-part dX)")
+@pytest.mark.parametrize("large", [False, True], ids=["small", "large"])
+def test_late_gradients_with_overlapped_grad_reduce(large, report):
+    loss, n = run_ranks(2, _with_overlapped_grad_reduce, 2, large)[0]
+    report(f"save+fc1+weights with --overlap-grad-reduce (buckets of 4096), p=2 GPT-style a2a, "
+           f"{'large' if large else 'small'} layers' paths: == save+fc1 without it ({n} "
+           f"gradients, loss {loss:.6f}; bit for bit"
+           + (" but for the first layer's two-part dX)" if large else ")"))
 
 
 def _under_full_recompute(p):
@@ -223,7 +231,8 @@ def _under_full_recompute(p):
             kw = dict(overrides, metp_ring_pass="a2a", metp_qkv_backward=qkv,
                       metp_mlp_pass="gathered", **extra)
             model = M.build("metp", style, **kw)
-            with _counting() as c, _joined() as joined:
+            # Large layers' paths: a layer that gathers its own W_qkv gathers it in two parts.
+            with M.large_layers(), _counting() as c, _joined() as joined:
                 runs[qkv, rc] = M.step(M.wrap_ddp(model), M.batch())
             counts[qkv, rc] = c.stats["all_gather"].bytes
             runs[qkv, rc]["joined"] = joined[0]
@@ -252,10 +261,14 @@ def test_kept_weights_under_full_recompute(report):
            + ", ".join(f"{k} {v}" for k, v in res.items()))
 
 
-@pytest.mark.parametrize("p", [2, pytest.param(4, marks=pytest.mark.full)])
-def test_kept_weights_equal_regathered_ones(p, report):
-    res = run_ranks(p, _kept_vs_saved, p)[0]
-    report(f"save+fc1+weights p={p}: == save+fc1 bit for bit (loss, logits, every gradient "
+@pytest.mark.parametrize("p,large", [(2, False), (2, True),
+                                     pytest.param(4, False, marks=pytest.mark.full),
+                                     pytest.param(4, True, marks=pytest.mark.full)],
+                         ids=["2-small", "2-large", "4-small", "4-large"])
+def test_kept_weights_equal_regathered_ones(p, large, report):
+    res = run_ranks(p, _kept_vs_saved, p, large)[0]
+    report(f"save+fc1+weights p={p}, {'large' if large else 'small'} layers' paths: == "
+           f"save+fc1 bit for bit (loss, logits, every gradient "
            f"no two-part dX reaches; those within {PARTED_DX_RTOL:g}), "
            "all-gathers per step save+fc1 -> save+fc1+weights: "
            + ", ".join(f"{k} {v[1]} -> {v[2]} (loss {v[0]:.6f}; gradients handed over "

@@ -24,21 +24,21 @@ def _recording():
     from megatron_metp.metp import layer_schedule as L
 
     takes, finished = [], []
-    take, finish = L.SublayerLink.take, L._LaterBox.finish
+    take, make = L.SublayerLink.take, L._LaterBox._make
 
     def rec_take(self, name, t, transpose=False, origin=None):
         takes.append((name, name in self._posted))
         return take(self, name, t, transpose, origin)
 
-    def rec_finish(self, i, grad):
-        finished.append(i in self.pending)
-        return finish(self, i, grad)
+    def rec_make(self, indices):
+        finished.extend(i in self.pending for i in indices)
+        return make(self, indices)
 
-    L.SublayerLink.take, L._LaterBox.finish = rec_take, rec_finish
+    L.SublayerLink.take, L._LaterBox._make = rec_take, rec_make
     try:
         yield takes, finished
     finally:
-        L.SublayerLink.take, L._LaterBox.finish = take, finish
+        L.SublayerLink.take, L._LaterBox._make = take, make
 
 
 CASES = {
@@ -50,16 +50,16 @@ CASES = {
 PASSES = [("whole", "recompute"), ("whole", "save+fc1"), ("a2a", "save"), ("a2a", "save+fc1")]
 
 
-def _linked_vs_unlinked(p):
+def _linked_vs_unlinked(p, large):
     M.setup(tp=p, mode="metp")
     out = {}
     for case, (style, overrides) in CASES.items():
         for ring_pass, qkv in PASSES:
             kw = dict(overrides, metp_ring_pass=ring_pass, metp_qkv_backward=qkv,
                       metp_mlp_pass="gathered")
-            with _recording() as (takes, finished):
+            with M.large_layers(large), _recording() as (takes, finished):
                 linked = M.step(M.wrap_ddp(M.build("metp", style, **kw)), M.batch())
-            with M.unlinked(), _recording() as (takes_off, _):
+            with M.large_layers(large), M.unlinked(), _recording() as (takes_off, _):
                 plain = M.step(M.wrap_ddp(M.build("metp", style, **kw)), M.batch())
             assert not takes_off
             assert linked["loss"] == plain["loss"], (case, ring_pass, qkv)
@@ -70,36 +70,40 @@ def _linked_vs_unlinked(p):
             # attention's backward gathers from the MLP's backward; none was gathered anew.
             # The second layer's attention took its first gathers (its whole W_qkv, and its
             # bias) from the first layer's MLP (the chain); the first layer's, which nothing
-            # runs before, from its own layer, which posted them in two parts when its forward
-            # started (SublayerLink.post_first). Each attention's forward took its W_proj^T
-            # from the call that posted its MLP's weights ("proj_out": coalesced with them
-            # where small, comm.call_groups).
+            # runs before, from its own layer, which posted them when its forward started
+            # (SublayerLink.post_first): in two parts (large layers), or whole, by the names
+            # the chain uses (small ones). Each attention's forward took its W_proj^T from the
+            # call that posted its MLP's weights ("proj_out": coalesced with them where
+            # small, comm.call_groups).
             used = {}
             for name, hit in takes:
                 used.setdefault(name, []).append(hit)
             bias = style == "gpt"
             want = {"fc1": 2, "fc2": 2, "proj": 2, "qkv": 2, "proj_out": 2}
-            chained = ["first_qkv", "qkv_part0", "qkv_part1"]
+            firsts = ["first_qkv"] + (["first_qkv_bias"] if bias else [])
+            parts = ["qkv_part0", "qkv_part1"] + (
+                ["qkv_part0_bias", "qkv_part1_bias"] if bias else [])
             if bias:
                 want["fc1_bias"] = 2
-                chained += ["first_qkv_bias", "qkv_part0_bias", "qkv_part1_bias"]
                 if qkv == "recompute":   # the bias enters the backward only when recomputed
                     want["qkv_bias"] = 2
-            assert {n: sum(h) for n, h in used.items() if any(h)} == dict(
-                want, **{n: 1 for n in chained}), used
+            chained = {n: 1 for n in firsts + parts} if large else {n: 2 for n in firsts}
+            assert {n: sum(h) for n, h in used.items() if any(h)} == dict(want, **chained), used
             assert all(all(h) for n, h in used.items() if n in want), used
-            assert all(used[n] == [True] for n in chained), used
+            assert all(used[n] == [True] * k for n, k in chained.items()), used
             # The MLP's weight gradients (w_in, b_in, w_out) reached autograd after the wait.
             assert sum(finished) == 2 * (3 if bias else 2), finished
             out[f"{case} {ring_pass} {qkv}"] = (linked["loss"], len(plain["grads"]))
     return out
 
 
-@pytest.mark.parametrize("p", [2, 4])
-def test_linked_layer_equals_the_unlinked_one_bit_for_bit(p, report):
-    res = run_ranks(p, _linked_vs_unlinked, p)[0]
-    report(f"layer schedule p={p}: linked == unlinked bit for bit (loss, logits, every "
-           f"gradient) for {', '.join(f'{k} (loss {v[0]:.6f}, {v[1]} grads)' for k, v in res.items())}")
+@pytest.mark.parametrize("p,large", [(2, False), (2, True), (4, False), (4, True)],
+                         ids=["2-small", "2-large", "4-small", "4-large"])
+def test_linked_layer_equals_the_unlinked_one_bit_for_bit(p, large, report):
+    res = run_ranks(p, _linked_vs_unlinked, p, large)[0]
+    report(f"layer schedule p={p}, {'large' if large else 'small'} layers' paths: linked == "
+           f"unlinked bit for bit (loss, logits, every gradient) for "
+           f"{', '.join(f'{k} (loss {v[0]:.6f}, {v[1]} grads)' for k, v in res.items())}")
 
 
 def _chain_off_where_hooks_prepare_weights():
@@ -113,6 +117,14 @@ def _chain_off_where_hooks_prepare_weights():
     style, overrides = CASES["gpt"]
     kw = dict(overrides, metp_ring_pass="whole", metp_qkv_backward="save+fc1",
               metp_mlp_pass="gathered")
+    # Large layers' paths: there the first layer posts its own W_qkv in parts, so any
+    # "first_qkv" taken below was posted for the second by the chain (a small first layer
+    # posts its own by that name).
+    with M.large_layers():
+        return _chain_off(L, style, kw)
+
+
+def _chain_off(L, style, kw):
     base = M.step(M.wrap_ddp(M.build("metp", style, **kw)), M.batch())
     model = M.build("metp", style, **kw)
     second = model.decoder.layers[1]
@@ -507,11 +519,12 @@ def test_a_drained_gradient_never_stands_in_for_a_later_one():
     assert 0 in box.done and not box.pending
     box.hold(0, torch.full((2, 3), 2.0), None, torch.empty(0), like)
     box.drain()
-    got = box.finish(0, None)
+    (got,) = box.finish([None])
     assert got.dtype == torch.bfloat16 and torch.equal(got, torch.full((2, 3), 2.0,
                                                                        dtype=torch.bfloat16))
     assert not box.done and not box.pending
     # Without a drain, finish makes it itself, once.
     box.hold(1, torch.full((2, 3), 3.0), None, torch.empty(0), like)
-    assert torch.equal(box.finish(1, None), torch.full((2, 3), 3.0, dtype=torch.bfloat16))
-    assert box.finish(1, "carried") == "carried"
+    assert torch.equal(box.finish([None, None])[1], torch.full((2, 3), 3.0,
+                                                               dtype=torch.bfloat16))
+    assert box.finish([None, "carried"])[1] == "carried"

@@ -310,9 +310,10 @@ def test_metp_mlp_equals_megatron_tp_mlp_and_counts(p, report):
            f"SwiGLU METP {bf[(True, 'MetpMLP')]:.1e} (TP+SP {bf[(True, 'MLP')]:.1e})")
 
 
-def _gathered_checks(p):
+def _gathered_checks(p, large):
     from megatron_metp.metp.gathered_mlp import GatheredMLPFunction
     from megatron_metp.metp.weight_ring import MetpMLPFunction
+    from tests import _models as M
 
     calls = []
     # Which autograd function each layer ran: the test fails if the gathered pass is not taken.
@@ -320,7 +321,10 @@ def _gathered_checks(p):
     GatheredMLPFunction.apply = lambda *a: calls.append("gathered") or orig[0](*a)
     MetpMLPFunction.apply = lambda *a: calls.append("ring") or orig[1](*a)
     try:
-        out = _against_megatron(p, "gathered")
+        # large: a large layer's paths (tests._models.large_layers): fc2's gradient
+        # reduce-scattered on its own, as soon as made; the activation recomputed.
+        with M.large_layers(large):
+            out = _against_megatron(p, "gathered")
     finally:
         GatheredMLPFunction.apply, MetpMLPFunction.apply = orig
     out["calls"] = sorted(set(calls))
@@ -333,18 +337,22 @@ def test_gathered_mlp_equals_megatron_tp_mlp_and_counts(p, report):
     weights, fp32 (the bounds of _against_megatron: same products, other summation order). It
     sends exactly the weight ring's elements (the weights twice, their gradients once), in
     all-gathers and reduce-scatters instead of p - 1 hops each: 3 + 3 gathers with fc1's bias,
-    2 + 2 without, 2 reduce-scatter calls either way (fc1's bias goes with its weight in one
-    call: comm.scatter_rows_together), and no point-to-point call."""
-    res = run_ranks(p, _gathered_checks, p)
-    for r in res:
-        assert r["calls"] == ["gathered"], r["calls"]
+    2 + 2 without, and no point-to-point call; 1 reduce-scatter call with or without bias
+    for a small layer (fc1's bias with its weight, comm.scatter_rows_together, and fc2's with
+    them, wgrad_accum.scatters_together), 2 for a large one (fc2's on its own, as soon as
+    made)."""
+    res = run_ranks(p, _gathered_checks, p, False)
+    large_res = run_ranks(p, _gathered_checks, p, True)
+    for r, rl in zip(res, large_res):
+        assert r["calls"] == rl["calls"] == ["gathered"], r["calls"]
         for name, gated, bias in (*CASES, FUSED):
-            c = r[name]["metp"]
-            assert c["sent"] == pytest.approx(
-                formulas.metp_mlp_comm(H, FFN, p, gated=gated, bias=bias)), name
-            k = 3 if bias else 2
-            assert {op: n for op, (n, _) in c["ops"].items()} == \
-                {"all_gather": 2 * k, "reduce_scatter": 2}, (name, c["ops"])
+            for large, runs in ((False, r), (True, rl)):
+                c = runs[name]["metp"]
+                assert c["sent"] == pytest.approx(
+                    formulas.metp_mlp_comm(H, FFN, p, gated=gated, bias=bias)), name
+                k = 3 if bias else 2
+                assert {op: n for op, (n, _) in c["ops"].items()} == \
+                    {"all_gather": 2 * k, "reduce_scatter": 1 + large}, (name, c["ops"])
     errs = {n: max(res[0][n]["errs"].values()) for n, _, _ in (*CASES, FUSED)}
     report(f"METP MLP (gathered) vs Megatron TP+SP MLP, p={p}, fp32, same weights: max abs err "
            + ", ".join(f"{n} {e:.2e}" for n, e in errs.items())
@@ -363,6 +371,27 @@ def test_auto_gathers_only_short_inputs():
     for s, gathered in ((4096, True), (16384, True), (65536, True), (131072, False),
                         (262144, False)):
         assert takes_gathered(s // 8, f1, 2) == gathered, s
+
+
+def test_the_activation_is_kept_only_where_small_and_its_backward_is_autograds():
+    # gathered_mlp.keeps_act (KEEP_ACT_MAX_VALUES = 2^23): BERT-Large at p = 8 (F = 4096)
+    # keeps D up to 2048 tokens per rank (s = 16k), LLaMA-7B (F = 11008) up to 762 (s = 4k
+    # and not 8k). And the fused GeLU's backward without a graph is the one autograd runs on
+    # F.gelu(approximate="tanh"): the same values, bit for bit.
+    import torch.nn.functional as F
+
+    from megatron_metp.metp.gathered_mlp import keeps_act
+    from megatron_metp.metp.mlp import TanhGelu
+
+    assert keeps_act(2048, 4096) and not keeps_act(4096, 4096)
+    assert keeps_act(512, 11008) and not keeps_act(1024, 11008)
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.bfloat16):
+        t = torch.randn(64, 24, generator=g).to(dtype).requires_grad_(True)
+        dd = torch.randn(64, 24, generator=g).to(dtype)
+        (ref,) = torch.autograd.grad(F.gelu(t, approximate="tanh"), t, dd)
+        assert torch.equal(TanhGelu()(t), F.gelu(t, approximate="tanh"))
+        assert torch.equal(TanhGelu.backward(dd, t.detach()), ref), dtype
 
 
 # ------------------------------------------------------------------------------------------------
@@ -675,10 +704,13 @@ def _kept_fc1_vs_recomputed(p):
         out[name] = _kept_then_recomputed(mlp, t, p)
         assert not mlp.keep_fc1
     weight_ring.MLP_WHOLE_BYTES, weight_ring.MLP_MIN_ROWS = whole
-    # The gathered pass (metp.gathered_mlp) keeps its one [n/p, F'] fc1 output.
-    for name, gated, bias in (*CASES, FUSED):
+    # The gathered pass (metp.gathered_mlp) keeps its one [n/p, F'] fc1 output, and where the
+    # activation has a backward of its own (the fused ones: Megatron-LM's default
+    # --bias-gelu-fusion / --bias-swiglu-fusion) its [n/p, F] output too (keeps_act: these
+    # sizes are far under KEEP_ACT_MAX_VALUES).
+    for name, gated, bias in (*CASES, FUSED, ("gelu+bias fused", False, True)):
         t = _full_tensors(gated, bias)
-        cfg = _config(p, gated=gated, bias=bias, bias_activation_fusion=name == FUSED[0],
+        cfg = _config(p, gated=gated, bias=bias, bias_activation_fusion=name.endswith("fused"),
                       metp_qkv_backward="save+fc1", mlp_pass="gathered")
         out[f"{name} gathered"] = _kept_then_recomputed(_build(MetpMLP, cfg), t, p)
     return out
@@ -690,11 +722,15 @@ def test_kept_fc1_outputs_change_no_bit(p, report):
     for r in res:
         for name, c in r.items():
             if name.endswith("gathered"):
-                # One [n/p, F'] tensor (every shard's columns), as many values as the ring's.
+                # One [n/p, F'] tensor (every shard's columns), as many values as the ring's;
+                # and the fused activations' [n/p, F] output (F' = 2F gated, F' = F not).
                 n = S * B // p
                 assert c["same"], name
                 assert [n, p * c["fc1_rows"]] in c["kept"], (name, c["kept"])
                 assert [n, p * c["fc1_rows"]] not in c["recomputed"], (name, c["recomputed"])
+                fused = name.endswith("fused gathered")
+                assert c["kept"].count([n, FFN]) == fused + (FFN == p * c["fc1_rows"]), (
+                    name, c["kept"])
                 continue
             # The backward reads the forward's T instead of running the same GEMM on the same
             # operands again, and the activation's backward sees the same T: every bit equal.
@@ -702,7 +738,8 @@ def test_kept_fc1_outputs_change_no_bit(p, report):
             n = S * B // p
             assert [p, n, c["fc1_rows"]] in c["kept"], (name, c["kept"])
             assert [p, n, c["fc1_rows"]] not in c["recomputed"], (name, c["recomputed"])
-        assert len(r) == 9
+        assert len(r) == 10
     report(f"METP MLP, p={p}, fp32: --metp-qkv-backward save+fc1 keeps [p, n/p, F'/p] (ring) or "
-           f"[n/p, F'] (gathered) and equals recomputing fc1 bit for bit (GeLU+bias, SwiGLU, "
-           f"fused SwiGLU; whole and token-chunked ring steps, and the gathered pass)")
+           f"[n/p, F'] (gathered; and the fused activations' [n/p, F] output) and equals "
+           f"recomputing fc1 bit for bit (GeLU+bias, SwiGLU, fused SwiGLU; whole and "
+           f"token-chunked ring steps, and the gathered pass, with fused GeLU too)")

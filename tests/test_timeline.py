@@ -209,14 +209,39 @@ def test_stack_of_two_is_what_two_traced_layers_run(mode, kw):
         return [(o.kind, o.name, o.phase, o.flops, o.bytes, o.group, o.group_size, o.strided,
                  ids.setdefault(o.comm_id, len(ids)) if o.comm_id >= 0 else -1) for o in ops]
 
+    from tests import _models as M
+
     warnings.filterwarnings("ignore")
-    cfg, world = load_config("tiny-llama"), FakeWorld(rank=1)
+    cfg = load_config("tiny-llama")
     p = 4 if "cp" in kw else 2
-    try:
-        one = trace_layer(cfg, mode, p, 256, world=world, **kw)
-        two = trace_layer(cfg, mode, p, 256, world=world, layers=2, **kw)
-    finally:
-        world.teardown()
+
+    def traces():
+        world = FakeWorld(rank=1)
+        try:
+            return (trace_layer(cfg, mode, p, 256, world=world, **kw),
+                    trace_layer(cfg, mode, p, 256, world=world, layers=2, **kw))
+        finally:
+            world.teardown()
+
+    if mode == "metp" and not kw:
+        # A small layer's paths (tiny-llama's are: tests._models.large_layers): each
+        # sublayer's weight gradients in one reduce-scatter call; with the weights kept the
+        # second attention's go in the first MLP's call, one call fewer than two layers that
+        # hand nothing across.
+        rs = lambda ops: sum(o.name == "reduce_scatter" for o in ops)  # noqa: E731
+        for extra, fewer in (({}, 0), ({"qkv_backward": "save+fc1+weights"}, 1)):
+            world = FakeWorld(rank=1)
+            try:
+                one, two = (trace_layer(cfg, mode, p, 256, world=world, layers=n, **extra)
+                            for n in (1, 2))
+            finally:
+                world.teardown()
+            assert rs(one) == 2 and rs(two) == 2 * rs(one) - fewer, (extra, rs(one), rs(two))
+        # The rest on a large layer's paths.
+        with M.large_layers():
+            one, two = traces()
+    else:
+        one, two = traces()
     expected = stack_of_two(one)
     if mode == "metp" and not kw:
         # The layer schedule is in the trace: the MLP's gathers are posted before the

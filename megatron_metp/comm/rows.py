@@ -166,15 +166,16 @@ def _dense(ts: Sequence[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]
     return out
 
 
-def _each_together(ts, group, p: int, rows, post):
-    """For each of ``ts`` (None stays None) an output of ``rows(t)`` rows, posted with
-    ``post(out, t)`` in one call: ``(outs, handle)``."""
+def _each_together(ts, group, p: int, rows, post, given=None):
+    """For each of ``ts`` (None stays None) an output of ``rows(t)`` rows (``given[i]`` where
+    the caller laid it out), posted with ``post(out, t)`` in one call: ``(outs, handle)``."""
     outs, pairs = [], []
-    for t in ts:
+    for i, t in enumerate(ts):
         if t is None:
             outs.append(None)
             continue
-        out = torch.empty((rows(t), *t.shape[1:]), dtype=t.dtype, device=t.device)
+        out = given[i] if given is not None and given[i] is not None else torch.empty(
+            (rows(t), *t.shape[1:]), dtype=t.dtype, device=t.device)
         outs.append(out)
         pairs.append((out, t))
     return outs, _together(post, pairs, group)
@@ -191,12 +192,15 @@ def gather_rows_together(ts: Sequence[Optional[torch.Tensor]], group, p: int
         lambda out, inp: dist.all_gather_into_tensor(out, inp, group=group, async_op=True))
 
 
-def scatter_rows_together(fulls: Sequence[Optional[torch.Tensor]], group, p: int
+def scatter_rows_together(fulls: Sequence[Optional[torch.Tensor]], group, p: int,
+                          outs: Optional[Sequence[Optional[torch.Tensor]]] = None
                           ) -> Tuple[List[Optional[torch.Tensor]], Optional[SharedWork]]:
     """:func:`scatter_rows` of each of ``fulls`` (None stays None) in one call: ``(mines,
-    handle)``."""
+    handle)``; ``outs``: where to put them (dense tensors of the shards' shapes, e.g. views of
+    one buffer; None: new ones)."""
     if p == 1:
         return list(fulls), None
     return _each_together(
         fulls, group, p, lambda t: t.shape[0] // p,
-        lambda out, inp: dist.reduce_scatter_tensor(out, inp, group=group, async_op=True))
+        lambda out, inp: dist.reduce_scatter_tensor(out, inp, group=group, async_op=True),
+        outs)

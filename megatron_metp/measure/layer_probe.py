@@ -75,19 +75,30 @@ def _drop_param_grads(module: torch.nn.Module) -> list:
 
 
 def give_main_grads(module: torch.nn.Module) -> list:
-    """What Megatron's DDP gives every parameter: an fp32 ``main_grad`` buffer, and the flag
+    """What Megatron's DDP gives every parameter: an fp32 ``main_grad``, and the flag
     ``grad_added_to_main_grad`` (False; DDP's ``zero_grad_buffer`` resets it every step). With
     ``--gradient-accumulation-fusion`` (Megatron-LM's default) the weight-gradient GEMM of its
     linears accumulates straight into it, sets the flag and hands autograd an uninitialised
-    placeholder (METP's weights too: ``metp.wgrad_accum``). Model state, not activation: the
-    planner counts it in ``optimizer_bytes_per_param``."""
-    bufs = []
-    for prm in module.parameters():
-        if prm.requires_grad and not hasattr(prm, "main_grad"):
-            prm.main_grad = torch.zeros(prm.shape, dtype=torch.float32, device=prm.device)
-            prm.grad_added_to_main_grad = False
-            bufs.append(prm.main_grad)
-    return bufs
+    placeholder (METP's weights too: ``metp.wgrad_accum``). Laid out as DDP's
+    ``_ParamAndGradBuffer`` lays them out: views of one flat buffer, the parameters in reverse
+    order, each starting at a multiple of 64 values (the distributed optimizer's alignment; one
+    bucket: the layers traced here are far under Megatron-LM's 40M-value buckets). Returns
+    the buffer (``[]`` where nothing trains). Model state, not activation: the planner counts
+    it in ``optimizer_bytes_per_param``."""
+    prms = [prm for prm in module.parameters()
+            if prm.requires_grad and not hasattr(prm, "main_grad")]
+    if not prms:
+        return []
+    starts, end = [], 0
+    for prm in reversed(prms):
+        start = -(-end // 64) * 64
+        starts.append(start)
+        end = start + prm.numel()
+    buf = torch.zeros(end, dtype=torch.float32, device=prms[0].device)
+    for prm, start in zip(reversed(prms), starts):
+        prm.main_grad = buf[start:start + prm.numel()].view(prm.shape)
+        prm.grad_added_to_main_grad = False
+    return [buf]
 
 
 def ddp_grad_hooks(module: torch.nn.Module) -> list:

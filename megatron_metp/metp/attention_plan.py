@@ -24,6 +24,7 @@ from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_metp.metp.a2a_attention import fuse_out
+from megatron_metp.metp.wgrad_accum import scatters_together
 from megatron_metp.token_layout import BALANCED
 
 
@@ -215,6 +216,9 @@ class _Plan:
         # a2a saving the heads: the forward's output goes to heads in backward with dO, in one
         # all-to-all, where it is small (a2a_attention.fuse_out), else ahead of two GEMMs.
         self.fuse_out = self.a2a and fuse_out(tokens * self.heads_p * self.p * self.d)
+        # The whole pass's W_proj^T gradient reduce-scattered with W_qkv's, in one call, where
+        # the layer is small (wgrad_accum.scatters_together).
+        self.wgrads_together = scatters_together(tokens, module.config.hidden_size)
         # The one pass keeps its Q/K/V projection for backward (QKV_BACKWARD "save",
         # "save+fc1" or "save+fc1+weights": "auto" is resolved by the launcher, before the
         # model exists), and with "save+fc1+weights" the weights it gathered.

@@ -49,7 +49,7 @@ import torch.distributed as dist
 from megatron_metp.comm import gather_rows as _gather, scatter_rows as _scatter
 from megatron_metp.comm import scatter_rows_together
 from megatron_metp.kernels import widening_mm
-from megatron_metp.metp.wgrad_accum import weight_grad
+from megatron_metp.metp.wgrad_accum import add_together, placeholder, shard_outs, weight_grad
 from megatron_metp.metp.weight_ring import _fc1, accum_dtype as _accum
 
 __all__ = ["GATHERED_MLP_BYTES", "takes_gathered", "GatheredMLPFunction"]
@@ -74,6 +74,22 @@ def takes_gathered(tokens: int, fc1_rows: int, itemsize: int,
     and ``fc1_rows`` gathered fc1 rows (F'), ``itemsize`` bytes per value."""
     limit = GATHERED_MLP_BYTES if limit is None else limit
     return tokens * fc1_rows * itemsize <= limit
+
+
+# The activation's output D ([tokens, F] on this rank) kept for backward beside fc1's output T
+# (``keep_fc1``) where it has at most this many values (16 MiB in bf16, under 0.4 GiB for
+# BERT-Large's or LLaMA-7B's whole stack): backward then skips the activation it otherwise
+# runs again for fc2's weight gradient, as Megatron's MLP keeps fc2's input. That is one op
+# fewer per layer where the layer is host-bound (BERT-Large up to 16k tokens and LLaMA-7B at
+# 4k at p = 8, ``measure.timeline``: ~30 us per op); above it the bytes count, and D is
+# recomputed from T.
+KEEP_ACT_MAX_VALUES = 1 << 23
+
+
+def keeps_act(tokens: int, width: int) -> bool:
+    """Whether a forward that keeps T also keeps D, ``tokens x width`` values
+    (:data:`KEEP_ACT_MAX_VALUES`). Decided by the MLP's forward, outside autograd."""
+    return tokens * width <= KEEP_ACT_MAX_VALUES
 
 
 def _wait(*handles) -> None:
@@ -102,13 +118,20 @@ class GatheredMLPFunction(torch.autograd.Function):
     takes the gathers the attention posted, the backward posts the attention's before its
     reduce-scatters, and leaves those to the link to wait for (the attention's backward,
     before it waits for its own, or else the layer's ``_GradsLater`` node).
-    The group, the choice and the link arrive as arguments: nothing global is read here.
+    ``keep_act``: with ``keep_fc1``, the activation's output D kept too (:func:`keeps_act`);
+    ``together``: fc2's weight-gradient reduce-scatter posted with fc1's, in one call
+    (``wgrad_accum.scatters_together``), not as soon as its GEMM has run.
+    The group, the choices and the link arrive as arguments: nothing global is read here.
     """
 
     @staticmethod
     def forward(ctx, x, w_in, b_in, w_out, act: Callable, group, keep_fc1: bool = False,
-                link=None, keep_weights: bool = False, fuse_wgrad: bool = False):
+                link=None, keep_weights: bool = False, fuse_wgrad: bool = False,
+                keep_act: bool = False, together: bool = False):
         keep_weights = keep_weights and keep_fc1
+        # D too (keeps_act), where the activation has a backward of its own to run without
+        # D's graph.
+        keep_act = keep_act and keep_fc1 and getattr(act, "backward", None) is not None
         p = dist.get_world_size(group) if dist.is_initialized() else 1
         if link is not None:
             # Posted behind the attention (metp.layer_schedule), or gathered now.
@@ -127,6 +150,7 @@ class GatheredMLPFunction(torch.autograd.Function):
             del w_full
             w_full = None
         d = act(_per_shard(t, p)).reshape(t.shape[0], -1)
+        d_kept = d if keep_act else None
         if not keep_fc1:
             del t
             t = None
@@ -137,17 +161,18 @@ class GatheredMLPFunction(torch.autograd.Function):
         out = torch.mm(d, wot)
         ctx.act, ctx.group, ctx.p, ctx.link = act, group, p, link
         ctx.fuse_wgrad = fuse_wgrad
+        ctx.together = together   # fc2's gradient reduce-scattered with fc1's, in one call
         ctx.has_bias = b_in is not None
         # The gathered weights, when kept, are not saved tensors (autograd's version check
         # guards w_in and w_out, which they were gathered from, and which are saved).
         ctx.kept = (w_full, wot) if keep_weights else None
-        ctx.save_for_backward(x, w_in, b_in, w_out, t)
+        ctx.save_for_backward(x, w_in, b_in, w_out, t, d_kept)
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        x, w_in, b_in, w_out, t = ctx.saved_tensors
+        x, w_in, b_in, w_out, t, d = ctx.saved_tensors
         act, group, p = ctx.act, ctx.group, ctx.p
         g = grad_out.contiguous()
         gacc = _accum(w_in.dtype)
@@ -176,7 +201,9 @@ class GatheredMLPFunction(torch.autograd.Function):
         n = t.shape[0]
         ts = _per_shard(t, p)
         back = getattr(act, "backward", None)  # a fused activation's own backward (mlp.py)
-        if back is None:
+        if d is not None:
+            d3 = d.view(n, p, -1)   # kept by the forward (keeps_act)
+        elif back is None:
             ts = ts.detach().requires_grad_(True)
             with torch.enable_grad():
                 d3 = act(ts)
@@ -185,9 +212,10 @@ class GatheredMLPFunction(torch.autograd.Function):
         d = d3.reshape(n, -1)
         # dW_out^T = D^T dO over this rank's tokens; summed over the ranks behind dD's GEMM.
         dwot_full = widening_mm(d.t(), g, gacc)
-        dwot, dwot_h = _scatter(dwot_full, group, p)
-        if box is None:
-            del dwot_full
+        if not ctx.together:
+            dwot, dwot_h = _scatter(dwot_full, group, p)
+            if box is None:
+                del dwot_full
         _wait(woh)
         dd = torch.mm(g, wot.t())
         del wot
@@ -199,11 +227,30 @@ class GatheredMLPFunction(torch.autograd.Function):
         dt = dt.reshape(n, -1)
         dw_in_full = widening_mm(dt.t(), x, gacc)
         db_in_full = dt.sum(0, dtype=gacc) if ctx.has_bias else None
-        # The weight's and the bias's in one call (comm.scatter_rows_together).
-        (dw_in, db_in), dw_in_h = scatter_rows_together([dw_in_full, db_in_full], group, p)
+        # The weight's and the bias's in one call (comm.scatter_rows_together), laid out as
+        # their main_grads are where one add can take both (wgrad_accum); fc2's in the same
+        # call where the layer is small (``together``: wgrad_accum.scatters_together).
+        fulls = [dw_in_full, db_in_full] + ([dwot_full] if ctx.together else [])
+        outs = shard_outs(fulls, [w_in, b_in, None], p, ctx.fuse_wgrad) or [None] * len(fulls)
+        # And, small too, the next layer's attention's, which it left to this call
+        # (layer_schedule._LaterBox.hold_unposted): its node waits for them next.
+        sent = link.sent_box if link is not None and ctx.together else None
+        theirs = sent.take_unposted(group) if sent is not None else []
+        mines, dw_in_h = scatter_rows_together(
+            fulls + [full for _, full, _ in theirs], group, p,
+            outs + [mine for _, _, mine in theirs])
+        if theirs:
+            sent.posted([i for i, _, _ in theirs], mines[len(fulls):], dw_in_h)
+        del theirs, outs
+        dw_in, db_in = mines[:2]
         db_in_h = dw_in_h
+        if ctx.together:
+            dwot, dwot_h = mines[2], dw_in_h
+        del fulls, mines
         if box is None:
             del dw_in_full, db_in_full
+            if ctx.together:
+                del dwot_full
         _wait(wh)
         dx = torch.mm(dt, w_full)
         del w_full, dt
@@ -214,13 +261,16 @@ class GatheredMLPFunction(torch.autograd.Function):
             return (dx, box.hold(0, dw_in, dw_in_h, dw_in_full, w_in),
                     box.hold(1, db_in, db_in_h, db_in_full, b_in) if ctx.has_bias else None,
                     box.hold(2 if ctx.has_bias else 1, dwot, dwot_h, dwot_full, w_out,
-                             transpose=True), None, None, None, None, None, None)
+                             transpose=True), None, None, None, None, None, None, None, None)
         _wait(dwot_h, dw_in_h, db_in_h)
         fuse = ctx.fuse_wgrad
-        return (dx, weight_grad(dw_in, w_in, fuse),
-                weight_grad(db_in, b_in, fuse) if ctx.has_bias else None,
-                weight_grad(dwot, w_out, fuse, transpose=True), None, None, None, None, None,
-                None)
+        if ctx.has_bias and add_together([dw_in, db_in], [w_in, b_in], fuse):
+            g_in, g_b = placeholder(w_in), placeholder(b_in)
+        else:
+            g_in = weight_grad(dw_in, w_in, fuse)
+            g_b = weight_grad(db_in, b_in, fuse) if ctx.has_bias else None
+        return (dx, g_in, g_b, weight_grad(dwot, w_out, fuse, transpose=True), None, None,
+                None, None, None, None, None, None)
 
 
 def gathered_mlp(x: torch.Tensor, weights: Tuple[torch.Tensor, Optional[torch.Tensor],

@@ -85,9 +85,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from megatron_metp.comm import call_groups, gather_rows, gather_rows_together
+from megatron_metp.comm import (call_groups, gather_rows, gather_rows_together,
+                               scatter_rows_together)
 from megatron_metp.metp.attention_plan import KEEPS_WEIGHTS
-from megatron_metp.metp.wgrad_accum import weight_grad
+from megatron_metp.metp.wgrad_accum import (placeholder, scatters_together, spans_together,
+                                            weight_grad)
 from megatron_metp.metp.weight_hooks import run_pre_hooks
 from megatron_metp.metp.attention_plan import whole_pass
 from megatron_metp.metp.whole_pass import first_gathers, first_parts
@@ -105,6 +107,8 @@ class _LaterBox:
         self.pending: Dict[int, tuple] = {}
         self.done: Dict[int, Optional[torch.Tensor]] = {}   # handed over early (drain)
         self.fuse_wgrad = fuse_wgrad   # into main_grad (metp.wgrad_accum)
+        # Held, their reduce-scatters not yet posted (hold_unposted): index -> (group, p).
+        self.unposted: Dict[int, tuple] = {}
 
     def hold(self, i: int, mine: torch.Tensor, handle, full: torch.Tensor, like: torch.Tensor,
              transpose: bool = False) -> torch.Tensor:
@@ -116,21 +120,86 @@ class _LaterBox:
         # A gradient drained and never handed over (a backward that did not reach the node)
         # must not stand in for this one.
         self.done.pop(i, None)
+        self.unposted.pop(i, None)
         self.pending[i] = (full, mine, handle, out, transpose, like)
         return out
 
-    def finish(self, i: int, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        if i in self.done:
-            return self.done.pop(i)
-        entry = self.pending.pop(i, None)
-        if entry is None:
-            return grad
-        full, mine, handle, out, transpose, like = entry
-        if handle is not None:
-            handle.wait()
-        del full, entry
-        # Into main_grad, or cast into ``out``, the tensor autograd carried here.
-        return weight_grad(mine, like, self.fuse_wgrad, transpose, out=out)
+    def hold_unposted(self, i: int, full: torch.Tensor, like: torch.Tensor,
+                      transpose: bool = False, mine: Optional[torch.Tensor] = None,
+                      group=None, p: int = 1) -> torch.Tensor:
+        """:meth:`hold` weight ``i``'s gradient over this rank's tokens, ``full``, whose
+        reduce-scatter over ``group`` (of ``p`` ranks) is not posted yet: the layer before's
+        MLP backward, which runs next, posts it in its own call (:meth:`take_unposted`,
+        :meth:`posted`), or else :meth:`finish` / :meth:`drain` do. ``mine``: where its
+        output is to go (``wgrad_accum.shard_outs``), or None."""
+        out = self.hold(i, mine, None, full, like, transpose)
+        self.unposted[i] = (group, p)
+        return out
+
+    def take_unposted(self, group) -> list:
+        """``[(i, full, mine)]`` of the held gradients whose reduce-scatters over ``group``
+        are still to be posted, for the caller to post in its own call and hand back
+        (:meth:`posted`)."""
+        return [(i, self.pending[i][0], self.pending[i][1]) for i, (g, _) in
+                self.unposted.items() if g is group]
+
+    def posted(self, indices, mines, handle) -> None:
+        """The reduce-scatters of the held gradients ``indices`` are posted (outputs
+        ``mines``, one ``handle``)."""
+        for i, mine in zip(indices, mines):
+            full, _, _, out, transpose, like = self.pending[i]
+            self.pending[i] = (full, mine, handle, out, transpose, like)
+            del self.unposted[i]
+
+    def _post_unposted(self, indices) -> None:
+        """Post, in one call per group, the held reduce-scatters among ``indices`` that no
+        layer before posted."""
+        late = [i for i in indices if i in self.unposted]
+        while late:
+            group, p = self.unposted[late[0]]
+            same = [i for i in late if self.unposted[i][0] is group]
+            mines, handle = scatter_rows_together(
+                [self.pending[i][0] for i in same], group, p,
+                [self.pending[i][1] for i in same])
+            self.posted(same, mines, handle)
+            late = [i for i in late if i not in same]
+
+    def finish(self, grads: Sequence[Optional[torch.Tensor]]) -> list:
+        """The gradients autograd is to get for the weights ``0 .. len(grads) - 1``: what
+        :meth:`drain` made, else each held one made now, else ``grads[i]`` as it came."""
+        out = list(grads)
+        held = [i for i in range(len(grads)) if i not in self.done and i in self.pending]
+        made = self._make(held)
+        for i in range(len(grads)):
+            if i in self.done:
+                out[i] = self.done.pop(i)
+            elif i in made:
+                out[i] = made[i]
+        return out
+
+    def _make(self, indices) -> Dict[int, Optional[torch.Tensor]]:
+        """Wait for the reduce-scatters of the held weights ``indices`` and make their
+        gradients, each right after its wait: into ``main_grad`` (the untransposed ones in one
+        add after the last of their waits where their outputs and ``main_grad`` s are laid out
+        alike, ``wgrad_accum.spans_together``), or cast into the tensors autograd carries."""
+        self._post_unposted(indices)
+        entries = {i: self.pending.pop(i) for i in indices}
+        plain = [i for i in indices if not entries[i][4]]
+        spans = spans_together([entries[i][1] for i in plain], [entries[i][5] for i in plain],
+                               self.fuse_wgrad) if len(plain) > 1 else None
+        together = plain if spans is not None else []
+        made: Dict[int, Optional[torch.Tensor]] = {}
+        for i in indices:
+            full, mine, handle, out, transpose, like = entries[i]
+            if handle is not None:
+                handle.wait()
+            if i not in together:
+                made[i] = weight_grad(mine, like, self.fuse_wgrad, transpose, out=out)
+            elif i == together[-1]:
+                spans[0].add_(spans[1])
+                for j in together:
+                    made[j] = placeholder(entries[j][5], entries[j][3])
+        return made
 
     def drain(self) -> None:
         """Wait for every reduce-scatter held now and make its gradient (into ``main_grad``,
@@ -139,8 +208,7 @@ class _LaterBox:
         where it is about to wait for its own reduce-scatters, which the same FIFO carries
         behind these: the MLP's adds or casts then run while the attention's last gradients
         travel, instead of after them."""
-        for i in list(self.pending):
-            self.done[i] = self.finish(i, None)
+        self.done.update(self._make(list(self.pending)))
 
 
 class _GradsLater(torch.autograd.Function):
@@ -154,7 +222,7 @@ class _GradsLater(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, *grads):
-        return (None, *(ctx.box.finish(i, g) for i, g in enumerate(grads)))
+        return (None, *ctx.box.finish(grads))
 
 
 class SublayerLink:
@@ -186,6 +254,10 @@ class SublayerLink:
         # this layer's attention (defer_next_attention): (box, (w_qkv, b_qkv | None, w_proj)),
         # or None.
         self.next_later = None
+        # The box of the next layer's attention gradients that this layer's node waits for
+        # (handed over by post_next): this layer's MLP backward posts the reduce-scatters
+        # that attention left to it (_LaterBox.hold_unposted) with its own.
+        self.sent_box: Optional[_LaterBox] = None
 
     def adopt(self, carried: Optional[Dict[str, tuple]]) -> None:
         """Take over the gathers the layer before posted for this one (:meth:`post_next`)."""
@@ -233,6 +305,7 @@ class SublayerLink:
         if nxt is None or not self.attention_whole:
             return
         later, self.next_later = self.next_later, None
+        self.sent_box = later[0] if later is not None else None
         carried: Dict[str, tuple] = {}
         # Cut from the views the next attention is to run on, where it defers its gradients
         # (defer_next_attention): take() matches them by the tensor they are cut from.
@@ -275,6 +348,12 @@ class SublayerLink:
         # Without autograd, as every other gather is posted (inside the Functions' forwards):
         # the gathered rows are views of one buffer, which the wait writes.
         with torch.no_grad():
+            if scatters_together(tokens, attention.config.hidden_size):
+                # Small (host-bound): the whole W_qkv in one gather, as a layer before posts
+                # it (first_gathers), and so one GEMM, one gradient reduce-scatter and one
+                # add where the parts take two of each, and two copies to cut them.
+                self._post(first_gathers(attention))
+                return
             for items in first_parts(attention):
                 self._post(items)
 

@@ -42,9 +42,10 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_tensor_model_parallel_group_if_none
 
 from megatron_metp.metp.attention_plan import KEEPS_FC1, KEEPS_WEIGHTS
-from megatron_metp.metp.gathered_mlp import GatheredMLPFunction, takes_gathered
+from megatron_metp.metp.gathered_mlp import GatheredMLPFunction, keeps_act, takes_gathered
 from megatron_metp.metp.weight_hooks import run_pre_hooks
 from megatron_metp.metp.weight_ring import MetpMLPFunction
+from megatron_metp.metp.wgrad_accum import scatters_together
 from megatron_metp.errors import MetpConfigError
 
 __all__ = ["MetpMLP", "validate_metp_mlp", "make_activation", "MLP_PASSES"]
@@ -93,8 +94,19 @@ def validate_metp_mlp(
         )
 
 
-def _tanh_gelu(t: torch.Tensor) -> torch.Tensor:
-    return F.gelu(t, approximate="tanh")
+class TanhGelu:
+    """GeLU with the tanh approximation, and its backward as autograd runs it (``aten.
+    gelu_backward``, the same values), callable without a graph: a backward that kept the
+    activation's output (``gathered_mlp.KEEP_ACT_MAX_VALUES``) or recomputes it without
+    autograd needs only ``dL/dt``."""
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        return F.gelu(t, approximate="tanh")
+
+    @staticmethod
+    def backward(grad: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """dL/dt given dL/d(gelu(t)) = ``grad``."""
+        return torch.ops.aten.gelu_backward(grad, t, approximate="tanh")
 
 
 def make_activation(config: TransformerConfig) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -106,7 +118,7 @@ def make_activation(config: TransformerConfig) -> Callable[[torch.Tensor], torch
     """
     act = config.activation_func
     if config.bias_activation_fusion and act is F.gelu:
-        act = _tanh_gelu
+        act = TanhGelu()
     if not config.gated_linear_unit:
         return act
     clamp = getattr(config, "activation_func_clamp_value", None)
@@ -272,8 +284,13 @@ class MetpMLP(MLP):
                 else None
             if link is not None:
                 weights = link.mlp_weights
+            # The activation kept too where it is small (gathered_mlp.keeps_act).
+            keep_act = keep and keeps_act(s_local * b, fc2.weight.shape[1] * self.ring_size)
+            # fc2's and fc1's weight-gradient reduce-scatters in one call where it is small.
+            together = scatters_together(s_local * b, h)
             out_2d = GatheredMLPFunction.apply(x2d, *weights, self._act, self.weight_group,
-                                               keep, link, self.keep_weights, fuse)
+                                               keep, link, self.keep_weights, fuse, keep_act,
+                                               together)
         else:
             out_2d = MetpMLPFunction.apply(x2d, *weights, self._act, self.ring_group, keep,
                                            fuse)

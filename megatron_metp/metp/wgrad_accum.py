@@ -19,6 +19,14 @@ with the fusion off (Megatron-FSDP requires it off), the shard is cast as before
 :func:`param_of` finds the parameter behind a weight that reached the pass as a view
 (``layer_schedule._GradsLater``'s). The switch reaches the passes as an argument or on their
 plan, read outside autograd.
+
+One add for several gradients: Megatron's DDP lays every ``main_grad`` out in one flat buffer,
+the parameters in reverse order, so a linear's bias is followed by its weight (``bias, weight``
+as ``_ParamAndGradBuffer`` places them, where no bucket boundary or start padding falls
+between them). Where the reduce-scatter outputs of a weight's and its bias's shards are laid
+out the same way (:func:`shard_outs`), one add takes both (:func:`add_together`): a kernel
+fewer per biased linear (``linear_qkv`` and ``linear_fc1`` of BERT-Large and GPT), the same
+values element for element. Elsewhere each is added on its own, as before.
 """
 
 from __future__ import annotations
@@ -27,7 +35,27 @@ from typing import Optional
 
 import torch
 
-__all__ = ["param_of", "fuses", "placeholder", "weight_grad"]
+__all__ = ["param_of", "fuses", "placeholder", "weight_grad", "shard_outs", "spans_together",
+           "add_together", "WGRADS_TOGETHER_MAX_VALUES", "scatters_together"]
+
+
+# A sublayer's weight-gradient reduce-scatters in one call (W_proj^T's with W_qkv's, fc2's with
+# fc1's) instead of each as soon as its GEMM has run, where the layer's tokens on this rank x
+# the hidden size are at most this many: there the layer is host-bound (``measure.timeline``:
+# ~30 us per op, each call one), and the earlier posts hid nothing the host did not already
+# hide; the call fewer per sublayer is two ops per layer. BERT-Large at p = 8 (h = 1024): up
+# to 8k tokens (2^20 values; a layer in a stack 1.80 -> 1.74 ms, ESTIMATE, H100). Not LLaMA-7B
+# at 4k (2^21), whose layer waits for its weights' traffic, not for its host: one layer alone
+# took 3.45 -> 3.64 ms there, its W_proj^T gradient no longer travelling early. Above it each
+# goes as soon as it is made, where its bytes take long enough to be worth hiding.
+WGRADS_TOGETHER_MAX_VALUES = 1 << 20
+
+
+def scatters_together(tokens: int, hidden: int) -> bool:
+    """Whether a sublayer posts its weight-gradient reduce-scatters in one call
+    (:data:`WGRADS_TOGETHER_MAX_VALUES`). Decided outside autograd (the plan, the MLP's
+    forward)."""
+    return tokens * hidden <= WGRADS_TOGETHER_MAX_VALUES
 
 
 def param_of(t: torch.Tensor) -> torch.Tensor:
@@ -84,3 +112,79 @@ def weight_grad(mine: Optional[torch.Tensor], weight: Optional[torch.Tensor], on
     if out is None:
         out = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
     return out.copy_(src)
+
+
+def _span(ts) -> Optional[torch.Tensor]:
+    """The 1-D view of one buffer that ``ts`` tile in this order, each dense and starting where
+    the one before ends, or None."""
+    base = param_of(ts[0])
+    if not base.is_contiguous():
+        return None
+    for t in ts:
+        if (param_of(t) is not base or not t.is_contiguous() or t.dtype != base.dtype):
+            return None
+    for a, b in zip(ts, ts[1:]):
+        if a.storage_offset() + a.numel() != b.storage_offset():
+            return None
+    start = ts[0].storage_offset() - base.storage_offset()
+    return base.view(-1)[start:start + sum(t.numel() for t in ts)]
+
+
+def _main_grads_in_order(weights, on: bool) -> Optional[list]:
+    """The positions of ``weights`` in the order their ``main_grad`` s tile one buffer
+    (:func:`_span`), where all of them fuse (:func:`fuses`) and they do; else None."""
+    if len(weights) < 2 or not all(fuses(w, on) for w in weights):
+        return None
+    grads = [param_of(w).main_grad for w in weights]
+    order = sorted(range(len(grads)), key=lambda i: grads[i].storage_offset())
+    return order if _span([grads[i] for i in order]) is not None else None
+
+
+def shard_outs(fulls, weights, p: int, on: bool) -> Optional[list]:
+    """Outputs for the reduce-scatters of ``fulls`` (the gradients of ``weights`` summed over
+    the ranks, rows split p ways; a None in either is skipped): views of one buffer laid out as
+    the weights' ``main_grad`` s are, so that :func:`add_together` adds them in one kernel;
+    None where those are not one run of DDP's buffer, or a shard is not of its weight's
+    shape."""
+    live = [i for i, (f, w) in enumerate(zip(fulls, weights)) if f is not None and w is not None]
+    if len({fulls[i].dtype for i in live}) != 1:
+        return None
+    order = _main_grads_in_order([weights[i] for i in live], on)
+    if order is None:
+        return None
+    shapes = [(fulls[i].shape[0] // p, *fulls[i].shape[1:]) for i in live]
+    if any(tuple(s) != tuple(weights[i].shape) for s, i in zip(shapes, live)):
+        return None
+    like = fulls[live[0]]
+    flat = torch.empty(sum(weights[i].numel() for i in live), dtype=like.dtype,
+                       device=like.device)
+    outs, start = [None] * len(fulls), 0
+    for k in order:
+        i = live[k]
+        outs[i] = flat[start:start + weights[i].numel()].view(weights[i].shape)
+        start += weights[i].numel()
+    return outs
+
+
+def spans_together(mines, weights, on: bool):
+    """``(main_grad span, shard span)``: the 1-D runs that one add takes for the shards
+    ``mines`` (not transposed) of ``weights``, where both tile one buffer in the same order
+    (:func:`shard_outs` made ``mines``) and every weight fuses; else None."""
+    order = _main_grads_in_order(list(weights), on)
+    if order is None or any(m.shape != w.shape for m, w in zip(mines, weights)):
+        return None
+    src = _span([mines[i] for i in order])
+    if src is None:
+        return None
+    return _span([param_of(weights[i]).main_grad for i in order]), src
+
+
+def add_together(mines, weights, on: bool) -> bool:
+    """Add the shards ``mines`` into the ``main_grad`` s of ``weights`` in one kernel where
+    :func:`spans_together` finds the runs; True if done (the caller then hands autograd each
+    weight's :func:`placeholder`), False where nothing was added."""
+    spans = spans_together(mines, weights, on)
+    if spans is None:
+        return False
+    spans[0].add_(spans[1])
+    return True

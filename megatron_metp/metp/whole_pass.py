@@ -24,7 +24,8 @@ from megatron_metp.metp.a2a_attention import (a2a_attention_backward, a2a_attent
 from megatron_metp.metp.attention_plan import _Plan, _bnsd, _flat, _post_grad, _sbnd
 from megatron_metp.metp.ring_attention import (ring_attention_backward, ring_attention_forward,
                                                stack_kv)
-from megatron_metp.metp.wgrad_accum import fuses, param_of, placeholder, weight_grad
+from megatron_metp.metp.wgrad_accum import (add_together, fuses, param_of, placeholder,
+                                            shard_outs, weight_grad)
 
 
 def _attend(plan: _Plan, q, k, v):
@@ -125,10 +126,18 @@ def _project_posted(x2d, w_qkv, b_qkv, plan: _Plan, s: int, b: int, kept=None, t
     bias) behind its MLP (:func:`first_gathers`): one GEMM on every row, already in Megatron's
     per-query-group order; Q its rows (a dense copy for the ring), K/V a view of theirs.
     ``kept`` receives the gathered weight itself; ``then`` runs before the GEMM."""
-    rep, d = plan.heads_p // plan.groups_p, plan.d
     w_full, wh = plan.link.take("first_qkv", w_qkv)
     b_full, bh = (plan.link.take("first_qkv_bias", b_qkv) if b_qkv is not None
                   else (None, None))
+    return _project_whole(x2d, (w_full, wh, b_full, bh), plan, s, b, kept, then)
+
+
+def _project_whole(x2d, gathered, plan: _Plan, s: int, b: int, kept=None, then=None):
+    """:func:`_project_posted` on ``gathered = (W_qkv, its handle, bias, its handle)``, the
+    whole shard's gather (posted by the layer before, or by this pass)."""
+    rep, d = plan.heads_p // plan.groups_p, plan.d
+    w_full, wh, b_full, bh = gathered
+    del gathered
     if then is not None:
         then()
     qkv = _linear(x2d, w_full, wh, b_full, bh).view(s, b, -1, rep + 2, d)
@@ -174,6 +183,15 @@ def _project_gathered(x2d, w_qkv, b_qkv, plan: _Plan, s: int, b: int, kept=None,
     if plan.link is not None and plan.link.holds("first_qkv"):
         return _project_posted(x2d, w_qkv, b_qkv, plan, s, b, kept, then)
     order = _gather_order(plan.heads_p, plan.groups_p)
+    if plan.wgrads_together and not (plan.link is not None
+                                     and plan.link.holds(f"qkv_part{order[0]}")):
+        # Small (host-bound, _Plan.wgrads_together): the whole shard and its bias in one
+        # gather and one GEMM, as SublayerLink.post_first posts them for such a layer; the
+        # parts' cuts, second gather and GEMM, and their gradients' second reduce-scatter,
+        # cost more ops than the exposed gather they hide.
+        (w_full, b_full), handle = gather_rows_together([w_qkv, b_qkv], plan.weight_group,
+                                                        plan.p)
+        return _project_whole(x2d, (w_full, handle, b_full, None), plan, s, b, kept, then)
     gathered = {}
     link = plan.link
     for i in order:
@@ -428,12 +446,16 @@ class _MetpWholeFunction(torch.autograd.Function):
         if plan.a2a and not (ctx.heads and plan.fuse_out):
             posted = post_backward_inputs(plan.group, out=a, lse=None if ctx.heads else lse)
         a2d = _flat(a)
-        # dW_proj^T = A^T dO (this rank's tokens), reduce-scattered while the ring runs.
+        # dW_proj^T = A^T dO (this rank's tokens), reduce-scattered while the ring runs; or,
+        # where the layer is small, with W_qkv's in one call (_Plan.wgrads_together; not
+        # with W_qkv's two kept parts, each reduce-scattered on its own).
         dwpt_full = widening_mm(a2d.t(), dout2d, gacc)
-        dwpt, dwpt_handle = _scatter_rows(dwpt_full, plan)
+        late_proj = plan.wgrads_together and not parted
+        if not late_proj:
+            dwpt, dwpt_handle = _scatter_rows(dwpt_full, plan)
+            if box is None:
+                del dwpt_full
         del a2d
-        if box is None:
-            del dwpt_full
         if wpt_handle is not None:
             wpt_handle.wait()
         da = dout2d.mm(wpt.t()).view(s, b, -1, plan.d).permute(1, 2, 0, 3)
@@ -546,11 +568,35 @@ class _MetpWholeFunction(torch.autograd.Function):
         dw_full = widening_mm(dqkv2d.t(), x2d, gacc)
         db_full = dqkv2d.sum(0, dtype=gacc) if ctx.has_bias else None
         # The weight's and the bias's in one call (comm.scatter_rows_together).
-        (dw, db), dw_handle = scatter_rows_together([dw_full, db_full], plan.weight_group,
-                                                    plan.p)
+        # Laid out as their main_grads are where one add can take both (wgrad_accum);
+        # W_proj^T's in the same call where the layer is small (late_proj).
+        fulls = [dw_full, db_full] + ([dwpt_full] if late_proj else [])
+        outs = shard_outs(fulls, [w_qkv, b_qkv, None], plan.p, plan.fuse_wgrad)
+        if box is not None and late_proj:
+            # Small, and the layer before waits for them: not posted here, but by that
+            # layer's MLP backward, next, in its own call (_LaterBox.hold_unposted).
+            if w_handle is not None:
+                w_handle.wait()
+            dx = dqkv2d.mm(w_full)
+            del w_full, b_full
+            outs = outs or [None] * 3
+            late = dict(group=plan.weight_group, p=plan.p)
+            return (None, dx.view(s, b, h),
+                    box.hold_unposted(0, dw_full, w_qkv, mine=outs[0], **late),
+                    box.hold_unposted(1, db_full, b_qkv, mine=outs[1], **late)
+                    if ctx.has_bias else None,
+                    box.hold_unposted(2 if ctx.has_bias else 1, dwpt_full, w_proj,
+                                      transpose=True, **late), *dnorm)
+        mines, dw_handle = scatter_rows_together(fulls, plan.weight_group, plan.p, outs)
+        dw, db = mines[:2]
         db_handle = dw_handle
+        if late_proj:
+            dwpt, dwpt_handle = mines[2], dw_handle
+        del fulls, mines, outs
         if box is None:
             del dw_full, db_full
+            if late_proj:
+                del dwpt_full
         if w_handle is not None:
             w_handle.wait()
         dx = dqkv2d.mm(w_full)
@@ -566,6 +612,10 @@ class _MetpWholeFunction(torch.autograd.Function):
         for hnd in (dwpt_handle, dw_handle, db_handle):
             if hnd is not None:
                 hnd.wait()
-        return (None, dx.view(s, b, h), weight_grad(dw, w_qkv, plan.fuse_wgrad),
-                weight_grad(db, b_qkv, plan.fuse_wgrad) if ctx.has_bias else None,
+        if ctx.has_bias and add_together([dw, db], [w_qkv, b_qkv], plan.fuse_wgrad):
+            g_w, g_b = placeholder(w_qkv), placeholder(b_qkv)
+        else:
+            g_w = weight_grad(dw, w_qkv, plan.fuse_wgrad)
+            g_b = weight_grad(db, b_qkv, plan.fuse_wgrad) if ctx.has_bias else None
+        return (None, dx.view(s, b, h), g_w, g_b,
                 weight_grad(dwpt, w_proj, plan.fuse_wgrad, transpose=True), *dnorm)
