@@ -280,13 +280,14 @@ def train_capturing(base, argv, capture):
 
 @contextmanager
 def large_layers(on: bool = True):
-    """With ``on``, METP layers take the paths of a layer above ``wgrad_accum.
-    WGRADS_TOGETHER_MAX_VALUES`` and ``gathered_mlp.KEEP_ACT_MAX_VALUES`` (at p = 8 every
-    paper model's layer from 4k, but BERT-Large's up to 8k and 16k): each weight gradient
-    reduce-scattered as soon as its GEMM has run, the first layer's ``W_qkv`` gathered in two
-    parts, the activation recomputed in backward. The test models are far below both limits,
-    so without it they take the small layers' paths (one call per sublayer's gradients, the
-    next attention's handed to the MLP before it, the whole ``W_qkv``, the activation kept).
+    """With ``on``, METP layers take a large layer's paths: above ``wgrad_accum.
+    WGRADS_TOGETHER_MAX_VALUES`` (at p = 8 every paper model's layer but BERT-Large's up to
+    8k) each weight gradient is reduce-scattered as soon as its GEMM has run and a first layer
+    gathers its ``W_qkv`` in two parts; above ``gathered_mlp.KEEP_ACT_MAX_VALUES`` (all but
+    BERT-Large's up to 16k and LLaMA-7B's at 4k) a fused activation's output is not kept but
+    recomputed in backward. The test models are far below both limits, so without it they
+    take the small layers' paths (one call per sublayer's gradients, the next attention's
+    handed to the MLP before it, the whole ``W_qkv``, a fused activation's output kept).
     Read where the plan and the MLP's forward decide, outside autograd."""
     from megatron_metp.metp import gathered_mlp, wgrad_accum
 

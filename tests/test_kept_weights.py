@@ -1,9 +1,10 @@
 """``--metp-qkv-backward save+fc1+weights``: the backward reuses the weights its forward gathered.
 
 Keeping the gathered weights changes what the backward receives, and where W_qkv was gathered
-in two parts (a layer that no layer before posts it for: the first of a device, and every one
-unlinked) how dX is summed: each part's GEMM is run on the part as kept, so dX is two partial
-sums added where the regathered weight's one GEMM has one sum. Everything else is the same
+in two parts (a large layer that no layer before posts it for: the first of a device, and
+every one unlinked; a small one gathers it whole) how dX is summed: each part's GEMM is run on
+the part as kept, so dX is two partial sums added where the regathered weight's one GEMM has
+one sum. Everything else is the same
 GEMMs on the same values. So the model must equal the ``save+fc1`` one bit for bit in its loss,
 its logits and every gradient that no such dX reaches (gloo's reductions are deterministic),
 and within a few fp32 roundings in the gradients that one does; and its step must post exactly
@@ -214,7 +215,7 @@ def test_late_gradients_with_overlapped_grad_reduce(large, report):
            + (" but for the first layer's two-part dX)" if large else ")"))
 
 
-def _under_full_recompute(p):
+def _under_full_recompute(p, large):
     """Megatron's full recompute runs each layer's forward without autograd, then again inside
     backward: the kept weights are those of the second forward, used by the backward right
     after it. Equal to ``save+fc1`` without recompute as the module docstring says (under
@@ -231,8 +232,8 @@ def _under_full_recompute(p):
             kw = dict(overrides, metp_ring_pass="a2a", metp_qkv_backward=qkv,
                       metp_mlp_pass="gathered", **extra)
             model = M.build("metp", style, **kw)
-            # Large layers' paths: a layer that gathers its own W_qkv gathers it in two parts.
-            with M.large_layers(), _counting() as c, _joined() as joined:
+            # large: a layer that gathers its own W_qkv gathers it in two parts; small: whole.
+            with M.large_layers(large), _counting() as c, _joined() as joined:
                 runs[qkv, rc] = M.step(M.wrap_ddp(model), M.batch())
             counts[qkv, rc] = c.stats["all_gather"].bytes
             runs[qkv, rc]["joined"] = joined[0]
@@ -241,7 +242,8 @@ def _under_full_recompute(p):
         # The kept runs against save+fc1 (module docstring: their parted layers' dX; LLaMA-
         # style has no bias, so one join per such layer). Under recompute both layers gather
         # their own W_qkv (each forward runs inside its own checkpoint: no chain) ...
-        assert r["joined"] == (0 if key[0] == "save+fc1" else 2 if key[1] else 1), key
+        assert r["joined"] == (0 if key[0] == "save+fc1" or not large
+                               else 2 if key[1] else 1), key
         _assert_alike(r, ref, r["joined"], key)
     # ... and under recompute save+fc1 equals itself without, bit for bit.
     _assert_alike(runs["save+fc1", True], ref, 0, "save+fc1 recompute")
@@ -253,9 +255,11 @@ def _under_full_recompute(p):
 
 
 @pytest.mark.full   # 10 s; the default tier has p = 2 without recompute
-def test_kept_weights_under_full_recompute(report):
-    res = run_ranks(2, _under_full_recompute, 2)[0]
-    report("save+fc1+weights under --recompute-granularity full (uniform 1), p=2, LLaMA-style "
+@pytest.mark.parametrize("large", [False, True], ids=["small", "large"])
+def test_kept_weights_under_full_recompute(large, report):
+    res = run_ranks(2, _under_full_recompute, 2, large)[0]
+    report(f"save+fc1+weights under --recompute-granularity full (uniform 1), p=2, "
+           f"{'large' if large else 'small'} layers' paths, LLaMA-style "
            "a2a: == save+fc1 (bit for bit but for the two-part dX of layers that gather their own "
            "W_qkv), save+fc1 == itself without recompute bit for bit; all-gathered bytes per step "
            + ", ".join(f"{k} {v}" for k, v in res.items()))

@@ -528,3 +528,30 @@ def test_a_drained_gradient_never_stands_in_for_a_later_one():
     assert torch.equal(box.finish([None, None])[1], torch.full((2, 3), 3.0,
                                                                dtype=torch.bfloat16))
     assert box.finish([None, "carried"])[1] == "carried"
+
+
+def test_a_gradient_left_unposted_is_posted_by_the_mlp_before_or_else_by_its_node():
+    # _LaterBox alone, a group of one (the reduce-scatter is the tensor itself; cast path). A
+    # small layer's attention leaves its gradients' reduce-scatter to the layer before's MLP
+    # (hold_unposted): that MLP takes them into its own call (take_unposted, posted); where no
+    # MLP did, the node posts them itself when it makes them (finish), once.
+    from megatron_metp.metp.layer_schedule import _LaterBox
+
+    like = torch.zeros(2, 3, dtype=torch.bfloat16)
+    box = _LaterBox(False)
+    box.hold_unposted(0, torch.full((2, 3), 1.0), like)
+    box.hold_unposted(1, torch.full((2, 3), 2.0), like, transpose=False)
+    assert box.take_unposted(object()) == []          # another group's call takes none
+    taken = box.take_unposted(None)
+    assert [i for i, _, _ in taken] == [0, 1]
+    box.posted([0], [torch.full((2, 3), 5.0)], None)   # the MLP's call took the first
+    assert list(box.unposted) == [1]
+    got = box.finish([None, None])
+    assert torch.equal(got[0], torch.full((2, 3), 5.0, dtype=torch.bfloat16))
+    assert torch.equal(got[1], torch.full((2, 3), 2.0, dtype=torch.bfloat16))  # posted by finish
+    assert not box.pending and not box.unposted and not box.done
+    # A later hold of the same weight drops a stale unposted mark.
+    box.hold_unposted(0, torch.ones(2, 3), like)
+    box.hold(0, torch.full((2, 3), 3.0), None, torch.empty(0), like)
+    assert not box.unposted
+    assert torch.equal(box.finish([None])[0], torch.full((2, 3), 3.0, dtype=torch.bfloat16))

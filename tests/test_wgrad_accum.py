@@ -18,11 +18,17 @@ from tests._harness import run_ranks
 # (style, model overrides): the passes that end a weight's backward.
 CASES = {
     # The whole pass over the all-to-all, the weights kept (layer_schedule's _LaterBox hands
-    # the gradients over late; the first layer's W_qkv in two parts, _join_parts), the
+    # the gradients over late; a large layer's first W_qkv in two parts, _join_parts), the
     # gathered MLP. GPT-style: fc1 and Q/K/V biases, a transposed W_proj / W_fc2 gradient.
     "gpt a2a kept gathered": ("gpt", dict(metp_ring_pass="a2a",
                                           metp_qkv_backward="save+fc1+weights",
                                           metp_mlp_pass="gathered")),
+    # The same with Megatron-LM's default --bias-gelu-fusion: the fused GeLU has a backward of
+    # its own, so a small layer keeps the activation's output too (gathered_mlp.keeps_act).
+    "gpt a2a kept gathered fused-gelu": ("gpt", dict(metp_ring_pass="a2a",
+                                                     metp_qkv_backward="save+fc1+weights",
+                                                     metp_mlp_pass="gathered",
+                                                     bias_activation_fusion=True)),
     # The whole pass over the K/V ring, without the link's late hand-over, the MLP's weight ring.
     "gpt whole ring-mlp": ("gpt", dict(metp_ring_pass="whole", metp_qkv_backward="recompute",
                                        metp_mlp_pass="ring")),
@@ -71,7 +77,7 @@ def _counting_adds_together():
         yield hits
 
 
-def _fused_vs_cast(p):
+def _fused_vs_cast(p, large):
     from megatron_metp.metp.wgrad_accum import _main_grads_in_order
 
     M.setup(tp=p, mode="metp")
@@ -94,18 +100,22 @@ def _fused_vs_cast(p):
         for fuse in (False, True):
             model = M.build("metp", style, gradient_accumulation_fusion=fuse, **overrides)
             ddp = M.wrap_ddp(model)
-            with _counting_adds_together() as hits:
+            with M.large_layers(large), _counting_adds_together() as hits:
                 first = M.step(ddp, M.batch(0))
-            # The fused GPT runs took a biased linear's two gradients in one add (the gathered
-            # MLP's fc1, the whole pass's W_qkv in one part); LLaMA has no biases, and the
-            # cast runs add nothing.
-            assert any(hits) == (fuse and style == "gpt"), (name, hits)
+            # The fused GPT runs took a biased linear's two gradients in one add: each of the
+            # 2 layers' whole-pass W_qkv where it is one part (not a large first layer's two
+            # parts, _join_parts) and, with the gathered MLP, each fc1. LLaMA has no biases,
+            # and the cast runs add nothing.
+            want = 0 if not (fuse and style == "gpt") else \
+                2 if "ring-mlp" in name else 3 if large else 4
+            assert sum(hits) == want, (name, hits)
             # A second micro-batch accumulated on top (no zero_grad_buffer in between).
             b = M.batch(1)
-            logits = ddp(b["tokens"], b["position_ids"], b["attention_mask"])
-            loss = model.compute_language_model_loss(
-                b["labels"], logits.transpose(0, 1).contiguous()).mean()
-            loss.backward()
+            with M.large_layers(large):
+                logits = ddp(b["tokens"], b["position_ids"], b["attention_mask"])
+                loss = model.compute_language_model_loss(
+                    b["labels"], logits.transpose(0, 1).contiguous()).mean()
+                loss.backward()
             flags = {n: prm.grad_added_to_main_grad for n, prm in model.named_parameters()}
             runs[fuse] = dict(first, acc={n: prm.main_grad.clone()
                                           for n, prm in model.named_parameters()},
@@ -143,7 +153,7 @@ def _bf16_step(model, ddp_kw):
                                          for n, prm in model.named_parameters()})
 
 
-def _variants(p):
+def _variants(p, large):
     """The fused path where nothing hands gradients over late (no SublayerLink: the gathered
     MLP returns its gradients itself) and under ``--overlap-grad-reduce`` (DDP's hook then
     starts a bucket's reduction once its parameters' gradients arrive: the placeholder must
@@ -157,7 +167,7 @@ def _variants(p):
         style, overrides = CASES[case]
         model = M.build("metp", style, gradient_accumulation_fusion=fuse, **overrides,
                         **extra)
-        with (M.unlinked() if unlinked else contextlib.nullcontext()):
+        with (M.unlinked() if unlinked else contextlib.nullcontext()), M.large_layers(large):
             if extra.get("bf16"):
                 r = _bf16_step(model, ddp_kw)
             else:
@@ -198,19 +208,22 @@ def _variants(p):
     return out
 
 
-def test_fused_weight_gradients_unlinked_overlapped_and_bf16(report):
-    res = run_ranks(2, _variants, 2)[0]
-    report("--gradient-accumulation-fusion, METP p=2: == the cast path bit for bit without the "
+@pytest.mark.parametrize("large", [False, True], ids=["small", "large"])
+def test_fused_weight_gradients_unlinked_overlapped_and_bf16(large, report):
+    res = run_ranks(2, _variants, 2, large)[0]
+    report(f"--gradient-accumulation-fusion, METP p=2, {'large' if large else 'small'} layers' "
+           "paths: == the cast path bit for bit without the "
            f"layer's link (loss {res['unlinked']:.6f}) and with --overlap-grad-reduce (loss "
            f"{res['overlap-grad-reduce']:.6f}), fp32; bf16 with fp32 main_grad: the "
            f"{res['bf16']} METP weights' fused gradients (gathered MLP and weight ring) keep fp32 "
            "bits the cast path rounds away, equal within bf16's rounding")
 
 
-@pytest.mark.parametrize("p", [2])
-def test_fused_weight_gradients_equal_cast_ones(p, report):
-    res = run_ranks(p, _fused_vs_cast, p)[0]
-    report(f"--gradient-accumulation-fusion, METP p={p}, fp32: weight gradients added into "
+@pytest.mark.parametrize("p,large", [(2, False), (2, True)], ids=["2-small", "2-large"])
+def test_fused_weight_gradients_equal_cast_ones(p, large, report):
+    res = run_ranks(p, _fused_vs_cast, p, large)[0]
+    report(f"--gradient-accumulation-fusion, METP p={p}, {'large' if large else 'small'} "
+           "layers' paths, fp32: weight gradients added into "
            "main_grad == cast to .grad and added by DDP's hook, bit for bit, after one and two "
            "micro-batches: " + ", ".join(f"{k} (loss {v[0]:.6f}, {v[1]} weights)"
                                          for k, v in res.items()))

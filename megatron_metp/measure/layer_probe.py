@@ -81,8 +81,10 @@ def give_main_grads(module: torch.nn.Module) -> list:
     linears accumulates straight into it, sets the flag and hands autograd an uninitialised
     placeholder (METP's weights too: ``metp.wgrad_accum``). Laid out as DDP's
     ``_ParamAndGradBuffer`` lays them out: views of one flat buffer, the parameters in reverse
-    order, each starting at a multiple of 64 values (the distributed optimizer's alignment; one
-    bucket: the layers traced here are far under Megatron-LM's 40M-value buckets). Returns
+    order, each starting at a multiple of 64 values (the distributed optimizer's alignment;
+    without it DDP pads nothing, so a bias of another size would share one add with its
+    weight in training and not here: the paper models' biases are multiples of 64 at p = 8;
+    one bucket: the layers traced here are far under Megatron-LM's 40M-value buckets). Returns
     the buffer (``[]`` where nothing trains). Model state, not activation: the planner counts
     it in ``optimizer_bytes_per_param``."""
     prms = [prm for prm in module.parameters()

@@ -17,10 +17,12 @@ operations, as METP's whole attention pass (``metp.whole_pass``) treats the atte
                T = X_i W_in^T (+ b_in)   [n/p, F']  one GEMM on this rank's tokens
                D = f(T), per shard       [n/p, F]   (gated units: each shard's own halves)
                O_i = D W_out^T^T         [n/p, h]   one GEMM
-    backward   the two gathers again; D = f(T) again (T kept, or one GEMM again);
+    backward   the two gathers again; D = f(T) again (T kept, or one GEMM again; D kept
+               too where small, keeps_act);
                dW_out^T = D^T dO_i, reduce-scattered to the owners (fp32 for half types);
                dT = f'(T) dD with dD = dO_i W_out^T^T;
-               dW_in = dT^T X_i (and db_in = sum dT), reduce-scattered;
+               dW_in = dT^T X_i (and db_in = sum dT), reduce-scattered (a small layer's
+               dW_out^T with them, in one call: wgrad_accum.scatters_together);
                dX_i = dT W_in.
 
 Per rank it sends what the ring sends: (p-1)/p of the weights twice and of their fp32

@@ -16,7 +16,8 @@ sublayer's traffic behind the other's compute:
 * **backward**: the MLP, right after posting its own gathers and before its reduce-scatters,
   posts the ones the attention's backward will need (:meth:`SublayerLink.post_attention`), so
   that they do not queue behind the MLP's gradients. The MLP posts each reduce-scatter as soon
-  as its input is made and does not wait for it: :class:`_GradsLater` does, and hands the
+  as its input is made (a small layer: all in one call, below) and does not wait for it:
+  :class:`_GradsLater` does, and hands the
   gradients to autograd. It is an identity on the MLP's weights applied at the start of the
   layer's forward. Autograd runs ready nodes latest-created first (``torch.autograd``'s engine
   orders its ready queue by sequence number), so that node runs after the attention's
@@ -31,9 +32,10 @@ sublayer's traffic behind the other's compute:
   once its own gathers are in, posts the gather of the next layer's whole ``W_qkv`` shard and
   its bias (:meth:`SublayerLink.post_next`) behind its fc2 GEMM; the next layer takes them over
   when its forward starts, instead of waiting for them in front of its first GEMM, and runs
-  its projection as one GEMM on them (a layer that gathers its own cuts ``W_qkv`` in two parts
-  to hide the larger one's gather behind the smaller one's GEMM: four copies, two gathers and
-  one GEMM more, which a gather posted this early does not need). Only in a
+  its projection as one GEMM on them (a large layer that gathers its own cuts ``W_qkv`` in two
+  parts to hide the larger one's gather behind the smaller one's GEMM: four copies, two
+  gathers and one GEMM more, which a gather posted this early does not need; a small one
+  gathers it whole, below). Only in a
   training forward that runs once (not under ``--recompute-granularity full``, whose layers
   run their forward again inside backward), and only where nothing prepares the next layer's
   weights when its forward starts (a forward pre-hook: Megatron DDP's
@@ -55,16 +57,30 @@ sublayer's traffic behind the other's compute:
   layer's attention weights, whose forward then runs on those views; that attention's backward
   posts its reduce-scatters without waiting, and the node, created after this attention and
   before this MLP, runs after this layer's MLP backward (later created) and before this
-  attention's: the transfers travel behind this MLP's backward GEMMs. The first layer of a
-  chain waits for its own. Cost: those fp32 gradients (the whole ``W_qkv`` and ``W_proj``, and
+  attention's: the transfers travel behind this MLP's backward GEMMs (a small layer's are
+  posted by this MLP, below). The first layer of a chain waits for its own. Cost: those fp32 gradients (the whole ``W_qkv`` and ``W_proj``, and
   this rank's rows) live through this MLP's backward: 304 MiB for LLaMA-7B, 684 MiB for
   LLaMA-70B at p = 8, which the planner adds to the step's peak
   (``planner.deferred_grad_bytes``; two real LLaMA-7B layers at 4k add 29 MiB to it, none at
   16k: ``tests/test_layer_schedule.py``). LLaMA-7B's layer in a stack at 4k / 8k / 16k: 3.62 ->
   3.36 / 4.00 -> 3.59 / 6.82 -> 6.56 ms; LLaMA-70B's at 16k 20.98 -> 20.55 ms (ESTIMATE).
 
-The same arithmetic, the same bytes, the same calls: only when each is posted and waited for
-moves (tested bit for bit: ``tests/test_layer_schedule.py``). LLaMA-7B's layer at 16k: 8.10 ->
+* **small layers** (tokens x hidden at most ``wgrad_accum.WGRADS_TOGETHER_MAX_VALUES``,
+  BERT-Large to 8k at p = 8), which are host-bound (``measure.timeline``: ~30 us per op): each
+  sublayer posts its weight-gradient reduce-scatters in one call (``W_proj^T``'s with
+  ``W_qkv``'s, fc2's with fc1's) instead of each as soon as made; where the next attention's
+  gradients are deferred, that attention does not post them at all
+  (:meth:`_LaterBox.hold_unposted`): this layer's MLP backward, which runs next, posts them in
+  its own call (:meth:`_LaterBox.take_unposted`; the node posts them itself where no MLP
+  did), so that the node waits for that call, theirs and the MLP's together, where a large
+  layer's waits only for theirs; and a first layer gathers its ``W_qkv`` whole
+  (:meth:`SublayerLink.post_first`). BERT-Large's layer in a stack at 4k: 63 -> 57 ops, 1.89
+  -> 1.71 ms (with the one add per weight and bias and the kept activation,
+  ``metp.wgrad_accum``, ``metp.gathered_mlp``; ESTIMATE).
+
+The same arithmetic, the same bytes, the same calls (but for the small layers' fewer, larger
+ones): only when each is posted and waited for moves (tested bit for bit:
+``tests/test_layer_schedule.py``). LLaMA-7B's layer at 16k: 8.10 ->
 7.36 ms, LLaMA-70B's 25.2 -> 21.6 ms (ESTIMATE, links shared: ``measure.timeline``). What it
 costs: the MLP's gathered weights exist during the attention's forward (``3 h F`` values for a
 gated unit, 0.27 GB for LLaMA-7B at bf16), and the MLP's fp32 weight gradients (the
@@ -98,10 +114,13 @@ __all__ = ["SublayerLink", "MetpTransformerLayer", "chain", "chain_layers", "att
 
 
 class _LaterBox:
-    """The MLP's weight-gradient reduce-scatters in flight: per weight index, ``(full, mine,
-    handle, out, transpose)``. The MLP's backward posts each as soon as its input is made and
-    hands it over (:meth:`hold`); :class:`_GradsLater` waits for them, or the attention's
-    backward already has (:meth:`drain`) and the node hands over what that made."""
+    """A sublayer's weight-gradient reduce-scatters in flight (the MLP's, or the next layer's
+    attention's: :meth:`SublayerLink.defer_next_attention`): per weight index, ``(full, mine,
+    handle, out, transpose, like)``. The backward posts each as soon as its input is made (a
+    small layer's in one call) and hands it over (:meth:`hold`), or leaves it to the layer
+    before's MLP to post (:meth:`hold_unposted`); :class:`_GradsLater` waits for them, or the
+    attention's backward already has (:meth:`drain`) and the node hands over what that
+    made."""
 
     def __init__(self, fuse_wgrad: bool = False) -> None:
         self.pending: Dict[int, tuple] = {}
@@ -321,7 +340,8 @@ class SublayerLink:
         here, after this layer's attention and before its MLP, so that autograd runs it after
         this layer's MLP backward and before its attention's (module docstring). The next
         layer's attention runs on its views (:class:`MetpTransformerLayer`) and its backward
-        posts those reduce-scatters without waiting (``whole_pass``). Called by this layer's
+        posts those reduce-scatters without waiting (``whole_pass``; a small layer leaves them
+        to this layer's MLP backward: :meth:`_LaterBox.hold_unposted`). Called by this layer's
         attention, in a forward autograd records, after its Function."""
         nxt = self.next_layer
         att = getattr(nxt, "self_attention", None)
@@ -341,7 +361,9 @@ class SublayerLink:
         first_parts``), when the layer's forward starts, ahead of its input norm, where no
         layer before posted them (:meth:`post_next`) and the attention runs the whole pass on
         ``tokens`` per rank; not where something prepares its weights when it runs (a forward
-        pre-hook: ``_prepares_its_weights``). Each part as soon as its copy is made."""
+        pre-hook: ``_prepares_its_weights``). Each part as soon as its copy is made; a small
+        layer's (``wgrad_accum.scatters_together``) whole ``W_qkv`` and bias instead, as the
+        layer before posts them (``whole_pass.first_gathers``)."""
         if (self.holds("first_qkv") or _prepares_its_weights(attention)
                 or not whole_pass(getattr(attention, "ring_pass", "auto"), tokens, self.p)):
             return

@@ -22,8 +22,9 @@ plan, read outside autograd.
 
 One add for several gradients: Megatron's DDP lays every ``main_grad`` out in one flat buffer,
 the parameters in reverse order, so a linear's bias is followed by its weight (``bias, weight``
-as ``_ParamAndGradBuffer`` places them, where no bucket boundary or start padding falls
-between them). Where the reduce-scatter outputs of a weight's and its bias's shards are laid
+as ``_ParamAndGradBuffer`` places them: adjacent in memory unless the distributed optimizer's
+64-value start padding falls between them; a bucket boundary between them does not matter, as
+both adds come before either parameter's DDP hook). Where the reduce-scatter outputs of a weight's and its bias's shards are laid
 out the same way (:func:`shard_outs`), one add takes both (:func:`add_together`): a kernel
 fewer per biased linear (``linear_qkv`` and ``linear_fc1`` of BERT-Large and GPT), the same
 values element for element. Elsewhere each is added on its own, as before.

@@ -1,7 +1,9 @@
 """METP attention, every head group in one K/V ring pass (``--metp-ring-pass whole``): the
 weights are all-gathered once (W_qkv as its query rows and its key/value rows, the larger part
-behind the smaller part's GEMM), Q, K/V and the output projection are one GEMM each and one
-ring carries every head's K/V; the weight gradients are reduce-scattered.
+behind the smaller part's GEMM, where no layer before posted it whole and the layer is large;
+a small one gathers it whole: ``wgrad_accum.scatters_together``), Q, K/V and the output
+projection are one GEMM each and one ring carries every head's K/V; the weight gradients are
+reduce-scattered (a small layer's ``W_proj^T`` gradient with ``W_qkv``'s, in one call).
 ``--metp-qkv-backward save`` keeps what the ring read for backward instead of recomputing it;
 ``save+fc1+weights`` keeps the gathered weights too, and the backward gathers none; W_qkv
 gathered in two parts is kept so, and each part's gradients are reduce-scattered on their own.
@@ -178,7 +180,9 @@ def _project_gathered(x2d, w_qkv, b_qkv, plan: _Plan, s: int, b: int, kept=None,
     save+fc1+weights``). Where the layer before posted the whole shard's gather behind its MLP
     (``metp.layer_schedule``), one GEMM on it instead (:func:`_project_posted`). ``then``
     runs once the parts' gathers are posted, before the first GEMM waits for them: the
-    layer's next gathers go there, so that they queue right behind these."""
+    layer's next gathers go there, so that they queue right behind these. A small layer
+    (``_Plan.wgrads_together``) gathers the whole shard and its bias in one call and runs one
+    GEMM (:func:`_project_whole`), unless its layer posted the parts."""
     d = plan.d
     if plan.link is not None and plan.link.holds("first_qkv"):
         return _project_posted(x2d, w_qkv, b_qkv, plan, s, b, kept, then)
@@ -564,7 +568,9 @@ class _MetpWholeFunction(torch.autograd.Function):
                     _join_parts([m[1] for m in mines], b_qkv, plan) if ctx.has_bias else None,
                     weight_grad(dwpt, w_proj, plan.fuse_wgrad, transpose=True), *dnorm)
         (dqkv2d,) = mats
-        # The weight gradient first, so that its reduce-scatter runs behind dX's GEMM.
+        # The weight gradient first, so that its reduce-scatter runs behind dX's GEMM (where
+        # it is posted here: a small layer's deferred ones are posted by the layer before's
+        # MLP, below).
         dw_full = widening_mm(dqkv2d.t(), x2d, gacc)
         db_full = dqkv2d.sum(0, dtype=gacc) if ctx.has_bias else None
         # The weight's and the bias's in one call (comm.scatter_rows_together).
