@@ -51,7 +51,7 @@ import torch.distributed as dist
 from megatron_metp.comm import gather_rows as _gather, scatter_rows as _scatter
 from megatron_metp.comm import scatter_rows_together
 from megatron_metp.kernels import widening_mm
-from megatron_metp.metp.wgrad_accum import add_together, placeholder, shard_outs, weight_grad
+from megatron_metp.metp.wgrad_accum import shard_outs, weight_grad, weight_grads
 from megatron_metp.metp.weight_ring import _fc1, accum_dtype as _accum
 
 __all__ = ["GATHERED_MLP_BYTES", "takes_gathered", "GatheredMLPFunction"]
@@ -266,11 +266,7 @@ class GatheredMLPFunction(torch.autograd.Function):
                              transpose=True), None, None, None, None, None, None, None, None)
         _wait(dwot_h, dw_in_h, db_in_h)
         fuse = ctx.fuse_wgrad
-        if ctx.has_bias and add_together([dw_in, db_in], [w_in, b_in], fuse):
-            g_in, g_b = placeholder(w_in), placeholder(b_in)
-        else:
-            g_in = weight_grad(dw_in, w_in, fuse)
-            g_b = weight_grad(db_in, b_in, fuse) if ctx.has_bias else None
+        g_in, g_b = weight_grads([dw_in, db_in], [w_in, b_in], fuse)
         return (dx, g_in, g_b, weight_grad(dwot, w_out, fuse, transpose=True), None, None,
                 None, None, None, None, None, None)
 

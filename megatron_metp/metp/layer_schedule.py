@@ -58,7 +58,8 @@ sublayer's traffic behind the other's compute:
   posts its reduce-scatters without waiting, and the node, created after this attention and
   before this MLP, runs after this layer's MLP backward (later created) and before this
   attention's: the transfers travel behind this MLP's backward GEMMs (a small layer's are
-  posted by this MLP, below). The first layer of a chain waits for its own. Cost: those fp32 gradients (the whole ``W_qkv`` and ``W_proj``, and
+  posted by this MLP, below). The first layer of a chain waits for its own. Cost: those fp32
+  gradients (the whole ``W_qkv`` and ``W_proj``, and
   this rank's rows) live through this MLP's backward: 304 MiB for LLaMA-7B, 684 MiB for
   LLaMA-70B at p = 8, which the planner adds to the step's peak
   (``planner.deferred_grad_bytes``; two real LLaMA-7B layers at 4k add 29 MiB to it, none at

@@ -24,8 +24,9 @@ One add for several gradients: Megatron's DDP lays every ``main_grad`` out in on
 the parameters in reverse order, so a linear's bias is followed by its weight (``bias, weight``
 as ``_ParamAndGradBuffer`` places them: adjacent in memory unless the distributed optimizer's
 64-value start padding falls between them; a bucket boundary between them does not matter, as
-both adds come before either parameter's DDP hook). Where the reduce-scatter outputs of a weight's and its bias's shards are laid
-out the same way (:func:`shard_outs`), one add takes both (:func:`add_together`): a kernel
+both adds come before either parameter's DDP hook). Where the reduce-scatter outputs of a
+weight's and its bias's shards are laid out the same way (:func:`shard_outs`), one add takes
+both (:func:`add_together`, :func:`weight_grads`): a kernel
 fewer per biased linear (``linear_qkv`` and ``linear_fc1`` of BERT-Large and GPT), the same
 values element for element. Elsewhere each is added on its own, as before.
 """
@@ -36,8 +37,8 @@ from typing import Optional
 
 import torch
 
-__all__ = ["param_of", "fuses", "placeholder", "weight_grad", "shard_outs", "spans_together",
-           "add_together", "WGRADS_TOGETHER_MAX_VALUES", "scatters_together"]
+__all__ = ["param_of", "fuses", "placeholder", "weight_grad", "weight_grads", "shard_outs",
+           "spans_together", "add_together", "WGRADS_TOGETHER_MAX_VALUES", "scatters_together"]
 
 
 # A sublayer's weight-gradient reduce-scatters in one call (W_proj^T's with W_qkv's, fc2's with
@@ -189,3 +190,13 @@ def add_together(mines, weights, on: bool) -> bool:
         return False
     spans[0].add_(spans[1])
     return True
+
+
+def weight_grads(mines, weights, on: bool) -> list:
+    """:func:`weight_grad` of each shard in ``mines`` (not transposed) for its weight in
+    ``weights`` (a None in either gives None), the ones that fuse in one add where
+    :func:`add_together` can take them."""
+    live = [i for i, (m, w) in enumerate(zip(mines, weights)) if m is not None and w is not None]
+    if len(live) > 1 and add_together([mines[i] for i in live], [weights[i] for i in live], on):
+        return [placeholder(weights[i]) if i in live else None for i in range(len(mines))]
+    return [weight_grad(m, w, on) for m, w in zip(mines, weights)]

@@ -26,8 +26,8 @@ from megatron_metp.metp.a2a_attention import (a2a_attention_backward, a2a_attent
 from megatron_metp.metp.attention_plan import _Plan, _bnsd, _flat, _post_grad, _sbnd
 from megatron_metp.metp.ring_attention import (ring_attention_backward, ring_attention_forward,
                                                stack_kv)
-from megatron_metp.metp.wgrad_accum import (add_together, fuses, param_of, placeholder,
-                                            shard_outs, weight_grad)
+from megatron_metp.metp.wgrad_accum import (fuses, param_of, placeholder, shard_outs,
+                                            weight_grad, weight_grads)
 
 
 def _attend(plan: _Plan, q, k, v):
@@ -573,18 +573,30 @@ class _MetpWholeFunction(torch.autograd.Function):
         # MLP, below).
         dw_full = widening_mm(dqkv2d.t(), x2d, gacc)
         db_full = dqkv2d.sum(0, dtype=gacc) if ctx.has_bias else None
-        # The weight's and the bias's in one call (comm.scatter_rows_together).
-        # Laid out as their main_grads are where one add can take both (wgrad_accum);
-        # W_proj^T's in the same call where the layer is small (late_proj).
+        # The weight's and the bias's in one call (comm.scatter_rows_together), laid out as
+        # their main_grads are where one add can take both (wgrad_accum); W_proj^T's in the
+        # same call where the layer is small (late_proj). Small, and the layer before waits
+        # for them: not posted here, but by that layer's MLP backward, next, in its own call
+        # (_LaterBox.hold_unposted).
         fulls = [dw_full, db_full] + ([dwpt_full] if late_proj else [])
         outs = shard_outs(fulls, [w_qkv, b_qkv, None], plan.p, plan.fuse_wgrad)
-        if box is not None and late_proj:
-            # Small, and the layer before waits for them: not posted here, but by that
-            # layer's MLP backward, next, in its own call (_LaterBox.hold_unposted).
-            if w_handle is not None:
-                w_handle.wait()
-            dx = dqkv2d.mm(w_full)
-            del w_full, b_full
+        unposted = box is not None and late_proj
+        if not unposted:
+            mines, dw_handle = scatter_rows_together(fulls, plan.weight_group, plan.p, outs)
+            dw, db = mines[:2]
+            db_handle = dw_handle
+            if late_proj:
+                dwpt, dwpt_handle = mines[2], dw_handle
+            del fulls, mines
+            if box is None:
+                del dw_full, db_full
+                if late_proj:
+                    del dwpt_full
+        if w_handle is not None:
+            w_handle.wait()
+        dx = dqkv2d.mm(w_full)
+        del w_full, b_full
+        if unposted:
             outs = outs or [None] * 3
             late = dict(group=plan.weight_group, p=plan.p)
             return (None, dx.view(s, b, h),
@@ -593,20 +605,7 @@ class _MetpWholeFunction(torch.autograd.Function):
                     if ctx.has_bias else None,
                     box.hold_unposted(2 if ctx.has_bias else 1, dwpt_full, w_proj,
                                       transpose=True, **late), *dnorm)
-        mines, dw_handle = scatter_rows_together(fulls, plan.weight_group, plan.p, outs)
-        dw, db = mines[:2]
-        db_handle = dw_handle
-        if late_proj:
-            dwpt, dwpt_handle = mines[2], dw_handle
-        del fulls, mines, outs
-        if box is None:
-            del dw_full, db_full
-            if late_proj:
-                del dwpt_full
-        if w_handle is not None:
-            w_handle.wait()
-        dx = dqkv2d.mm(w_full)
-        del w_full, b_full
+        del outs
         if box is not None:
             # Posted, not waited for: the box keeps each reduce-scatter's input alive and hands
             # autograd the gradient once the layer before has waited (_GradsLater).
@@ -618,10 +617,6 @@ class _MetpWholeFunction(torch.autograd.Function):
         for hnd in (dwpt_handle, dw_handle, db_handle):
             if hnd is not None:
                 hnd.wait()
-        if ctx.has_bias and add_together([dw, db], [w_qkv, b_qkv], plan.fuse_wgrad):
-            g_w, g_b = placeholder(w_qkv), placeholder(b_qkv)
-        else:
-            g_w = weight_grad(dw, w_qkv, plan.fuse_wgrad)
-            g_b = weight_grad(db, b_qkv, plan.fuse_wgrad) if ctx.has_bias else None
+        g_w, g_b = weight_grads([dw, db], [w_qkv, b_qkv], plan.fuse_wgrad)
         return (None, dx.view(s, b, h), g_w, g_b,
                 weight_grad(dwpt, w_proj, plan.fuse_wgrad, transpose=True), *dnorm)
