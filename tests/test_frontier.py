@@ -220,8 +220,58 @@ def test_frontier_picks_the_fastest_fitting_stock_configuration(report):
            f"`{long_['flags']}`")
 
 
+@pytest.mark.full
+def test_frontier_in_two_processes_is_the_frontier_of_one(tmp_path):
+    """``--jobs 2`` plans each model in a worker process of its own and joins their entries in
+    model order: the same JSON (every row, mark and longest sequence; only ``seconds``
+    differs) and the same table as one process, for two tiny models. A failing worker stops
+    the pool and its error reaches the caller, with no process left behind."""
+    base = [sys.executable, "-m", "megatron_metp.training.cli", "plan", "--frontier", "--models",
+            "tiny-llama,tiny-gpt", "--p", "2", "--seq-lengths", "4k", "--memory-gb", "1.1",
+            "--reserve-gb", "1"]
+    docs = {}
+    for jobs in (1, 2):
+        out = tmp_path / f"jobs{jobs}"
+        proc = subprocess.run(base + ["--jobs", str(jobs), "--frontier-dir", str(out)],
+                              capture_output=True, text=True, timeout=600, cwd=str(ROOT))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        docs[jobs] = (json.loads((out / "frontier.json").read_text()),
+                      (out / "frontier.md").read_text())
+        # a progress line per model, from whichever process planned it
+        assert all(f"{m} p=2 done in" in proc.stderr for m in ("tiny-llama", "tiny-gpt"))
+    (one, md1), (two, md2) = docs[1], docs[2]
+    assert one["frontier"] and one["longest"]
+    assert {r["model"] for r in one["frontier"]} == {"tiny-llama", "tiny-gpt"}
+    for key in set(one) | set(two):
+        if key != "seconds":
+            assert one[key] == two[key], key
+    assert md1 == md2
+
+    res = _run("""
+        import dataclasses, json, multiprocessing
+        from megatron_metp.measure import frontier
+        from megatron_metp.measure.planner import PlanSettings
+        from megatron_metp.models.config import load_config
+
+        good = load_config("tiny-llama")
+        bad = dataclasses.replace(good, name="broken", hidden_size=-5)
+        try:
+            frontier.run_frontier([good, bad], [2], ["H100"],
+                                  PlanSettings(memory_gib=1.1, reserve_gib=1), 30e-6, 8,
+                                  seqs=[4096], jobs=2, log=lambda msg: None)
+            err = None
+        except RuntimeError as e:
+            err = str(e)
+        print("RESULT", json.dumps(dict(err=err, left=len(multiprocessing.active_children()))))
+    """)
+    assert res["err"] and "negative dimension" in res["err"], res
+    assert res["left"] == 0
+
+
 @pytest.mark.parametrize("argv, match", [
     (["--frontier", "--timeline"], "two reports"),
+    (["--frontier", "--jobs", "0"], "give 1 or more processes"),
+    (["--jobs", "2"], "only --frontier plans in several processes"),
     (["--recompute-method", "block"], "need --recompute-granularity full"),
     (["--recompute-granularity", "full", "--recompute-modules", "mlp"], "for --recompute"),
     (["--context-parallel-size", "3", "--p", "8"], "must divide"),

@@ -377,58 +377,127 @@ def seq_grid(limit: int, lo: int = 4096) -> List[int]:
     return out
 
 
-def run_frontier(cfgs, ps, gpus, settings: PlanSettings, host_op_s: float, gpus_per_node: int,
-                 families=FAMILIES, log=None, seqs: Optional[List[int]] = None) -> dict:
-    """The frontier of every model and p (module docstring): the JSON document. ``seqs``:
-    the lengths to plan instead of the powers of two up to the longest (each family's longest
-    is still searched, and a family is planned only at lengths it fits)."""
-    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    t_all = time.time()
+def plan_model(fr: "Frontier", cfg, p: int, families, seqs: Optional[List[int]], log,
+               t_all: float, index: int, count: int) -> Tuple[List[dict], List[dict]]:
+    """One model at one p: each family's longest sequence, then the fastest configuration of
+    each family at every length of the grid. Returns ``(rows, longest)``, the frontier's
+    entries for this model and p (``run_frontier`` joins them in model, then p, order).
+    ``log`` takes the per-model lines, ``fr.progress`` the others."""
+    t0 = time.time()
+    log(f"[metp plan --frontier {time.time() - t_all:5.0f} s] model {index + 1}/{count} "
+        f"{cfg.name} p={p}: longest sequence per family")
+    limits, longest, rows = {}, [], []
+    for fam in families:
+        got = fr.longest(cfg, fam, p)
+        if got:
+            v, pt = got
+            limits[fam] = pt.seq_length
+            longest.append(dict(model=cfg.name, p=p, family=fam, seq_length=pt.seq_length,
+                                flags=" ".join(v.flags(p, cfg.layers_per_device))))
+    top = max(limits.values(), default=0)
+    grid = (sorted(set(seq_grid(top)) | set(limits.values())) if seqs is None
+            else sorted(seqs))
+    log(f"[metp plan --frontier {time.time() - t_all:5.0f} s] {cfg.name} p={p}: longest "
+        + ", ".join(f"{f} {seq_label(s)}" for f, s in limits.items())
+        + f"; {len(grid)} lengths to plan")
+    for j, s in enumerate(grid):
+        here = []
+        for fam in families:
+            if s > limits.get(fam, 0):
+                continue
+            fr.progress(f"{cfg.name} p={p} s={seq_label(s)} ({j + 1}/{len(grid)}) {fam}")
+            for g, (v, pt) in fr.fastest(cfg, fam, p, s).items():
+                here.append(fr.row(cfg, v, p, s, pt, g))
+        for g in fr.gpus:
+            mine = [r for r in here if r["gpu"] == g and r["fits"]]
+            if mine:
+                min(mine, key=lambda r: r["step_ms"])["fastest"] = True
+        rows += here
+    log(f"[metp plan --frontier {time.time() - t_all:5.0f} s] {cfg.name} p={p} done in "
+        f"{time.time() - t0:.0f} s ({fr.probes} probes so far)")
+    return rows, longest
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _throttled(log, t_all: float):
+    """A progress line at most once a second (the per-model lines go through ``log``)."""
     last = [0.0]
 
-    def progress(msg):  # at most one line a second, and always the per-model ones
+    def progress(msg):
         if time.time() - last[0] >= 1.0:
             last[0] = time.time()
             log(f"[metp plan --frontier {time.time() - t_all:5.0f} s] {msg}")
+    return progress
 
-    fr = Frontier(settings, gpus, host_op_s, gpus_per_node, progress)
+
+def _plan_model_in_worker(task) -> Tuple[List[dict], List[dict]]:
+    """``run_frontier(jobs > 1)``: one (model, p) in a worker process of its own, with its own
+    Frontier and fake process group (torn down before it returns)."""
+    import warnings
+
+    from megatron_metp.measure.planner import quiet_megatron
+
+    (cfg, p, gpus, settings, host_op_s, gpus_per_node, families, seqs, t_all, index,
+     count) = task
+    warnings.filterwarnings("ignore")
+    fr = Frontier(settings, gpus, host_op_s, gpus_per_node, _throttled(_stderr, t_all))
+    try:
+        with quiet_megatron():
+            rows, longest = plan_model(fr, cfg, p, families, seqs, _stderr, t_all, index,
+                                       count)
+    finally:
+        fr.planner.world.teardown()
+    return rows, longest
+
+
+def run_frontier(cfgs, ps, gpus, settings: PlanSettings, host_op_s: float, gpus_per_node: int,
+                 families=FAMILIES, log=None, seqs: Optional[List[int]] = None,
+                 jobs: int = 1) -> dict:
+    """The frontier of every model and p (module docstring): the JSON document. ``seqs``:
+    the lengths to plan instead of the powers of two up to the longest (each family's longest
+    is still searched, and a family is planned only at lengths it fits). ``jobs`` > 1: the
+    (model, p) pairs are planned in that many worker processes (spawned; each plans a pair
+    with a Frontier of its own, as a separate ``metp plan --frontier`` would), and their
+    entries joined in the same order: the same document as one process gives, but for
+    ``seconds``. A failing worker stops the others. ``log``: where one process writes its
+    progress (stderr by default); workers write theirs to stderr."""
+    log = log or _stderr
+    t_all = time.time()
+    units = [(i, cfg, p) for i, cfg in enumerate(cfgs) for p in ps]
     rows, longest = [], []
-    for i, cfg in enumerate(cfgs):
-        for p in ps:
-            t0 = time.time()
-            log(f"[metp plan --frontier {time.time() - t_all:5.0f} s] model {i + 1}/{len(cfgs)} "
-                f"{cfg.name} p={p}: longest sequence per family")
-            limits = {}
-            for fam in families:
-                got = fr.longest(cfg, fam, p)
-                if got:
-                    v, pt = got
-                    limits[fam] = pt.seq_length
-                    longest.append(dict(model=cfg.name, p=p, family=fam,
-                                        seq_length=pt.seq_length,
-                                        flags=" ".join(v.flags(p, cfg.layers_per_device))))
-            top = max(limits.values(), default=0)
-            grid = (sorted(set(seq_grid(top)) | set(limits.values())) if seqs is None
-                    else sorted(seqs))
-            log(f"[metp plan --frontier {time.time() - t_all:5.0f} s] {cfg.name} p={p}: longest "
-                + ", ".join(f"{f} {seq_label(s)}" for f, s in limits.items())
-                + f"; {len(grid)} lengths to plan")
-            for j, s in enumerate(grid):
-                here = []
-                for fam in families:
-                    if s > limits.get(fam, 0):
-                        continue
-                    progress(f"{cfg.name} p={p} s={seq_label(s)} ({j + 1}/{len(grid)}) {fam}")
-                    for g, (v, pt) in fr.fastest(cfg, fam, p, s).items():
-                        here.append(fr.row(cfg, v, p, s, pt, g))
-                for g in gpus:
-                    mine = [r for r in here if r["gpu"] == g and r["fits"]]
-                    if mine:
-                        min(mine, key=lambda r: r["step_ms"])["fastest"] = True
-                rows += here
-            log(f"[metp plan --frontier {time.time() - t_all:5.0f} s] {cfg.name} p={p} done in "
-                f"{time.time() - t0:.0f} s ({fr.probes} probes so far)")
-    fr.planner.world.teardown()
+    if jobs <= 1 or len(units) <= 1:
+        fr = Frontier(settings, gpus, host_op_s, gpus_per_node, _throttled(log, t_all))
+        try:
+            for i, cfg, p in units:
+                r, lg = plan_model(fr, cfg, p, families, seqs, log, t_all, i, len(cfgs))
+                rows += r
+                longest += lg
+        finally:
+            fr.planner.world.teardown()
+    else:
+        import multiprocessing
+
+        tasks = [(cfg, p, tuple(gpus), settings, host_op_s, gpus_per_node, tuple(families), seqs,
+                  t_all, i, len(cfgs)) for i, cfg, p in units]
+        pool = multiprocessing.get_context("spawn").Pool(min(jobs, len(units)))
+        try:
+            pending = [pool.apply_async(_plan_model_in_worker, (task,)) for task in tasks]
+            while not all(res.ready() for res in pending):
+                for res in pending:  # the first failure stops the others (finally, below)
+                    if res.ready() and not res.successful():
+                        res.get()
+                time.sleep(0.2)
+            for res in pending:  # joined in (model, p) order, whichever finished first
+                r, lg = res.get()
+                rows += r
+                longest += lg
+            pool.close()
+        finally:
+            pool.terminate()
+            pool.join()
     return dict(label=ESTIMATE, settings=dict(memory_gib=settings.memory_gib,
                                               reserve_gib=settings.reserve_gib,
                                               fragmentation=settings.fragmentation,
