@@ -224,10 +224,12 @@ def test_frontier_picks_the_fastest_fitting_stock_configuration(report):
 def test_frontier_in_two_processes_is_the_frontier_of_one(tmp_path):
     """``--jobs 2`` plans each model in a worker process of its own and joins their entries in
     model order: the same JSON (every row, mark and longest sequence; only ``seconds``
-    differs) and the same table as one process, for two tiny models. A failing worker stops
-    the pool and its error reaches the caller, with no process left behind."""
+    differs) and the same table as one process, for two tiny models. tiny-gpt comes first
+    and takes longer, so a join in the order the workers finish would put it second. A worker
+    that fails, or dies without a result, stops the others and its error reaches the caller
+    naming its model, with no process left behind."""
     base = [sys.executable, "-m", "megatron_metp.training.cli", "plan", "--frontier", "--models",
-            "tiny-llama,tiny-gpt", "--p", "2", "--seq-lengths", "4k", "--memory-gb", "1.1",
+            "tiny-gpt,tiny-llama", "--p", "2", "--seq-lengths", "4k", "--memory-gb", "1.1",
             "--reserve-gb", "1"]
     docs = {}
     for jobs in (1, 2):
@@ -240,32 +242,46 @@ def test_frontier_in_two_processes_is_the_frontier_of_one(tmp_path):
         # a progress line per model, from whichever process planned it
         assert all(f"{m} p=2 done in" in proc.stderr for m in ("tiny-llama", "tiny-gpt"))
     (one, md1), (two, md2) = docs[1], docs[2]
-    assert one["frontier"] and one["longest"]
-    assert {r["model"] for r in one["frontier"]} == {"tiny-llama", "tiny-gpt"}
+    models = [r["model"] for r in two["frontier"]]
+    assert models == sorted(models, key=["tiny-gpt", "tiny-llama"].index) and len(set(models)) == 2
     for key in set(one) | set(two):
         if key != "seconds":
             assert one[key] == two[key], key
     assert md1 == md2
 
     res = _run("""
-        import dataclasses, json, multiprocessing
+        import dataclasses, json, multiprocessing, os
         from megatron_metp.measure import frontier
         from megatron_metp.measure.planner import PlanSettings
         from megatron_metp.models.config import load_config
 
+        class Killed:  # a worker that dies while it starts: unpickling its task exits it
+            name = "killed"
+
+            def __reduce__(self):
+                return (os._exit, (3,))
+
         good = load_config("tiny-llama")
         bad = dataclasses.replace(good, name="broken", hidden_size=-5)
-        try:
-            frontier.run_frontier([good, bad], [2], ["H100"],
-                                  PlanSettings(memory_gib=1.1, reserve_gib=1), 30e-6, 8,
-                                  seqs=[4096], jobs=2, log=lambda msg: None)
-            err = None
-        except RuntimeError as e:
-            err = str(e)
-        print("RESULT", json.dumps(dict(err=err, left=len(multiprocessing.active_children()))))
+        out = {}
+        for case, run in (
+                ("failed", lambda: frontier.run_frontier(
+                    [good, bad], [2], ["H100"], PlanSettings(memory_gib=1.1, reserve_gib=1),
+                    30e-6, 8, seqs=[4096], jobs=2, log=lambda msg: None)),
+                ("killed", lambda: frontier._in_workers([(Killed(), 2)], 1))):
+            try:
+                run()
+                out[case] = None
+            except RuntimeError as e:
+                out[case] = str(e)
+            out[case + "_left"] = len(multiprocessing.active_children())
+        print("RESULT", json.dumps(out))
     """)
-    assert res["err"] and "negative dimension" in res["err"], res
-    assert res["left"] == 0
+    assert res["failed"].startswith("metp plan --frontier worker (model broken p=2): "), res
+    assert "negative dimension" in res["failed"]
+    assert res["killed"] == ("metp plan --frontier worker (model killed p=2): exited with code 3 "
+                             "and no result"), res
+    assert res["failed_left"] == res["killed_left"] == 0
 
 
 @pytest.mark.parametrize("argv, match", [

@@ -453,6 +453,72 @@ def _plan_model_in_worker(task) -> Tuple[List[dict], List[dict]]:
     return rows, longest
 
 
+def _worker(conn, task) -> None:
+    """A worker process: plans ``task`` and sends ``("ok", (rows, longest))`` or
+    ``("error", text)`` back. Ctrl-C is the parent's to handle: it stops the workers."""
+    import signal
+    import traceback
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        conn.send(("ok", _plan_model_in_worker(task)))
+    except BaseException as e:  # reported to the parent, which raises it
+        conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    finally:
+        conn.close()
+
+
+def _in_workers(tasks, jobs: int) -> List[Tuple[List[dict], List[dict]]]:
+    """Each task in a spawned process of its own, at most ``jobs`` at once; the results in
+    the tasks' order. A worker that fails, or exits without a result (killed, out of memory),
+    stops the others and raises here, naming its model and p; so does Ctrl-C. No process
+    outlives the call."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    results: List = [None] * len(tasks)
+    todo, running = list(range(len(tasks))), {}
+
+    def name(k):
+        return f"model {tasks[k][0].name} p={tasks[k][1]}"
+
+    try:
+        while todo or running:
+            while todo and len(running) < jobs:
+                k = todo.pop(0)
+                recv, send = ctx.Pipe(duplex=False)
+                proc = ctx.Process(target=_worker, args=(send, tasks[k]), daemon=True)
+                proc.start()
+                send.close()
+                running[k] = (proc, recv)
+            for k, (proc, recv) in list(running.items()):
+                alive = proc.is_alive()  # before poll: a result sent before exiting is seen
+                if recv.poll():
+                    try:
+                        status, got = recv.recv()
+                    except EOFError:  # closed without a result
+                        proc.join(5)
+                        status, got = "error", f"exited with code {proc.exitcode} and no result"
+                elif alive:
+                    continue
+                else:
+                    status, got = "error", f"exited with code {proc.exitcode} and no result"
+                if status != "ok":
+                    raise RuntimeError(f"metp plan --frontier worker ({name(k)}): {got}")
+                results[k] = got
+                proc.join()
+                recv.close()
+                del running[k]
+            time.sleep(0.1)
+    finally:
+        for proc, recv in running.values():
+            proc.terminate()
+        for proc, recv in running.values():
+            proc.join()
+            recv.close()
+    return results
+
+
 def run_frontier(cfgs, ps, gpus, settings: PlanSettings, host_op_s: float, gpus_per_node: int,
                  families=FAMILIES, log=None, seqs: Optional[List[int]] = None,
                  jobs: int = 1) -> dict:
@@ -478,26 +544,11 @@ def run_frontier(cfgs, ps, gpus, settings: PlanSettings, host_op_s: float, gpus_
         finally:
             fr.planner.world.teardown()
     else:
-        import multiprocessing
-
         tasks = [(cfg, p, tuple(gpus), settings, host_op_s, gpus_per_node, tuple(families), seqs,
                   t_all, i, len(cfgs)) for i, cfg, p in units]
-        pool = multiprocessing.get_context("spawn").Pool(min(jobs, len(units)))
-        try:
-            pending = [pool.apply_async(_plan_model_in_worker, (task,)) for task in tasks]
-            while not all(res.ready() for res in pending):
-                for res in pending:  # the first failure stops the others (finally, below)
-                    if res.ready() and not res.successful():
-                        res.get()
-                time.sleep(0.2)
-            for res in pending:  # joined in (model, p) order, whichever finished first
-                r, lg = res.get()
-                rows += r
-                longest += lg
-            pool.close()
-        finally:
-            pool.terminate()
-            pool.join()
+        for r, lg in _in_workers(tasks, jobs):  # in (model, p) order
+            rows += r
+            longest += lg
     return dict(label=ESTIMATE, settings=dict(memory_gib=settings.memory_gib,
                                               reserve_gib=settings.reserve_gib,
                                               fragmentation=settings.fragmentation,
