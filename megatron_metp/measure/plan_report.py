@@ -136,8 +136,8 @@ def add_arguments(parser) -> None:
     a("--frontier-dir", default="frontier", metavar="DIR",
       help="where --frontier writes frontier.json, frontier.md and frontier.svg")
     a("--jobs", type=int, default=1, metavar="N",
-      help="--frontier: plan the models (and each p) in N processes, one model and p each "
-           "at a time; the same output as one process (default 1; the four paper models "
+      help="--frontier: plan N models (each p apart) at a time, each in a process of its "
+           "own; the same output as one process (default 1; the four paper models "
            "take ~28 min in one process on 2 cores, ~15 min with --jobs 2)")
     a("--json", default=None, metavar="PATH", help="write every planned point as JSON")
     timeline_report.add_arguments(parser)
