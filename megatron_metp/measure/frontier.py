@@ -493,16 +493,18 @@ def _in_workers(tasks, jobs: int) -> List[Tuple[List[dict], List[dict]]]:
                 running[k] = (proc, recv)
             for k, (proc, recv) in list(running.items()):
                 alive = proc.is_alive()  # before poll: a result sent before exiting is seen
-                if recv.poll():
+                if not recv.poll():
+                    if alive:
+                        continue
+                    status = None
+                else:
                     try:
                         status, got = recv.recv()
                     except EOFError:  # closed without a result
-                        proc.join(5)
-                        status, got = "error", f"exited with code {proc.exitcode} and no result"
-                elif alive:
-                    continue
-                else:
-                    status, got = "error", f"exited with code {proc.exitcode} and no result"
+                        status = None
+                if status is None:
+                    proc.join(5)
+                    got = f"exited with code {proc.exitcode} and no result"
                 if status != "ok":
                     raise RuntimeError(f"metp plan --frontier worker ({name(k)}): {got}")
                 results[k] = got
