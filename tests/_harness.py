@@ -8,7 +8,10 @@ result. After each task the workers reset Megatron's and the plugin's parallel s
 
 Failure handling: if any rank raises, or the task does not finish within ``timeout`` seconds,
 the pool is killed (so a rank stuck in a collective cannot hang the suite) and the test fails
-with every rank's traceback. The next test starts a fresh pool.
+with every rank's traceback. A rank that has not reported by then is asked for the Python stack
+of each of its threads first (faulthandler, on a real-time signal), and the failure shows where it was:
+a rank that fails often leaves its peer waiting in a collective, or the reverse. The next test
+starts a fresh pool.
 """
 
 from __future__ import annotations
@@ -16,7 +19,11 @@ from __future__ import annotations
 import datetime
 import os
 import queue
+import shutil
+import signal
 import socket
+import tempfile
+import time
 import traceback
 from typing import Any, Callable, Dict, List
 
@@ -86,7 +93,13 @@ def _reset_state(baseline) -> None:
     gc.collect()  # modules of the finished task may still hold group handles
 
 
-def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
+_STACK_FILE: list = []  # a worker's file for faulthandler's stacks, open for its lifetime
+# The signal that asks a rank for its stacks: one no rank handles otherwise (metp train's
+# --exit-signal takes SIGTERM, SIGINT, SIGUSR1 or SIGUSR2).
+STACK_SIGNAL = signal.SIGRTMIN + 2
+
+
+def _worker(rank: int, world_size: int, port: int, tasks, results, stack_path: str) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     os.environ["RANK"] = str(rank)
@@ -100,6 +113,10 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
     # A rank that dies in native code (a signal) prints every thread's Python stack to its
     # stderr, which pytest shows with the failure.
     faulthandler.enable(all_threads=True)
+    # On STACK_SIGNAL, every thread's Python stack goes to a file the pool reads when this rank
+    # has not reported in time (RankPool.run); the rank carries on after writing it.
+    _STACK_FILE.append(open(stack_path, "w"))
+    faulthandler.register(STACK_SIGNAL, file=_STACK_FILE[0], all_threads=True)
     import torch
     import torch.distributed as dist
 
@@ -156,14 +173,18 @@ class RankPool:
     def __init__(self, world_size: int, keeps_workers: bool = True):
         self.world_size = world_size
         self.keeps_workers = keeps_workers  # False: the workers end with the task
+        # After one rank fails, how long the others have to report their own error before the
+        # pool is killed (they may wait forever in a collective with the failed one).
+        self.grace = 15.0
         _start_server()
         port = _free_port()
         self._tasks = [_CTX.Queue() for _ in range(world_size)]
         self._results = _CTX.Queue()
+        self._stack_dir = tempfile.mkdtemp(prefix="metp-rank-stacks-")
         self._procs = [
             _CTX.Process(
                 target=_worker,
-                args=(r, world_size, port, self._tasks[r], self._results),
+                args=(r, world_size, port, self._tasks[r], self._results, self._stack_path(r)),
                 daemon=True,
             )
             for r in range(world_size)
@@ -173,6 +194,34 @@ class RankPool:
 
     def alive(self) -> bool:
         return all(p.is_alive() for p in self._procs)
+
+    def _stack_path(self, rank: int) -> str:
+        return os.path.join(self._stack_dir, f"rank{rank}.txt")
+
+    def _silent_ranks(self, reported) -> str:
+        """The Python stacks of the live ranks not in ``reported``, each asked by
+        :data:`STACK_SIGNAL`, as text for a failure message (empty if every rank reported)."""
+        asked = [r for r, p in enumerate(self._procs) if r not in reported and p.is_alive()]
+        for r in asked:
+            try:
+                os.kill(self._procs[r].pid, STACK_SIGNAL)
+            except ProcessLookupError:
+                pass
+        text = ""
+        for r in asked:
+            # faulthandler writes from a C signal handler, so a rank blocked in a collective
+            # writes too; wait until the file stops growing (at most ~5 s).
+            stacks, seen = "", None
+            for _ in range(50):
+                time.sleep(0.1)
+                with open(self._stack_path(r)) as f:
+                    stacks = f.read()
+                if stacks and stacks == seen:
+                    break
+                seen = stacks
+            text += (f"\n--- rank {r} did not report; its threads' Python stacks ---\n"
+                     + (stacks or "(nothing written within 5 s)\n"))
+        return text
 
     def run(self, fn: Callable, *args, timeout: float = 300.0, **kwargs) -> List[Any]:
         for q in self._tasks:
@@ -185,13 +234,14 @@ class RankPool:
             try:
                 rank, ok, val, threads = self._results.get(timeout=max(left, 0.1))
             except queue.Empty:
-                self.close(kill=True)
                 if errors:
                     break
                 missing = sorted(set(range(self.world_size)) - set(outs) - set(errors))
+                silent = self._silent_ranks(set(outs))
+                self.close(kill=True)
                 raise TimeoutError(
                     f"{fn.__name__}: ranks {missing} did not finish within {timeout:.0f} s"
-                    + "".join(f"\n--- rank {r} ---\n{e}" for r, e in errors.items())
+                    + silent
                 )
             PEAK_THREADS[:] = max(PEAK_THREADS, [threads[0], fn.__name__, threads[1]])
             if self.keeps_workers:  # what a later task would inherit
@@ -202,16 +252,19 @@ class RankPool:
                 errors[rank] = val
                 # The other ranks may now wait forever in a collective with the failed one:
                 # give them a short grace period to report their own error, then kill.
-                deadline = min(deadline, datetime.datetime.now() + datetime.timedelta(seconds=15))
+                deadline = min(deadline,
+                               datetime.datetime.now() + datetime.timedelta(seconds=self.grace))
         if errors:
             # Ranks that died without reporting (a native crash, a signal): name them.
             dead = [f"rank {r} exit code {p.exitcode}" for r, p in enumerate(self._procs)
                     if not p.is_alive() and r not in errors]
+            silent = self._silent_ranks(set(outs) | set(errors))
             self.close(kill=True)
             raise AssertionError(
                 f"{fn.__name__} failed on ranks {sorted(errors)}"
                 + (f" ({'; '.join(dead)})" if dead else "")
                 + "".join(f"\n--- rank {r} ---\n{e}" for r, e in sorted(errors.items()))
+                + silent
             )
         return [outs[r] for r in range(self.world_size)]
 
@@ -228,6 +281,7 @@ class RankPool:
             if p.is_alive():
                 p.kill()
         self._procs = []
+        shutil.rmtree(self._stack_dir, ignore_errors=True)
 
 
 _POOLS: Dict[int, RankPool] = {}
