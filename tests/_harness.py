@@ -157,11 +157,17 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, stack_path: s
             out, ok = traceback.format_exc(), False
         # Threads at the task's end (before its groups are ended: the worker's peak).
         threads = len(os.listdir("/proc/self/task"))
+        if not ok:
+            # Reported before the tear-down, which can block (in a collective with a peer that
+            # has gone on) or crawl on a loaded machine: the pool kills a failed task's ranks
+            # after a grace period, and an error reported after it would be lost.
+            results.put((rank, ok, out, (threads, threads)))
+            break  # the pool ends a failed task's ranks: no tear-down, no later task
         try:
             _reset_state(baseline)
         except BaseException:  # noqa: BLE001 - a failed tear-down fails the task
-            if ok:
-                out, ok = traceback.format_exc(), False
+            results.put((rank, False, traceback.format_exc(), (threads, threads)))
+            break
         after = len(os.listdir("/proc/self/task"))
         results.put((rank, ok, out, (threads, after)))
     dist.destroy_process_group()
