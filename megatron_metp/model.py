@@ -320,7 +320,43 @@ def destroy_parallel() -> int:
         _GROUPS_BEFORE = None
     mpu.destroy_model_parallel()
     metp_state.destroy()
+    _drop_megatron_group_references()
     return ended
+
+
+def _drop_megatron_group_references() -> None:
+    """Drop the references to ended groups that Megatron-Core keeps past
+    ``destroy_model_parallel``. A gloo group's threads and sockets (an NCCL communicator's
+    memory) live until its last reference goes, not when ``destroy_process_group`` unregisters
+    it, so each of these kept one group alive per set-up (3 threads a set-up in a long-lived
+    process, or in ``metp train --compare``), and freed it whenever the reference happened to go:
+
+    - ``RotaryEmbedding.forward`` (and YaRN's) is an ``lru_cache`` keyed by the module: its 32
+      entries keep old models' rotary modules, and with them their ``cp_group``. Cleared: it
+      holds only cos/sin tables, recomputed on the next call.
+    - megatron-core 0.16.1's ``destroy_model_parallel`` leaves
+      ``_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP`` set (0.19 resets it). Every module-level
+      name of ``megatron.core.parallel_state`` that still holds an unregistered group is reset.
+    """
+    import importlib
+
+    for module, cls in (("rotary_pos_embedding", "RotaryEmbedding"),
+                        ("yarn_rotary_pos_embedding", "YarnRotaryEmbedding")):
+        try:
+            forward = getattr(importlib.import_module(
+                f"megatron.core.models.common.embeddings.{module}"), cls).forward
+        except (ImportError, AttributeError):  # a megatron-core without it
+            continue
+        if hasattr(forward, "cache_clear"):
+            forward.cache_clear()
+    if not torch.distributed.is_available():
+        return
+    from torch.distributed import distributed_c10d as c10d
+
+    registered = set(c10d._world.pg_map)
+    for name, value in list(vars(mpu).items()):
+        if isinstance(value, torch.distributed.ProcessGroup) and value not in registered:
+            setattr(mpu, name, None)
 
 
 def _initialize(tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size,

@@ -32,7 +32,9 @@ def _threads_and_sockets() -> tuple:
 
 
 def _one_cycle(mode: str) -> int:
-    """Set up ``mode``'s groups, one forward + backward of a tiny model, tear down."""
+    """Set up ``mode``'s groups, one forward + backward of a tiny model (LLaMA-style for metp,
+    GPT-style for wallfacer: Megatron's RoPE under CP pins memory, which a CPU build refuses),
+    tear down."""
     from megatron_metp import parallel_state as ps
     from megatron_metp.model import destroy_parallel
 
@@ -40,8 +42,10 @@ def _one_cycle(mode: str) -> int:
         _models.setup(context_parallel_size=2, mode=mode, wallfacer_team_size=1)
         model = _models.build(mode, cp_comm_type="wallfacer")
     else:
+        # LLaMA-style: its RoPE module is what Megatron's rotary lru_cache kept alive, with
+        # its cp_group, past destroy_parallel (3 threads a cycle until that cache was cleared).
         _models.setup(tp=2, mode=mode)
-        model = _models.build(mode)
+        model = _models.build(mode, "llama")
     b = _models.batch(s=_models.SEQ)
     if mode == "wallfacer":
         from megatron_metp.wallfacer import zigzag
