@@ -8,10 +8,11 @@ result. After each task the workers reset Megatron's and the plugin's parallel s
 
 Failure handling: if any rank raises, or the task does not finish within ``timeout`` seconds,
 the pool is killed (so a rank stuck in a collective cannot hang the suite) and the test fails
-with every rank's traceback. A rank that has not reported by then is asked for the Python stack
-of each of its threads first (faulthandler, on a real-time signal), and the failure shows where it was:
-a rank that fails often leaves its peer waiting in a collective, or the reverse. The next test
-starts a fresh pool.
+with every rank's traceback, the first one reported named. A failed rank reports before its
+tear-down (which can block) and then leaves the pool. A rank that has not reported when the
+pool gives up is first asked for each of its threads' Python stacks (faulthandler, on a
+real-time signal), and the failure shows where it was: a rank that fails often leaves its peer
+waiting in a collective. The next test starts a fresh pool.
 """
 
 from __future__ import annotations
@@ -250,7 +251,7 @@ class RankPool:
                     + silent
                 )
             PEAK_THREADS[:] = max(PEAK_THREADS, [threads[0], fn.__name__, threads[1]])
-            if self.keeps_workers:  # what a later task would inherit
+            if self.keeps_workers and ok:  # what a later task would inherit
                 AFTER_RESET[0] = max(AFTER_RESET[0], threads[1])
             if ok:
                 outs[rank] = val
@@ -267,7 +268,8 @@ class RankPool:
             silent = self._silent_ranks(set(outs) | set(errors))
             self.close(kill=True)
             raise AssertionError(
-                f"{fn.__name__} failed on ranks {sorted(errors)}"
+                f"{fn.__name__} failed on ranks {sorted(errors)} (first reported: rank "
+                f"{next(iter(errors))})"
                 + (f" ({'; '.join(dead)})" if dead else "")
                 + "".join(f"\n--- rank {r} ---\n{e}" for r, e in sorted(errors.items()))
                 + silent
