@@ -335,18 +335,18 @@ def _drop_megatron_group_references() -> None:
       entries keep old models' rotary modules, and with them their ``cp_group``. Cleared: it
       holds only cos/sin tables, recomputed on the next call.
     - megatron-core 0.16.1's ``destroy_model_parallel`` leaves
-      ``_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP`` set (0.19 resets it). Every module-level
-      name of ``megatron.core.parallel_state`` that still holds an unregistered group is reset.
+      ``_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP`` and its ``_GLOO`` twin set (0.19 resets
+      them). Each module-level name of ``megatron.core.parallel_state`` bound to a group, or
+      to a list of groups, that is no longer registered is reset to None, as
+      ``destroy_model_parallel`` resets the others.
     """
-    import importlib
+    import sys
 
     for module, cls in (("rotary_pos_embedding", "RotaryEmbedding"),
                         ("yarn_rotary_pos_embedding", "YarnRotaryEmbedding")):
-        try:
-            forward = getattr(importlib.import_module(
-                f"megatron.core.models.common.embeddings.{module}"), cls).forward
-        except (ImportError, AttributeError):  # a megatron-core without it
-            continue
+        # A module never imported has no cache to clear.
+        mod = sys.modules.get(f"megatron.core.models.common.embeddings.{module}")
+        forward = getattr(getattr(mod, cls, None), "forward", None)
         if hasattr(forward, "cache_clear"):
             forward.cache_clear()
     if not torch.distributed.is_available():
@@ -354,8 +354,12 @@ def _drop_megatron_group_references() -> None:
     from torch.distributed import distributed_c10d as c10d
 
     registered = set(c10d._world.pg_map)
+
+    def ended(value) -> bool:
+        return isinstance(value, torch.distributed.ProcessGroup) and value not in registered
+
     for name, value in list(vars(mpu).items()):
-        if isinstance(value, torch.distributed.ProcessGroup) and value not in registered:
+        if ended(value) or (isinstance(value, list) and value and all(map(ended, value))):
             setattr(mpu, name, None)
 
 

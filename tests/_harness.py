@@ -94,6 +94,15 @@ def _reset_state(baseline) -> None:
     gc.collect()  # modules of the finished task may still hold group handles
 
 
+def _read(path: str) -> str:
+    """A file's text; empty if it is not there (a rank that has not started yet)."""
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
 _STACK_FILE: list = []  # a worker's file for faulthandler's stacks, open for its lifetime
 # The signal that asks a rank for its stacks: one no rank handles otherwise (metp train's
 # --exit-signal takes SIGTERM, SIGINT, SIGUSR1 or SIGUSR2).
@@ -159,15 +168,21 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, stack_path: s
         # Threads at the task's end (before its groups are ended: the worker's peak).
         threads = len(os.listdir("/proc/self/task"))
         if not ok:
-            # Reported before the tear-down, which can block (in a collective with a peer that
-            # has gone on) or crawl on a loaded machine: the pool kills a failed task's ranks
-            # after a grace period, and an error reported after it would be lost.
+            # Reported at once, not after a tear-down, which can block (in a collective with
+            # a peer that has gone on) or crawl on a loaded machine past the pool's grace.
+            # Then the rank waits, its groups open, until the pool ends it: a peer blocked in a
+            # collective with it stays there, and the pool shows where, instead of the peer
+            # failing with gloo's "Connection closed by peer".
             results.put((rank, ok, out, (threads, threads)))
-            break  # the pool ends a failed task's ranks: no tear-down, no later task
+            while tasks.get() is not None:
+                pass
+            break
         try:
             _reset_state(baseline)
         except BaseException:  # noqa: BLE001 - a failed tear-down fails the task
             results.put((rank, False, traceback.format_exc(), (threads, threads)))
+            while tasks.get() is not None:
+                pass
             break
         after = len(os.listdir("/proc/self/task"))
         results.put((rank, ok, out, (threads, after)))
@@ -214,21 +229,24 @@ class RankPool:
                 os.kill(self._procs[r].pid, STACK_SIGNAL)
             except ProcessLookupError:
                 pass
-        text = ""
-        for r in asked:
-            # faulthandler writes from a C signal handler, so a rank blocked in a collective
-            # writes too; wait until the file stops growing (at most ~5 s).
-            stacks, seen = "", None
-            for _ in range(50):
-                time.sleep(0.1)
-                with open(self._stack_path(r)) as f:
-                    stacks = f.read()
-                if stacks and stacks == seen:
-                    break
-                seen = stacks
-            text += (f"\n--- rank {r} did not report; its threads' Python stacks ---\n"
-                     + (stacks or "(nothing written within 5 s)\n"))
-        return text
+        # faulthandler writes from a C signal handler, so a rank blocked in a collective
+        # writes too; wait until every file has stopped growing (at most ~5 s in all).
+        stacks: Dict[int, str] = {}
+        for _ in range(50):
+            time.sleep(0.1)
+            before, stacks = stacks, {r: _read(self._stack_path(r)) for r in asked}
+            if all(stacks.values()) and stacks == before:
+                break
+        return "".join(f"\n--- rank {r} did not report; its threads' Python stacks ---\n"
+                       + (stacks.get(r) or "(nothing written within 5 s)\n") for r in asked)
+
+    def _give_up(self, reported) -> str:
+        """The silent ranks' stacks (:meth:`_silent_ranks`), then the pool killed, whatever
+        happens while asking."""
+        try:
+            return self._silent_ranks(reported)
+        finally:
+            self.close(kill=True)
 
     def run(self, fn: Callable, *args, timeout: float = 300.0, **kwargs) -> List[Any]:
         for q in self._tasks:
@@ -244,8 +262,7 @@ class RankPool:
                 if errors:
                     break
                 missing = sorted(set(range(self.world_size)) - set(outs) - set(errors))
-                silent = self._silent_ranks(set(outs))
-                self.close(kill=True)
+                silent = self._give_up(set(outs))
                 raise TimeoutError(
                     f"{fn.__name__}: ranks {missing} did not finish within {timeout:.0f} s"
                     + silent
@@ -265,8 +282,7 @@ class RankPool:
             # Ranks that died without reporting (a native crash, a signal): name them.
             dead = [f"rank {r} exit code {p.exitcode}" for r, p in enumerate(self._procs)
                     if not p.is_alive() and r not in errors]
-            silent = self._silent_ranks(set(outs) | set(errors))
-            self.close(kill=True)
+            silent = self._give_up(set(outs) | set(errors))
             raise AssertionError(
                 f"{fn.__name__} failed on ranks {sorted(errors)} (first reported: rank "
                 f"{next(iter(errors))})"
@@ -303,6 +319,8 @@ def run_ranks(world_size: int, fn: Callable, *args, timeout: float = 300.0, **kw
     """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return the per-rank results."""
     pool = _POOLS.get(world_size)
     if pool is None or not pool._procs or not pool.alive():
+        if pool is not None:
+            pool.close(kill=True)  # a rank of it died between tasks: end the others
         pool = _POOLS[world_size] = RankPool(world_size)
     try:
         return pool.run(fn, *args, timeout=timeout, **kwargs)
