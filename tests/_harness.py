@@ -8,8 +8,8 @@ result. After each task the workers reset Megatron's and the plugin's parallel s
 
 Failure handling: if any rank raises, or the task does not finish within ``timeout`` seconds,
 the pool is killed (so a rank stuck in a collective cannot hang the suite) and the test fails
-with every rank's traceback, the first one reported named. A failed rank reports before its
-tear-down (which can block) and then leaves the pool. A rank that has not reported when the
+with every rank's traceback, the first one reported named. A failed rank reports at once and
+then waits, its groups open, until the pool ends it. A rank that has not reported when the
 pool gives up is first asked for each of its threads' Python stacks (faulthandler, on a
 real-time signal), and the failure shows where it was: a rank that fails often leaves its peer
 waiting in a collective. The next test starts a fresh pool.
@@ -167,9 +167,14 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, stack_path: s
             out, ok = traceback.format_exc(), False
         # Threads at the task's end (before its groups are ended: the worker's peak).
         threads = len(os.listdir("/proc/self/task"))
+        if ok:
+            try:
+                _reset_state(baseline)
+            except BaseException:  # noqa: BLE001 - a failed tear-down fails the task
+                out, ok = traceback.format_exc(), False
         if not ok:
-            # Reported at once, not after a tear-down, which can block (in a collective with
-            # a peer that has gone on) or crawl on a loaded machine past the pool's grace.
+            # Reported at once, with no tear-down, which can block (in a collective with a
+            # peer that has gone on) or crawl on a loaded machine past the pool's grace.
             # Then the rank waits, its groups open, until the pool ends it: a peer blocked in a
             # collective with it stays there, and the pool shows where, instead of the peer
             # failing with gloo's "Connection closed by peer".
@@ -177,15 +182,7 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, stack_path: s
             while tasks.get() is not None:
                 pass
             break
-        try:
-            _reset_state(baseline)
-        except BaseException:  # noqa: BLE001 - a failed tear-down fails the task
-            results.put((rank, False, traceback.format_exc(), (threads, threads)))
-            while tasks.get() is not None:
-                pass
-            break
-        after = len(os.listdir("/proc/self/task"))
-        results.put((rank, ok, out, (threads, after)))
+        results.put((rank, ok, out, (threads, len(os.listdir("/proc/self/task")))))
     dist.destroy_process_group()
 
 
