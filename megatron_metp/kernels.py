@@ -214,15 +214,12 @@ def _math_forward(q, k, v, causal, scale, rep):
     return out.to(q.dtype), lse
 
 
-def _math_backward(dout, q, k, v, out, lse, causal, scale, rep, delta=None):
+def _math_backward(dout, q, k, v, out, lse, causal, scale, rep):
     acc = acc_dtype(q.dtype)
     k_full, v_full = _expand_kv(k, rep), _expand_kv(v, rep)
     probs, _ = _math_probs(q, k_full, causal, scale, lse=lse.to(acc))
     dout_a = dout.to(acc)
-    if delta is None:
-        delta = (dout_a * out.to(acc)).sum(-1, keepdim=True)  # D = rowsum(dO * O)
-    else:
-        delta = delta.to(acc).unsqueeze(-1)
+    delta = (dout_a * out.to(acc)).sum(-1, keepdim=True)  # D = rowsum(dO * O)
     dv = torch.matmul(probs.transpose(-1, -2), dout_a)
     dp = torch.matmul(dout_a, v_full.to(acc).transpose(-1, -2))
     ds = probs * (dp - delta)
@@ -285,83 +282,27 @@ def attention_forward(
     return _math_forward(q, k, v, causal, scale, rep)
 
 
-def row_delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """D = rowsum(dout * out) in the statistics dtype, [b, n, s]: all that a flash backward
-    needs of ``out`` (FlashAttention-2's D_i; the kernels below form the same sum from
-    q-dtype ``dout`` / ``out`` with an fp32 accumulator)."""
-    acc = acc_dtype(out.dtype)
-    return (dout.to(out.dtype).to(acc) * out.to(acc)).sum(-1)
-
-
-def out_for_delta(dout: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-    """A stand-in ``o`` for the output, in ``dout``'s dtype, with rowsum(dout * o) = D to the
-    precision of the statistics dtype.
-
-    The fused backward kernels (FlashAttention-2/3, PyTorch's flash kernels on CPU and CUDA,
-    cuDNN's) take ``out`` but read it only through D = rowsum(dout * out), summed in fp32. ``o``
-    is zero except at the row's largest ``dout`` entries, which carry D in parts: the first
-    o_1 = D / dout_1 rounded to ``dout``'s dtype, the next the remainder over dout_2, and so on
-    (three parts for bf16/fp16, whose products dout_i o_i are exact in fp32: about 24 bits of D;
-    one for fp32/fp64). A part is used only where its ``dout`` entry is at least 2^-8 of the
-    largest, so |o| <= |D| / max|dout| <= sum |out| and nothing overflows; rows where dout is 0
-    (D = 0 there) get o = 0.
-
-    Why not a stand-in parallel to ``dout``: each of its entries is rounded, and D moves by up
-    to 2^-9 of itself. With a saturated softmax row (one key takes all the weight) dS = P (dP -
-    D) is a cancellation between D and the winning key's dP, which the kernels compute from the
-    same bf16 products; a D off by 2^-9 then shows in dQ at the scale of |k| (seen in
-    tests/test_reliability_numerics.py's large-logit case).
-    """
-    acc = acc_dtype(dout.dtype)
-    k = min(1 if dout.dtype in (torch.float32, torch.float64) else 3, dout.shape[-1])
-    _, idx = dout.abs().topk(k, dim=-1)                    # [..., k], largest first
-    g = dout.gather(-1, idx).to(acc)
-    floor = g[..., :1].abs() * 2.0 ** -8
-    rest = delta.to(acc)
-    parts = []
-    for i in range(k):
-        gi = g[..., i]
-        use = (gi != 0) & (gi.abs() >= floor[..., 0])
-        part = torch.where(use, rest / torch.where(use, gi, torch.ones_like(gi)),
-                           torch.zeros_like(gi)).to(dout.dtype)
-        rest = rest - gi * part.to(acc)
-        parts.append(part)
-    return torch.zeros_like(dout).scatter_(-1, idx, torch.stack(parts, -1))
-
-
 def attention_backward(
     dout: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    out: Optional[torch.Tensor],
+    out: torch.Tensor,
     lse: torch.Tensor,
     *,
     causal: bool,
     softmax_scale: Optional[float] = None,
     backend: Optional[str] = None,
-    delta: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one block given the row's (merged) ``out`` and ``lse``; dk, dv in n_kv heads.
 
     ``dout`` and ``out`` are [b, n_q, s_q, d] in q's dtype (cast here if not).
-
-    ``delta`` [b, n_q, s_q] (fp32; fp64 for fp64), = :func:`row_delta` (dout, out), may be
-    given *instead of* ``out`` (pass ``out=None``): the backward needs only D of the output.
-    The math path uses it directly; the fused kernels, which take ``out`` and form D
-    themselves, get an output stand-in with the same D (:func:`out_for_delta`).
     """
     rep = _check(q, k, v, causal)
     d = q.shape[-1]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     backend = select_backend(q, k, v, backend)
-    if (out is None) == (delta is None):
-        raise ValueError("attention_backward takes exactly one of out and delta")
     dout = dout.to(q.dtype)
-    if delta is not None:
-        if backend == "math":
-            return _math_backward(dout, q, k, v, None, lse, causal, scale, rep, delta=delta)
-        out = out_for_delta(dout, delta)
     out = out.to(q.dtype)
     if backend == "torch_flash_cpu":
         lse_k = lse.to(acc_dtype(q.dtype))
@@ -452,8 +393,8 @@ def backward_rows(
     each Q-sized operand per layer where one does (LLaMA-7B, 128k: the H200 profile's 29
     Q-sized copies, ``docs/calibration/README.md``). Converted here, those calls copy nothing.
     The CPU and math backends read strided views as they are and get the tensors back
-    unchanged. ``out`` may be None (when the caller passes ``delta``); ``k``, ``v``: a block's
-    keys and values, which only choose the backend.
+    unchanged. ``out`` may be None (a caller that converts it elsewhere); ``k``, ``v``: a
+    block's keys and values, which only choose the backend.
     """
     name = select_backend(q, k, v, backend)
     # (.to(dtype, memory_format=...) returns a strided tensor unchanged when its dtype already
@@ -552,3 +493,25 @@ def merge_visible_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor
     torch.logaddexp(lse, block_lse.to(lse.dtype), out=lse)
     return out, lse
 
+
+
+def merge_ring_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
+                block_lse: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Merge a block into a ring's accumulator in place, in five element-wise kernels (three
+    over [b, n, s] vectors, two over ``out``), the stable fp32 form::
+
+        w = sigmoid(lse_b - lse)     the block's share e^lse_b / (e^lse + e^lse_b)
+        out -= w (out - out_b)
+        lse = logaddexp(lse, lse_b)
+
+    Neither exponent is formed, so nothing overflows however large the logits. Every row of
+    the block must have seen a key (finite ``block_lse``): true of every call the rings make,
+    packed pieces included. The accumulator's rows may have seen nothing (``lse = -inf``,
+    ``out = 0``): ``w = 1`` there and the row becomes the block's. ``block_out`` is not
+    modified.
+    """
+    b_lse = block_lse.to(lse.dtype)
+    w = torch.sigmoid(b_lse - lse).unsqueeze(-1)
+    out.addcmul_(out - block_out, w, value=-1.0)
+    torch.logaddexp(lse, b_lse, out=lse)
+    return out, lse

@@ -583,12 +583,11 @@ def forward_pieces(pieces: List[Piece], q, k, v, out_acc, lse_acc, *, softmax_sc
     return out_acc, lse_acc
 
 
-def backward_pieces(pieces: List[Piece], dout, q, k, v, out, lse, dq_acc, *, delta=None,
+def backward_pieces(pieces: List[Piece], dout, q, k, v, out, lse, dq_acc, *,
                     softmax_scale=None, backend=None, raw: bool = False):
     """Backward of :func:`forward_pieces` for one block: dq added into ``dq_acc [b, n, s, d]``;
     returns the block's ``(dk, dv)`` (None, None when ``pieces`` is empty; k's dtype for the
-    whole block, the statistics dtype when summed from pieces). ``out`` or
-    ``delta`` as :func:`megatron_metp.kernels.attention_backward` takes them.
+    whole block, the statistics dtype when summed from pieces).
     ``raw``: return ``(dq_acc, pieces)``, each piece's ``(key columns, dk, dv)`` as the kernel
     gave them, for a caller that adds them into an accumulator of its own later
     (:func:`add_pieces`); there ``dq_acc`` may be None, and is then made from the first piece as
@@ -599,9 +598,8 @@ def backward_pieces(pieces: List[Piece], dout, q, k, v, out, lse, dq_acc, *, del
     for qs, ks, causal in pieces:
         dq_b, dk_b, dv_b = kernels.attention_backward(
             dout[:, :, qs], q[:, :, qs], k[:, :, ks], v[:, :, ks],
-            None if out is None else out[:, :, qs], lse[:, :, qs], causal=causal,
-            softmax_scale=softmax_scale, backend=backend,
-            delta=None if delta is None else delta[:, :, qs])
+            out[:, :, qs], lse[:, :, qs], causal=causal, softmax_scale=softmax_scale,
+            backend=backend)
         if dq_acc is None and raw and qs == ALL:
             dq_acc = dq_b.to(kernels.acc_dtype(q.dtype))
         else:

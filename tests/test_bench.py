@@ -135,9 +135,11 @@ def test_bench_json_and_counts(tmp_path, report):
     # (C = 1 makes every rank's initial K/V send a send to itself, hence self_send).
     ring = pts["ring"]["comm"]["step"]
     assert set(ring["ops"]) == {"send", "recv"}
+    # fp32 on the CPU: 4 bytes for the data and the statistics alike.
     shape = dict(b=B, s=S, n=HEADS, n_kv=HEADS, d=D, P=p, C=1, self_send=True)
-    assert ring["sent_elements"] == (wf_formulas.forward_elements(**shape)["send"]
-                                     + wf_formulas.backward_elements(**shape)["send"])
+    assert ring["sent_bytes"] == (4 * wf_formulas.forward_elements(**shape)["send"]
+                                  + wf_formulas.backward_bytes(**shape, data_bytes=4,
+                                                               acc_bytes=4)["send"])
     report(f"bench p=2 s={S} h={H}: sent elements/rank metp "
            f"{metp['step']['sent_elements']:.0f} (attention {metp['attention']['sent_elements']:.0f}"
            f" + mlp {metp['mlp']['sent_elements']:.0f} = formulas), tp "

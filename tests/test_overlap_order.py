@@ -542,35 +542,33 @@ def _check_wallfacer(traces, info, C: int) -> Dict[str, Counter]:
         assert {t.group for t in ts if t.op in ("send", "recv")} <= {cp}
         assert team != cp
         setup, ring, final = _phases_of(evs, ts)
-        # K/V move as member shards of two pieces (the zigzag chunks, one send each).
+        # K/V move as member shards, one buffer (one send) each.
         if phase == "fwd":
-            # Waited on before the first kernel: the team all-gathers (K/V, one per zigzag
-            # chunk, and q) and the initial send of member shard 0; the other shards' initial
-            # send runs behind shard 0's kernels onwards.
-            head = (Counter(all_gather=3) if C > 1 else Counter()) \
-                + (Counter() if ss else Counter(send=2, recv=2))
-            # After the last kernel: chunk 1's lse all-gather (chunk 0's runs behind chunk 1's
-            # kernels in a last step that is not also the first) and both reduce-scatters.
-            tail = Counter(all_gather=1 if G > 1 else 2, reduce_scatter=2) if C > 1 \
-                else Counter()
-            middle = (Counter(all_gather=1) if C > 1 and G > 1 else Counter()) \
-                + (Counter() if ss else Counter(send=2 * (C - 1), recv=2 * (C - 1))) \
-                + Counter(send=2 * C * (G - 1), recv=2 * C * (G - 1))
+            # Waited on before the first kernel: the team all-gathers (K/V and q, one call
+            # each) and the initial send of member shard 0; the other shards' initial send
+            # runs behind shard 0's kernels onwards.
+            head = (Counter(all_gather=2) if C > 1 else Counter()) \
+                + (Counter() if ss else Counter(send=1, recv=1))
+            # After the last kernel: the team merge, one lse all-gather and one
+            # reduce-scatter.
+            tail = Counter(all_gather=1, reduce_scatter=1) if C > 1 else Counter()
+            middle = (Counter() if ss else Counter(send=C - 1, recv=C - 1)) \
+                + Counter(send=C * (G - 1), recv=C * (G - 1))
         else:
-            # Before the first kernel: the team all-gathers (K/V x 2, [q | dout], [lse | D])
-            # and the whole initial send (step 0's first query shard reads every K/V shard).
-            head = (Counter(all_gather=4) if C > 1 else Counter()) \
-                + (Counter() if ss else Counter(send=2 * C, recv=2 * C))
-            # After the last kernel: the last query shard's dq hop, the last K/V shard's
+            # Before the first kernel: the team all-gathers (K/V and the query packages) and
+            # the whole initial send (step 0's first query shard reads every K/V shard).
+            head = (Counter(all_gather=2) if C > 1 else Counter()) \
+                + (Counter() if ss else Counter(send=C, recv=C))
+            # After the last kernel: the last query shard's dq hop home, the last K/V shard's
             # dK/dV return, the team reduce-scatter.
             tail = (Counter(reduce_scatter=1) if C > 1 else Counter()) \
                 + (Counter(send=1, recv=1) if G > 1 else Counter()) \
                 + (Counter() if ss else Counter(send=1, recv=1))
-            # Behind kernels: the query package (q|dout and lse|D: 2 sends per member shard
-            # and step 0..G-2), the dq accumulator's hops (steps 2..G-1), the other query
-            # shards' last hops and the other K/V shards' returns.
-            n = 2 * C * (G - 1) + max(0, G - 2) + (C - 1 if G > 1 else 0) \
-                + (0 if ss else C - 1)
+            # Behind kernels: one hop per member shard and step that moves a package head
+            # (steps 0..G-2) or a dq one step behind (steps 2..G-1), the other query shards'
+            # hops home and the other K/V shards' returns.
+            hops = (G - 1) + (1 if G >= 3 else 0)
+            n = C * hops + (C - 1 if G > 1 else 0) + (0 if ss else C - 1)
             middle = Counter(send=n, recv=n)
         assert _ops(setup) == head, f"{where}: waited on before any kernel: {_ops(setup)}"
         assert _ops(final) == tail, f"{where}: after the last kernel: {_ops(final)}"
@@ -579,8 +577,6 @@ def _check_wallfacer(traces, info, C: int) -> Dict[str, Counter]:
         # Everything else is posted before kernels and waited after them; a sub-ring hop's
         # kernels read the block it sends (forward K/V, backward the query package).
         assert_all_overlap(evs, ring, f"{where}: transfers behind kernels")
-        # (per batch: a member shard's two pieces travel together, and under the causal mask
-        # one of them may have no visible pair at that step)
         read = [b for b in batches(ring)
                 if any(t.op == "send" and computes_on_sent(evs, t) for t in b)]
         assert len(read) >= C * (G - 1), f"{where}: {len(read)} batches computed on"

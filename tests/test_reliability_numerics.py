@@ -44,8 +44,8 @@ def _modes(q, k, v, dout, scale):
     that cuts the same tokens from a whole-sequence [b, n, s, d] tensor."""
     from megatron_metp.metp.ring_attention import ring_attention, ring_attention_forward
     from megatron_metp.wallfacer import zigzag
-    from megatron_metp.wallfacer.attention import (WallFacerAttnFunc, from_chunk_major,
-                                                   to_chunk_major, wallfacer_forward)
+    from megatron_metp.wallfacer.attention import (WallFacerAttnFunc, from_heads_first,
+                                                   to_heads_first, wallfacer_forward)
     from megatron_metp.wallfacer.groups import build_wallfacer_groups
 
     res = {}
@@ -65,14 +65,12 @@ def _modes(q, k, v, dout, scale):
 
         sbnd = lambda t: t.permute(2, 0, 1, 3)  # noqa: E731  [b, n, s, d] -> [s, b, n, d]
         ql, kl, vl = (sbnd(shard(t)).contiguous().requires_grad_() for t in (q, k, v))
-        out = from_chunk_major(WallFacerAttnFunc.apply(
-            to_chunk_major(ql), to_chunk_major(kl), to_chunk_major(vl), plan, True, scale))
+        out = from_heads_first(WallFacerAttnFunc.apply(
+            to_heads_first(ql), to_heads_first(kl), to_heads_first(vl), plan, True, scale))
         out.backward(sbnd(shard(dout)))
-        _, lse_cm = wallfacer_forward(to_chunk_major(ql.detach()), to_chunk_major(kl.detach()),
-                                      to_chunk_major(vl.detach()), plan, causal=True,
-                                      softmax_scale=scale)
-        two, bb, n, c = lse_cm.shape  # [2, b, n, c] -> [b, n, 2c] in this rank's token order
-        lse = lse_cm.permute(1, 2, 0, 3).reshape(bb, n, two * c)
+        _, lse = wallfacer_forward(to_heads_first(ql.detach()), to_heads_first(kl.detach()),
+                                   to_heads_first(vl.detach()), plan, causal=True,
+                                   softmax_scale=scale)   # [b, n, 2c], this rank's tokens
         bnsd = lambda t: t.permute(1, 2, 0, 3)  # noqa: E731
         res[f"wallfacer C={C}"] = ([bnsd(out.detach()), bnsd(ql.grad), bnsd(kl.grad),
                                     bnsd(vl.grad)], lse, shard)

@@ -102,29 +102,31 @@ def test_wallfacer_attention_p16(report):
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
-def test_backward_kernel_takes_d_instead_of_out(dtype):
-    """WallFacer's backward sends D = rowsum(dout * out), not out: the kernel boundary's
-    ``delta=`` path gives the gradients of the ``out`` path (CPU flash kernel and math path,
-    causal and full, GQA, and a row whose dout is 0), to rounding: the fused kernel gets an
-    output stand-in with the same D (kernels.out_for_delta)."""
+def test_ring_merge_matches_attention_over_the_union(dtype):
+    """kernels.merge_ring_ (the rings' five-kernel merge) of two key blocks' results equals
+    attention over both blocks at once: into an empty accumulator (lse = -inf, out = 0, the
+    first block of a packed row), into a full one, and with logits near fp32's exp overflow
+    (scale 60: max-free exponents would be inf). fp64: 1e-12 (a few ulps of sums of ~10
+    terms); fp32: 1e-5 relative to max|out| (the merge's fp32 weights carry ~1e-7, the CPU
+    kernel's fp32 softmax a few 1e-7); bf16: 2e-2 (each block's output is rounded to bf16,
+    2^-8 relative, before the fp32 merge)."""
     from megatron_metp import kernels
 
     g = torch.Generator().manual_seed(3)
-    q, dout = (torch.randn(2, 4, 16, 8, generator=g).to(dtype) for _ in range(2))
-    k, v = (torch.randn(2, 2, 16, 8, generator=g).to(dtype) for _ in range(2))
-    dout[0, 1, 5] = 0  # D = 0 there: the stand-in must be 0, not 0/0
-    # fp64/fp32: a few ulps of the gradients' magnitude (the stand-in's D differs from the
-    # kernel's own rowsum in the last bits). bf16: the gradients are rounded to bf16 (2^-8
-    # relative); the stand-in carries D to about fp32 precision. 1e-2 covers it.
-    tol = {torch.float64: 1e-12, torch.float32: 1e-6, torch.bfloat16: 1e-2}[dtype]
-    for backend in ("torch_flash_cpu", "math"):
-        for causal in (True, False):
-            out, lse = kernels.attention_forward(q, k, v, causal=causal, backend=backend)
-            ref = kernels.attention_backward(dout, q, k, v, out, lse, causal=causal,
-                                             backend=backend)
-            got = kernels.attention_backward(dout, q, k, v, None, lse, causal=causal,
-                                             backend=backend,
-                                             delta=kernels.row_delta(dout, out))
-            for a, b in zip(got, ref):
-                torch.testing.assert_close(a.double(), b.double(), rtol=tol,
-                                           atol=tol * b.abs().max().item())
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+    for scale in (None, 60.0):
+        q = torch.randn(2, 4, 16, 8, generator=g).to(dtype)
+        k, v = (torch.randn(2, 2, 32, 8, generator=g).to(dtype) for _ in range(2))
+        ref, ref_lse = kernels.attention_forward(q.double(), k.double(), v.double(),
+                                                 causal=False, softmax_scale=scale)
+        acc = kernels.acc_dtype(dtype)
+        out = torch.zeros(q.shape, dtype=acc)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=acc)
+        for cols in (slice(0, 12), slice(12, 32)):
+            o_b, l_b = kernels.attention_forward(q, k[:, :, cols], v[:, :, cols], causal=False,
+                                                 softmax_scale=scale)
+            kernels.merge_ring_(out, lse, o_b, l_b)
+        assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+        torch.testing.assert_close(out.double(), ref, rtol=tol,
+                                   atol=tol * ref.abs().max().item())
+        torch.testing.assert_close(lse.double(), ref_lse.double(), rtol=tol, atol=tol)

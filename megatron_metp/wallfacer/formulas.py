@@ -25,22 +25,20 @@ Forward (Alg. 1)::
 so that all-gather + reduce-scatter without the lse is (C-1)(2 A_q + 2 A_kv) = 4(C-1) BNH/P for
 MHA (Eq. 3), and C = 1 gives ring attention's (P-1) 2 BNH/P.
 
-Backward (derived; the paper gives none). K/V stay, the query package travels::
+Backward (derived; the paper gives none), in bytes (``backward_bytes``): K/V stay, the query
+package travels, data (q, dout, out, k, v) at ``e`` bytes per element, lse and the gradients at
+``f`` (fp32)::
 
-    all_gather      (C-1) (2 A_kv + 2 A_q + 2 L_s)   k, v; [q | dout]; [lse | D] (fp32)
-    reduce_scatter  (C-1) (A_q + 2 A_kv)             [dq | dk | dv] (fp32)
-    send            init 2 C A_kv                    K/V initial send again
-                  + (G-1) C (2 A_q + 2 L_s)          query package round the sub-ring
-                  + (G-1) C A_q                      dq accumulator (fp32): G-1 hops, since
-                                                     the owner's own part never travels
-                  + init 2 C A_kv                    dk, dv back to their team (fp32)
+    all_gather      (C-1) (2 A_kv e + 3 A_q e + L_s f)   k, v; the packages [q | dout | out | lse]
+    reduce_scatter  (C-1) (A_q + 2 A_kv) f              [dq | dk | dv]
+    send            init 2 C A_kv e                      K/V initial send again
+                  + (G-1) C (3 A_q e + L_s f)            the packages round the sub-ring
+                  + (G-1) C A_q f                        dq accumulators: G-1 hops, since the
+                                                         owner's own part never travels
+                  + init 2 C A_kv f                      dk, dv back to their team
 
-D = rowsum(dout * out) (fp32, one value per query row; FlashAttention-2's D_i) travels instead
-of ``out``: all the backward kernels need of the output (``kernels.attention_backward(...,
-delta=D)``). Per member shard and hop that is L_s fp32 values, 4 b n s/P bytes, where ``out``
-was A_q elements of the data dtype (2 b n s/P d bytes in bf16): a factor d / 2 less
-(``backward_bytes(..., d_instead_of_out=False)`` gives the old count). Elements mix dtypes:
-``backward_bytes`` gives the bytes, with the data and the fp32 statistics sized apart.
+A package and the dq one step behind it move in one byte buffer, so the backward is counted
+in bytes, not elements.
 """
 
 from __future__ import annotations
@@ -125,29 +123,15 @@ def forward_elements(b: int, s: int, n: int, n_kv: int, d: int, P: int, C: int,
     }
 
 
-def backward_elements(b: int, s: int, n: int, n_kv: int, d: int, P: int, C: int,
-                      self_send: bool) -> Dict[str, float]:
-    """Elements this rank sends in one WallFacer backward, per op (see the module docstring)."""
-    return backward_bytes(b, s, n, n_kv, d, P, C, self_send, data_bytes=1, acc_bytes=1)
-
-
 def backward_bytes(b: int, s: int, n: int, n_kv: int, d: int, P: int, C: int, self_send: bool,
-                   data_bytes: int = 2, acc_bytes: int = 4,
-                   d_instead_of_out: bool = True) -> Dict[str, float]:
-    """Bytes this rank sends in one WallFacer backward, per op: q, k, v, dout (and ``out``)
-    at ``data_bytes`` per element, lse, D and the gradients at ``acc_bytes`` (fp32).
-
-    ``d_instead_of_out=False``: the implementation before D replaced ``out`` (the package
-    [q | dout | out] and lse), for comparison.
-    """
+                   data_bytes: int = 2, acc_bytes: int = 4) -> Dict[str, float]:
+    """Bytes this rank sends in one WallFacer backward, per op: q, k, v, dout and out at
+    ``data_bytes`` per element, lse and the gradients at ``acc_bytes`` (fp32)."""
     A_q, A_kv, L_s = _sizes(b, s, n, n_kv, d, P)
     G = P // (C * C)
     init = 0 if self_send else 1
     e, f = data_bytes, acc_bytes
-    if d_instead_of_out:
-        pkg = 2 * A_q * e + 2 * L_s * f             # [q | dout] + [lse | D]
-    else:
-        pkg = 3 * A_q * e + L_s * f                 # [q | dout | out] + lse
+    pkg = 3 * A_q * e + L_s * f                     # [q | dout | out] + lse
     return {
         "all_gather": (C - 1) * (2 * A_kv * e + pkg),
         "reduce_scatter": (C - 1) * (A_q + 2 * A_kv) * f,

@@ -114,10 +114,10 @@ def attention_step_factory(shape: dict, causal: bool = True, dtype=None,
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     def factory(plan):
-        c = shape["s"] // (2 * plan.cp_size)
+        s_local = shape["s"] // plan.cp_size
         g = torch.Generator().manual_seed(0)
-        q, k, v = (torch.randn(2, shape["b"], h, c, shape["d"], generator=g).to(device=device,
-                                                                              dtype=dtype)
+        q, k, v = (torch.randn(shape["b"], h, s_local, shape["d"], generator=g).to(
+                       device=device, dtype=dtype)
                    for h in (shape["n"], shape["n_kv"], shape["n_kv"]))
         q, k, v = (t.requires_grad_() for t in (q, k, v))
 
