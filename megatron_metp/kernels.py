@@ -495,10 +495,55 @@ def merge_visible_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor
 
 
 
+def _merge_ring_eager(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
+                      block_lse: torch.Tensor) -> None:
+    w = torch.sigmoid(block_lse.to(lse.dtype) - lse).unsqueeze(-1)
+    out.addcmul_(out - block_out, w, value=-1.0)
+    torch.logaddexp(lse, block_lse.to(lse.dtype), out=lse)
+
+
+_MERGE_COMPILED = None   # False once compiling failed or cannot work here
+
+
+def _merge_ring_cuda():
+    """The merge as one fused kernel on a GPU (``torch.compile``, as Transformer Engine fuses
+    its ring's lse and output corrections), or None where that cannot run (no Triton) or
+    failed once; then the five eager kernels run."""
+    global _MERGE_COMPILED
+    if _MERGE_COMPILED is None:
+        _MERGE_COMPILED = False
+        try:
+            from torch.utils._triton import has_triton
+
+            if has_triton():
+                _MERGE_COMPILED = torch.compile(_merge_ring_eager, dynamic=True)
+        except Exception:  # an old torch or a broken install: the eager kernels
+            pass
+    return _MERGE_COMPILED or None
+
+
+@torch.library.custom_op("megatron_metp::merge_ring_", mutates_args=("out", "lse"))
+def _merge_ring_op(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
+                   block_lse: torch.Tensor) -> None:
+    fused = _merge_ring_cuda() if out.is_cuda else None
+    if fused is not None:
+        try:
+            fused(out, lse, block_out, block_lse)
+            return
+        except Exception:  # compilation failed (before anything ran): eager from now on
+            global _MERGE_COMPILED
+            _MERGE_COMPILED = False
+    _merge_ring_eager(out, lse, block_out, block_lse)
+
+
+@_merge_ring_op.register_fake
+def _merge_ring_fake(out, lse, block_out, block_lse) -> None:
+    return None
+
+
 def merge_ring_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
                 block_lse: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Merge a block into a ring's accumulator in place, in five element-wise kernels (three
-    over [b, n, s] vectors, two over ``out``), the stable fp32 form::
+    """Merge a block into a ring's accumulator in place: the stable fp32 form::
 
         w = sigmoid(lse_b - lse)     the block's share e^lse_b / (e^lse + e^lse_b)
         out -= w (out - out_b)
@@ -509,9 +554,11 @@ def merge_ring_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
     packed pieces included. The accumulator's rows may have seen nothing (``lse = -inf``,
     ``out = 0``): ``w = 1`` there and the row becomes the block's. ``block_out`` is not
     modified.
+
+    One op (``megatron_metp::merge_ring_``): on a GPU with Triton one fused kernel
+    (``torch.compile``), elsewhere five element-wise kernels (three over [b, n, s] vectors,
+    two over ``out``). Traces on fake tensors count it as the one fused kernel, reading
+    ``out``, ``lse`` and the block and writing ``out`` and ``lse``.
     """
-    b_lse = block_lse.to(lse.dtype)
-    w = torch.sigmoid(b_lse - lse).unsqueeze(-1)
-    out.addcmul_(out - block_out, w, value=-1.0)
-    torch.logaddexp(lse, b_lse, out=lse)
+    _merge_ring_op(out, lse, block_out, block_lse)
     return out, lse

@@ -530,16 +530,20 @@ def test_wallfacer_sharded_weights_plan(report):
     # gradient, and (no gradient-accumulation fusion under Megatron-FSDP) one layer's bf16
     # weight gradients, unsharded.
     assert act_f - act_d == (2 * (1 + 3) + 4 + 2) * layer
-    # A team of 2 keeps one more q, k, v shard at the attention peak: s/p x (32 + 2 x 32)
-    # heads x 128 x 2 B.
-    assert act_c - act_f == s // p * (32 + 2 * 32) * 128 * 2
+    # A team of 2, probed as one (its team group and sub-rings traced), keeps one more member's
+    # q, k, v shard (3 A, A = s/p x 32 heads x 128 x 2 B) and its fp32 partial output (2 A) at
+    # the attention's peak, and a few fp32 lse rows (L = s/p x 32 x 4 B each): measured
+    # 5 A + 2.7 L.
+    A, lse_row = s // p * 32 * 128 * 2, s // p * 32 * 4
+    assert 5 * A <= act_c - act_f <= 5 * A + 4 * lse_row, (act_c - act_f) / A
     # Traffic: the distributed optimizer reduce-scatters fp32 gradients and all-gathers bf16
     # parameters once per step (6 B); FSDP all-gathers the parameters twice (8 B).
     assert abs((sent_f - sent_d) - (p - 1) / p * params * 2) < 1.0
     gib = 2.0 ** 30
     report(f"plan llama-7b wallfacer p=8 s=64k: state {st_d / gib:.1f} GiB (distributed "
            f"optimizer) -> {st_f / gib:.1f} GiB (Megatron-FSDP, + {14 * layer / gib:.2f} GiB "
-           f"unsharded layers); C = 2 adds {(act_c - act_f) / gib:.2f} GiB")
+           f"unsharded layers); C = 2 adds {(act_c - act_f) / gib:.2f} GiB "
+           f"({(act_c - act_f) / A:.2f} A)")
 
 
 # ------------------------------------------------------------------------------------------

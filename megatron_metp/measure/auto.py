@@ -12,7 +12,8 @@ GPU memory, GPU kind and node layout, each family's fastest configuration that f
   run it (Megatron-LM's loop with Transformer Engine on a GPU);
 * ``metp``: each METP attention choice, no recompute, the norms' or full recompute of the
   fewest layers that fit;
-* ``wallfacer``: CP = p, team size 1 (the size the timeline models), distributed optimizer.
+* ``wallfacer``: CP = p, every valid team size C (``frontier.Frontier.teams``), distributed
+  optimizer.
 
 Memory is the planner's (FakeTensorMode, as ``metp plan``); every time is the timeline model's
 ESTIMATE (``measure.timeline``), the one estimator ``metp plan`` prints. The choice is the
@@ -208,10 +209,8 @@ def apply(ns, chosen: Choice, team_size_type=int) -> None:
     if v.mode == "metp":
         ns.metp_ring_pass, ns.metp_qkv_backward = v.ring_pass, v.qkv
     if v.mode == "wallfacer":
-        from megatron_metp.validation import PLACEMENTS
-
-        ns.wallfacer_team_size = team_size_type(1)
-        ns.wallfacer_placement = PLACEMENTS[0]
+        ns.wallfacer_team_size = team_size_type(v.team)
+        ns.wallfacer_placement = v.placement
 
 
 def rewrite_argv(argv: List[str], chosen: Choice) -> List[str]:

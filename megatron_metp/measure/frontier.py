@@ -18,8 +18,11 @@ stock       Megatron-Core's own modules and Megatron-LM's defaults, TP x CP = p 
 metp        ``--tensor-parallel-mode metp`` (TP = p), each attention choice
             (``planner.Planner.metp_choices``: ring pass, Q/K/V saved or recomputed) with no
             recompute, ``layernorm`` or full recompute of the fewest layers k that fit
-wallfacer   ``--tensor-parallel-mode wallfacer`` (CP = p, team size 1, distributed optimizer),
-            no recompute, ``layernorm`` or full recompute of the fewest layers k that fit
+wallfacer   ``--tensor-parallel-mode wallfacer`` (CP = p), every valid team size C in the
+            placements the topology scheduler tells apart (``Frontier.teams``), with the
+            distributed optimizer or Megatron-FSDP (weights sharded too; its per-layer
+            gathers charged exposed), no recompute, ``layernorm`` or full recompute of the
+            fewest layers k that fit
 ==========  =====================================================================================
 
 Memory: the planner (``measure.planner``: Megatron's and the plugin's layers under
@@ -97,6 +100,10 @@ class Variant:
     qkv: str = ""
     overlap: bool = False           # --tp-comm-overlap
     cp_comm: str = "p2p"            # stock CP > 1: --cp-comm-type p2p | a2a
+    team: int = 1                   # wallfacer: --wallfacer-team-size C
+    placement: str = "collective_intra"   # wallfacer: --wallfacer-placement (C > 1)
+    # wallfacer: Megatron-FSDP instead of the distributed optimizer (None: as the settings say)
+    fsdp: Optional[bool] = None
 
     def recompute_flags(self, layers: int) -> List[str]:
         if self.block >= layers:
@@ -115,7 +122,12 @@ class Variant:
         tp = p // self.cp
         if self.family == "wallfacer":
             out = ["--tensor-parallel-mode", "wallfacer", "--tensor-model-parallel-size", str(p),
-                   "--wallfacer-team-size", "1", "--use-distributed-optimizer"]
+                   "--wallfacer-team-size", str(self.team)]
+            if self.team > 1:
+                out += ["--wallfacer-placement", self.placement]
+            out += (["--use-megatron-fsdp", "--data-parallel-sharding-strategy",
+                     "optim_grads_params", "--no-gradient-accumulation-fusion"] if self.fsdp
+                    else ["--use-distributed-optimizer"])
         elif self.family == "metp":
             out = ["--tensor-parallel-mode", "metp", "--tensor-model-parallel-size", str(p),
                    "--sequence-parallel", "--metp-ring-pass", self.ring_pass,
@@ -142,6 +154,10 @@ class Variant:
             kw.update(recompute_granularity="selective", recompute_modules=list(self.selective))
         if self.mode == "metp":
             kw.update(metp_ring_pass=self.ring_pass, metp_qkv_backward=self.qkv)
+        if self.mode == "wallfacer":
+            kw.update(wallfacer_team=self.team, wallfacer_placement=self.placement)
+            if self.fsdp is not None:
+                kw.update(megatron_fsdp=self.fsdp)
         return kw
 
 
@@ -154,7 +170,7 @@ class Frontier:
 
     def __init__(self, settings: Optional[PlanSettings] = None, gpus=("H100",),
                  host_op_s: float = HOST_OP_US * 1e-6, gpus_per_node: int = 8, progress=None,
-                 stock_overlap: bool = True):
+                 stock_overlap: bool = True, wallfacer_fsdp: bool = False):
         self.settings = settings or PlanSettings()
         self.planner = Planner(self.settings)
         self.gpus = tuple(gpus)
@@ -166,6 +182,8 @@ class Frontier:
         self.progress = progress or (lambda msg: None)
         self.probes = 0
         self.stock_overlap = stock_overlap  # stock's --tp-comm-overlap among its choices
+        self.gpus_per_node = gpus_per_node
+        self.wallfacer_fsdp = wallfacer_fsdp  # WallFacer under Megatron-FSDP among its choices
 
     # ---- the configurations -------------------------------------------------------------
 
@@ -193,7 +211,26 @@ class Frontier:
             choices = self.planner.metp_choices(cfg, "metp", p, 0, kept_weights=True)
             return [Variant("metp", "metp", 1, sel, ring_pass=r, qkv=q)
                     for r, q in choices for sel in NORMS_ONLY]
-        return [Variant("wallfacer", "wallfacer", p, sel) for sel in NORMS_ONLY]
+        return [Variant("wallfacer", "wallfacer", p, sel, team=c, placement=pl, fsdp=f)
+                for c, pl in self.teams(p) for f in self._fsdp_choices() for sel in NORMS_ONLY]
+
+    def teams(self, p: int) -> List[Tuple[int, str]]:
+        """WallFacer's (team size, placement) choices at p: every valid C, each in the
+        placements the topology scheduler tells apart (``wallfacer.scheduler.candidates``);
+        where both placements keep the teams and the sub-rings on the same side of the node
+        boundary (``scheduler.locality``) they time alike and the first stands for both."""
+        from megatron_metp.wallfacer.scheduler import candidates, locality
+
+        out, seen = [], set()
+        for c, pl in candidates(p):
+            where = (c, tuple(sorted(locality(p, c, pl, self.gpus_per_node).items())))
+            if where not in seen:
+                seen.add(where)
+                out.append((c, pl))
+        return out
+
+    def _fsdp_choices(self) -> Tuple[Optional[bool], ...]:
+        return (False, True) if self.wallfacer_fsdp else (None,)
 
     def frugal(self, cfg, family: str, p: int) -> List[Variant]:
         """The configurations that need the least memory: full recompute of every layer, and
@@ -213,8 +250,10 @@ class Frontier:
             r, q = self.planner.metp_choices(cfg, "metp", p, 0)[-1]
             return [Variant("metp", "metp", 1, block=L, ring_pass=r, qkv=q),
                     Variant("metp", "metp", 1, norms, ring_pass=r, qkv=q)]
-        return [Variant("wallfacer", "wallfacer", p, block=L),
-                Variant("wallfacer", "wallfacer", p, norms)]
+        # C = 1 only: a team of C holds C - 1 more query/key/value shards and partial outputs
+        # than ring attention at the same length, so it is never the longer.
+        return [Variant("wallfacer", "wallfacer", p, sel, block=k, fsdp=f)
+                for f in self._fsdp_choices() for sel, k in (((), L), (norms, 0))]
 
     # ---- memory and time ------------------------------------------------------------------
 
@@ -230,7 +269,8 @@ class Frontier:
         from megatron_metp.measure.planner import chains_layers
 
         sel = () if full else v.selective
-        key = (cfg.name, v.mode, p, s, v.cp, sel, full, v.ring_pass, v.qkv, v.cp_comm)
+        key = (cfg.name, v.mode, p, s, v.cp, sel, full, v.ring_pass, v.qkv, v.cp_comm, v.team,
+               v.placement)
         if key not in self._times:
             # On the planner's own fake world (rank 0): every rank runs the same work in these
             # layouts (module docstring), and one world set up at a time. One trace serves with
@@ -238,7 +278,7 @@ class Frontier:
             kw = dict(world=self.planner.world, recompute_modules=list(sel) or None,
                       ring_pass=v.ring_pass or "auto", qkv_backward=v.qkv or "recompute",
                       cp=v.cp if v.mode == "tp" else 1, full_recompute=full,
-                      cp_comm_type=v.cp_comm)
+                      cp_comm_type=v.cp_comm, team_size=v.team, placement=v.placement)
             ops = trace_layer(cfg, v.mode, p, s, **kw)
             # Layers that hand work to the next are traced as a stack of two as well.
             two = trace_layer(cfg, v.mode, p, s, layers=2, **kw) if chains_layers(
@@ -265,7 +305,14 @@ class Frontier:
             first, steady = (ckpt if k else plain)[g]
             t = first - steady + (L - k) * (plain[g][1] if plain else 0.0) + \
                 k * (ckpt[g][1] if ckpt else 0.0)
-            if cp > 1:  # distributed optimizer over CP: fp32 gradient RS + bf16 parameter AG
+            if cp > 1 and v.fsdp:
+                # Megatron-FSDP: per layer, the bf16 parameters all-gathered for the forward
+                # and again for the backward, the fp32 gradient reduce-scattered; charged
+                # exposed (Megatron-FSDP prefetches them behind compute: an upper bound).
+                link = m.link(cp)
+                t += 2 * comm_time("all_gather", 2 * params_per_rank, cp, link)
+                t += comm_time("reduce_scatter", 4 * params_per_rank, cp, link)
+            elif cp > 1:  # distributed optimizer over CP: fp32 gradient RS + bf16 parameter AG
                 link = m.link(cp)
                 t += comm_time("reduce_scatter", 4 * params_per_rank, cp, link)
                 t += comm_time("all_gather", 2 * params_per_rank, cp, link)
@@ -306,7 +353,9 @@ class Frontier:
                     memory_gib=point.needed_bytes / GIB, fastest=False,
                     layers=L, context_parallel=v.cp, recompute=" ".join(v.recompute_flags(L)),
                     tp_comm_overlap=v.overlap, metp_attention=(
-                        f"{v.ring_pass}/{v.qkv}" if v.family == "metp" else ""))
+                        f"{v.ring_pass}/{v.qkv}" if v.family == "metp" else ""),
+                    team_size=v.team if v.family == "wallfacer" else None,
+                    megatron_fsdp=bool(v.fsdp))
 
     # ---- the search -------------------------------------------------------------------------
 
@@ -317,7 +366,8 @@ class Frontier:
         bases = self.base_variants(cfg, family, p)
         groups: Dict[tuple, List[Variant]] = {}
         for v in bases:  # one group per attention / TP x CP / CP comm / overlap choice
-            groups.setdefault((v.cp, v.cp_comm, v.ring_pass, v.qkv, v.overlap), []).append(v)
+            groups.setdefault((v.cp, v.cp_comm, v.ring_pass, v.qkv, v.overlap, v.team,
+                               v.placement, v.fsdp), []).append(v)
         for members in groups.values():
             fit_sets: List[set] = []
             for v in members:  # SELECTIVE order: less recompute first
@@ -443,7 +493,8 @@ def _plan_model_in_worker(task) -> Tuple[List[dict], List[dict]]:
     (cfg, p, gpus, settings, host_op_s, gpus_per_node, families, seqs, t_all, index,
      count) = task
     warnings.filterwarnings("ignore")
-    fr = Frontier(settings, gpus, host_op_s, gpus_per_node, _throttled(_stderr, t_all))
+    fr = Frontier(settings, gpus, host_op_s, gpus_per_node, _throttled(_stderr, t_all),
+                  wallfacer_fsdp=True)
     try:
         with quiet_megatron():
             rows, longest = plan_model(fr, cfg, p, families, seqs, _stderr, t_all, index,
@@ -537,7 +588,8 @@ def run_frontier(cfgs, ps, gpus, settings: PlanSettings, host_op_s: float, gpus_
     units = [(i, cfg, p) for i, cfg in enumerate(cfgs) for p in ps]
     rows, longest = [], []
     if jobs <= 1 or len(units) <= 1:
-        fr = Frontier(settings, gpus, host_op_s, gpus_per_node, _throttled(log, t_all))
+        fr = Frontier(settings, gpus, host_op_s, gpus_per_node, _throttled(log, t_all),
+                      wallfacer_fsdp=True)
         try:
             for i, cfg, p in units:
                 r, lg = plan_model(fr, cfg, p, families, seqs, log, t_all, i, len(cfgs))

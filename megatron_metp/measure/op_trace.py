@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -70,10 +70,14 @@ class TraceOp:
     group_size: int = 1
     comm_id: int = -1
     strided: bool = False     # compute: an element-wise op on strided / broadcast operands
+    # comm: the global ranks it connects (a collective: its group's; a P2P op: this rank and
+    # its peer), which say whether it stays inside a node (``timeline.Machine.link_of``);
+    # empty: unknown, the group's size decides. Not written to trace files.
+    ranks: Tuple[int, ...] = ()
 
     def to_dict(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if v not in ("", -1, 0, 0.0)
-                or k in ("kind", "name")}
+        return {k: v for k, v in asdict(self).items() if k != "ranks" and (
+            v not in ("", -1, 0, 0.0) or k in ("kind", "name"))}
 
 
 def is_attention_kernel(name: str) -> bool:
@@ -123,6 +127,19 @@ def is_strided(inputs: List[torch.Tensor], outputs: List[torch.Tensor]) -> bool:
         return False
     return (any(not t.is_contiguous() for t in ins + outs)
             or any(t.shape != shape for t in ins))
+
+
+def _ranks_of(e) -> Tuple[int, ...]:
+    """The global ranks a recorded comm event connects (:attr:`TraceOp.ranks`); () when its
+    group is not a registered process group."""
+    c10d = dist.distributed_c10d
+    pg = next((g for g, name in c10d._world.pg_names.items() if name == e.group), None)
+    if pg is None:
+        return ()
+    ranks = tuple(dist.get_process_group_ranks(pg))
+    if e.op in ("send", "recv") and e.peer is not None and 0 <= e.peer < len(ranks):
+        return (dist.get_rank(), ranks[e.peer])
+    return ranks
 
 
 class _RecordedWork(dist.Work):
@@ -175,7 +192,8 @@ class OpRecorder(CommCounter):
             e = self.events[-1]
             cid = n
             self.ops.append(TraceOp("comm", e.op, self.phase, bytes=float(e.bytes),
-                                    group=e.group, group_size=e.group_size or 1, comm_id=cid))
+                                    group=e.group, group_size=e.group_size or 1, comm_id=cid,
+                                    ranks=_ranks_of(e)))
             if ns == "_c10d_functional":
                 for t in _tensors(out):
                     self._functional[t.untyped_storage()._cdata] = cid
@@ -214,6 +232,11 @@ class OpRecorder(CommCounter):
                 fkw = {k: v for k, v in kwargs.items() if k != "out_dtype"}
                 flops = float(flop_registry[packet](*fargs, **fkw, out_val=out))
         outs = _tensors(out)
+        if not outs and func.namespace == "megatron_metp":
+            # The plugin's fused in-place ops (kernels.merge_ring_) return nothing: what they
+            # write is their mutated arguments.
+            outs = [a for a, arg in zip(args, schema.arguments)
+                    if arg.alias_info is not None and arg.alias_info.is_write]
         if not outs:
             return  # metadata queries (aten.device, sym sizes): no kernel
         # An ``out=`` tensor is written, not read.
@@ -252,8 +275,8 @@ def group_roles() -> Dict[str, str]:
 def trace_layer(cfg, mode: str, p: int, s: int, world=None, micro_batch: int = 1,
                 recompute_modules: Optional[List[str]] = None, tcfg=None,
                 ring_pass: str = "auto", qkv_backward: str = "recompute", cp: int = 1,
-                full_recompute: bool = False, cp_comm_type: str = "p2p", layers: int = 1
-                ) -> List[TraceOp]:
+                full_recompute: bool = False, cp_comm_type: str = "p2p", layers: int = 1,
+                team_size: int = 1, placement: str = "collective_intra") -> List[TraceOp]:
     """One layer of ``cfg`` (a ``config.ModelConfig``) in ``mode`` at (p, s), fwd + bwd on rank 0,
     traced under FakeTensorMode on the fake process group (``world``: a ``planner.FakeWorld``,
     kept set up for the caller). Group names are replaced by their roles (:func:`group_roles`).
@@ -261,10 +284,12 @@ def trace_layer(cfg, mode: str, p: int, s: int, world=None, micro_batch: int = 1
     ``cp``: stock tp's context-parallel size and ``cp_comm_type`` its --cp-comm-type
     (``planner.probe_mode``); ``full_recompute``: the layer inside Megatron's
     CheckpointFunction, its recomputed forward traced in backward. ``layers``: a stack of that
-    many such layers, each fed the one before's output (``timeline.stack_of_two``'s check)."""
+    many such layers, each fed the one before's output (``timeline.stack_of_two``'s check).
+    ``team_size`` / ``placement``: WallFacer's teams (its team group and sub-rings traced)."""
     with cpu_compat.planning():
         return _trace_layer(cfg, mode, p, s, world, micro_batch, recompute_modules, tcfg,
-                            ring_pass, qkv_backward, cp, full_recompute, cp_comm_type, layers)
+                            ring_pass, qkv_backward, cp, full_recompute, cp_comm_type, layers,
+                            team_size, placement)
 
 
 def _clear_sp_scratch() -> None:
@@ -277,7 +302,8 @@ def _clear_sp_scratch() -> None:
 
 
 def _trace_layer(cfg, mode, p, s, world, micro_batch, recompute_modules, tcfg, ring_pass,
-                 qkv_backward, cp, full_recompute, cp_comm_type, layers=1) -> List[TraceOp]:
+                 qkv_backward, cp, full_recompute, cp_comm_type, layers=1, team_size=1,
+                 placement="collective_intra") -> List[TraceOp]:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from megatron_metp.measure import layer_probe
@@ -285,7 +311,7 @@ def _trace_layer(cfg, mode, p, s, world, micro_batch, recompute_modules, tcfg, r
 
     mode = probe_mode(mode, cp, cp_comm_type)
     world = world or FakeWorld()
-    world.setup(mode, p, cp)
+    world.setup(mode, p, cp, team_size, placement)
     if tcfg is None:
         tcfg = transformer_config(cfg, p, mode, recompute_modules, ring_pass, qkv_backward,
                                   cp=cp, full_recompute=full_recompute)

@@ -53,8 +53,8 @@ Method (per rank; b = micro batch 1, s = sequence, p = parallel degree, L = laye
    here by 2 B per layer parameter (autograd frees each after it is added, so one weight's is
    live in practice). All this is added to the activation peak (:func:`fsdp_transient_bytes`).
    For tp and metp at d = 1 nothing
-   changes. WallFacer with a team of C (``wallfacer_team``) keeps C - 1 more query/key/value
-   shards at the attention peak (paper Eq. 7 - Eq. 6), added as ``auto`` does.
+   changes. WallFacer with a team of C (``wallfacer_team``) is probed with that team: its
+   gathered query/key/value shards and partial outputs are in the layer's measured peak.
    The embedding (vocab-parallel word table, and a learned position table of s x h replicated on
    every rank, as Megatron's ``LanguageModelEmbedding`` keeps it, or 1/p of it under METP,
    ``position_table_params``) counts when the device holds the first layer.
@@ -132,8 +132,10 @@ class PlanSettings:
     host_memory_gib: Optional[float] = None
     # Megatron-FSDP (optim_grads_params) instead of the distributed optimizer; see item 4.
     megatron_fsdp: bool = False
-    # WallFacer's team size C (the probe runs C = 1; the team's extra shards are added).
+    # WallFacer's team size C and placement (``wallfacer.config_generator.PLACEMENTS``): the
+    # probe runs that team, its team group and its sub-rings.
     wallfacer_team: int = 1
+    wallfacer_placement: str = "collective_intra"
     # METP attention's head groups per ring pass (--metp-ring-pass; metp.attention.RING_PASSES).
     metp_ring_pass: str = "auto"
     # The one ring pass's Q/K/V in backward (--metp-qkv-backward; metp.attention.QKV_BACKWARD):
@@ -224,13 +226,6 @@ def optimizer_bytes_per_param(mode: str, p: int, distributed_optimizer: bool,
     return 6.0 + (12.0 / d if distributed_optimizer or d > 1 else 12.0)
 
 
-def team_shard_bytes(cfg, p: int, s: int, b: int, team_size: int) -> int:
-    """What a WallFacer team of C holds beyond ring attention (C = 1) at the attention peak:
-    C - 1 more bf16 query, key and value shards (paper Eq. 7 - Eq. 6)."""
-    heads = cfg.num_attention_heads + 2 * cfg.num_query_groups
-    return (team_size - 1) * b * s // p * heads * cfg.kv_channels * 2
-
-
 FSDP_PREFETCH_ELEMENTS = 500_000_000  # Megatron-FSDP 0.16.1: half of its 1e9-element unit
 
 
@@ -292,9 +287,11 @@ class FakeWorld:
         self.key = None
         self.rank = rank
 
-    def setup(self, mode: str, p: int, cp: int = 1) -> None:
+    def setup(self, mode: str, p: int, cp: int = 1, team: int = 1,
+              placement: str = "collective_intra") -> None:
         """Groups for ``mode`` at ``p`` ranks; ``cp`` > 1 with ``wallfacer``: TP = p / cp
-        (a stock TP x CP plan, :data:`CP_STAND_IN`); wallfacer's default is CP = p."""
+        (a stock TP x CP plan, :data:`CP_STAND_IN`); wallfacer's default is CP = p, with teams
+        of ``team`` placed by ``placement`` (``wallfacer.config_generator``)."""
         import torch.distributed as dist
         from megatron.core import parallel_state as mpu
         from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -306,7 +303,9 @@ class FakeWorld:
         rank = self.rank % p
         if mode == "wallfacer" and cp == 1:
             cp = p
-        if self.key == (mode, p, rank, cp):
+        if mode != "wallfacer" or cp != p:
+            team, placement = 1, "collective_intra"
+        if self.key == (mode, p, rank, cp, team, placement):
             return
         cpu_compat.apply()
         self.teardown()
@@ -317,10 +316,10 @@ class FakeWorld:
         dist.init_process_group("fake", rank=rank, world_size=p, store=FakeStore())
         sys.excepthook = hook
         if mode == "wallfacer":
-            # WallFacer with team size C = 1 (its ring-attention case) over Megatron's CP group
-            # (TP = 1). The groups are built directly: initialize_wallfacer's all_gather_object
-            # has nothing to gather on the fake backend, and with one CP group of all p ranks
-            # every rank's answer is known.
+            # WallFacer with teams of C over Megatron's CP group (TP = p / cp; C = 1 is ring
+            # attention, and the stock CP stand-in). The groups are built directly:
+            # initialize_wallfacer's all_gather_object has nothing to gather on the fake
+            # backend, and with one CP group of all p ranks every rank's answer is known.
             from megatron_metp.wallfacer.groups import build_wallfacer_groups
 
             tp = p // cp
@@ -329,14 +328,14 @@ class FakeWorld:
             metp_state.set_wallfacer_groups(build_wallfacer_groups(
                 [[t + tp * j for j in range(cp)] for t in range(tp)],
                 list(mpu.get_context_parallel_global_ranks()),
-                mpu.get_context_parallel_group(), 1, "collective_intra"))
+                mpu.get_context_parallel_group(), team, placement))
         elif mode == layer_probe.A2A_PROBE:
             # Stock TP x CP with --cp-comm-type a2a: Megatron's own groups, nothing more.
             initialize_parallel(tensor_model_parallel_size=p // cp, context_parallel_size=cp,
                                 mode="tp")
         else:
             initialize_parallel(tensor_model_parallel_size=p, mode=mode)
-        self.key = (mode, p, rank, cp)
+        self.key = (mode, p, rank, cp, team, placement)
 
     def teardown(self) -> None:
         import torch.distributed as dist
@@ -503,10 +502,12 @@ class Planner:
         modules = None if full or self.settings.recompute_granularity == "full" \
             else self.settings.recompute_modules
         comm = self.settings.cp_comm_type if cp > 1 and mode == "tp" else ""
-        key = (cfg.name, mode, p, s, qkv, ring_pass, cp, full, tuple(modules or ()), comm)
+        team = (self.settings.wallfacer_team, self.settings.wallfacer_placement) \
+            if mode == "wallfacer" else (1, "collective_intra")
+        key = (cfg.name, mode, p, s, qkv, ring_pass, cp, full, tuple(modules or ()), comm, team)
         if key not in self._layer:
             probe = probe_mode(mode, cp, comm or "p2p")
-            self.world.setup(probe, p, cp)
+            self.world.setup(probe, p, cp, *team)
             b = self.settings.micro_batch
             with cpu_compat.planning():
                 tcfg = transformer_config(cfg, p, probe, modules, ring_pass, qkv, cp=cp,
@@ -638,8 +639,6 @@ class Planner:
             act += fsdp_transient_bytes(mode, p, lm.params, L)
         if qkv == KEEPS_WEIGHTS and L > 1 and chains_layers(cfg, mode, p, s, b, full):
             act += deferred_grad_bytes(cfg, p)
-        if mode == "wallfacer":
-            act += team_shard_bytes(cfg, p, s, b, st.wallfacer_team)
         if st.count_send_buffers:
             act += lm.handle_allowance
         params = L * lm.params

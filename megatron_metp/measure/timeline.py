@@ -139,7 +139,17 @@ class Machine:
                                       op.bytes / (self.hbm_bandwidth * mem))
 
     def link(self, group_size: int) -> Link:
+        """The link of a group of ``group_size`` consecutive ranks (filling nodes in order)."""
         return self.intra if group_size <= self.gpus_per_node else self.inter
+
+    def link_of(self, op) -> Link:
+        """The link a traced comm op runs on: NVLink when every rank it connects is in one
+        node (``op.ranks``; ranks fill nodes in order), else InfiniBand; by its group's size
+        when the ranks are unknown."""
+        if op.ranks:
+            return self.intra if len({r // self.gpus_per_node for r in op.ranks}) == 1 \
+                else self.inter
+        return self.link(op.group_size)
 
 
 GPUS: Dict[str, Machine] = {
@@ -300,7 +310,7 @@ def simulate(ops: List[TraceOp], machine: Machine) -> Schedule:
                 t = max(t, max(j.end for j in job.unit))
             position += 1
         else:
-            link = machine.link(op.group_size)
+            link = machine.link_of(op)
             d = comm_time(op.name, op.bytes, op.group_size, link)
             lane = f"comm:{op.group}"
             uses = tuple((link.name, way) for way in _DIRECTIONS.get(op.name, ("out", "in")))

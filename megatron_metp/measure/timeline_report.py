@@ -103,15 +103,41 @@ def _flop_model(cfg):
 PER_RANK_MODES = ("metp",)
 
 
+def _mode_configs(mode: str, p: int, team_size: int):
+    """``(team size, placement, scenarios)`` of ``mode`` at ``p``: WallFacer's teams of
+    ``team_size`` in every placement the topology scheduler tells apart
+    (``wallfacer.scheduler.candidates``), labelled by both; one plain entry otherwise."""
+    if mode != "wallfacer" or team_size == 1:
+        return [(1, "collective_intra", SCENARIOS[mode])]
+    from megatron_metp.wallfacer.scheduler import candidates
+
+    return [(c, pl, (f"wallfacer C={c} {pl}",)) for c, pl in candidates(p) if c == team_size]
+
+
 def timeline_rows(cfgs, ps, modes, seqs, gpus, efficiency, gpus_per_node, keep=None,
                   host_op_s: float = 0.0, ring_pass: str = "auto", qkv_backward: str = "auto",
-                  attention_efficiency: Optional[float] = None):
+                  attention_efficiency: Optional[float] = None, team_size: int = 1):
     """Every (model, p, s, scenario, GPU) row; ``keep`` collects schedules for the trace:
     ``{(model, s): {label: Schedule}}``. ``host_op_s``: host seconds per issued op.
     ``ring_pass`` / ``qkv_backward``: METP's --metp-ring-pass / --metp-qkv-backward; "auto" is
     resolved per row by the planner at 80 GiB (``planner.resolve_metp_attention``), as a
     launcher resolves it on an 80 GiB GPU. ``attention_efficiency``: fused attention kernels'
-    fraction of peak (None: the timeline's fitted default)."""
+    fraction of peak (None: the timeline's fitted default). ``team_size``: WallFacer's C,
+    traced with its team group and sub-rings in each placement (:func:`_mode_configs`)."""
+    rows = []
+    for cfg in cfgs:
+        for p in ps:
+            for mode in modes:
+                for team, placement, scenarios in _mode_configs(mode, p, team_size):
+                    rows += _mode_rows(cfg, p, mode, seqs, gpus, efficiency, gpus_per_node,
+                                       keep, host_op_s, ring_pass, qkv_backward,
+                                       attention_efficiency, team, placement, scenarios)
+    return rows
+
+
+def _mode_rows(cfg, p, mode, seqs, gpus, efficiency, gpus_per_node, keep, host_op_s, ring_pass,
+               qkv_backward, attention_efficiency, team, placement, scenarios):
+    """:func:`timeline_rows` of one (model, p, mode, team)."""
     from dataclasses import replace
 
     from megatron_metp.models.flops import training_flops
@@ -121,75 +147,74 @@ def timeline_rows(cfgs, ps, modes, seqs, gpus, efficiency, gpus_per_node, keep=N
     from megatron_metp.measure.timeline import tp_comm_overlap
 
     rows = []
-    for cfg in cfgs:
-        for p in ps:
-            for mode in modes:
-                ranks = range(p) if mode in PER_RANK_MODES else [p - 1]
-                for s in seqs:
-                    t0 = time.time()
-                    qkv = qkv_backward if mode == "metp" else "recompute"
-                    ring = ring_pass
-                    if mode == "metp" and "auto" in (qkv, ring):
-                        ring, qkv, _ = resolve_metp_attention(
-                            cfg, p, s, memory_gib=80.0, ring_pass=ring, qkv_backward=qkv)
-                    traces, stacks = [], {}
-                    for r in ranks:
-                        world = FakeWorld(rank=r)
-                        traces.append(trace_layer(cfg, mode, p, s, world=world,
-                                                  ring_pass=ring, qkv_backward=qkv))
-                        world.teardown()
-                    traced_s = time.time() - t0
+    ranks = range(p) if mode in PER_RANK_MODES else [p - 1]
+    for s in seqs:
+        t0 = time.time()
+        qkv = qkv_backward if mode == "metp" else "recompute"
+        ring = ring_pass
+        if mode == "metp" and "auto" in (qkv, ring):
+            ring, qkv, _ = resolve_metp_attention(
+                cfg, p, s, memory_gib=80.0, ring_pass=ring, qkv_backward=qkv)
+        traces, stacks = [], {}
+        for r in ranks:
+            world = FakeWorld(rank=r)
+            traces.append(trace_layer(cfg, mode, p, s, world=world, ring_pass=ring,
+                                      qkv_backward=qkv, team_size=team,
+                                      placement=placement))
+            world.teardown()
+        traced_s = time.time() - t0
 
-                    def stack(i):
-                        """Rank ``ranks[i]``'s stack of two where layers hand work to the next
-                        (else None: ``layer_in_stack`` runs its trace twice), traced once."""
-                        if i not in stacks:
-                            stacks[i] = None
-                            if chains_layers(cfg, mode, p, s):
-                                world = FakeWorld(rank=ranks[i])
-                                stacks[i] = trace_layer(cfg, mode, p, s, world=world,
-                                                        ring_pass=ring, qkv_backward=qkv,
-                                                        layers=2)
-                                world.teardown()
-                        return stacks[i]
+        def stack(i):
+            """Rank ``ranks[i]``'s stack of two where layers hand work to the next
+            (else None: ``layer_in_stack`` runs its trace twice), traced once."""
+            if i not in stacks:
+                stacks[i] = None
+                if chains_layers(cfg, mode, p, s):
+                    world = FakeWorld(rank=ranks[i])
+                    stacks[i] = trace_layer(cfg, mode, p, s, world=world,
+                                            ring_pass=ring, qkv_backward=qkv, layers=2,
+                                            team_size=team, placement=placement)
+                    world.teardown()
+            return stacks[i]
 
-                    model_flops = training_flops(_flop_model(cfg), 1, s) / p
-                    for scen in SCENARIOS[mode]:
-                        for g in gpus:
-                            m = replace(GPUS[g], efficiency=efficiency,
-                                        attention_efficiency=(
-                                            ATTENTION_EFFICIENCY if attention_efficiency is None
-                                            else attention_efficiency),
-                                        gpus_per_node=gpus_per_node, host_op_s=host_op_s)
-                            runs = []
-                            for i, ops in enumerate(traces):
-                                trace = tp_comm_overlap(ops) if scen == "tp+overlap" else ops
-                                runs.append((simulate(trace, m), summary(trace), trace, i))
-                            # The synchronous ring runs at its slowest rank's pace; its stack
-                            # alone is traced.
-                            sch, sm, slowest, i = max(runs, key=lambda run: run[0].step)
-                            steady = layer_in_stack(slowest, m,
-                                                    stack(i) if slowest is traces[i] else None)[1]
-                            busy = [run[0].compute for run in runs]
-                            rows.append(dict(
-                                model=cfg.name, p=p, seq_length=s, scenario=scen, gpu=g,
-                                step_s=sch.step, compute_s=sch.compute,
-                                exposed_comm_s=sch.exposed_comm,
-                                comm_busy_s=dict(sch.comm), mfu=model_flops / sch.step /
-                                m.peak_flops, model_flops=model_flops,
-                                executed_flops=sm["flops"], compute_bytes=sm["compute_bytes"],
-                                comm_ops=sm["comm_ops"], trace_s=traced_s,
-                                # added fields (older readers ignore them)
-                                compute_ops=sm["compute_ops"], host_op_s=host_op_s,
-                                host_s=sch.host, host_bound=sch.host_bound,
-                                ranks_traced=len(runs), rank_compute_s=busy,
-                                rank_compute_max_over_mean=max(busy) / (sum(busy) / len(busy)),
-                                qkv_backward=qkv if mode == "metp" else "",
-                                ring_pass=ring if mode == "metp" else "",
-                                steady_s=steady))
-                            if keep is not None:
-                                keep.setdefault((cfg.name, g, s), {})[
-                                    f"{cfg.name} p={p} s={seq_label(s)} {scen} {g}"] = sch
+        model_flops = training_flops(_flop_model(cfg), 1, s) / p
+        for scen in scenarios:
+            for g in gpus:
+                m = replace(GPUS[g], efficiency=efficiency,
+                            attention_efficiency=(
+                                ATTENTION_EFFICIENCY if attention_efficiency is None
+                                else attention_efficiency),
+                            gpus_per_node=gpus_per_node, host_op_s=host_op_s)
+                runs = []
+                for i, ops in enumerate(traces):
+                    trace = tp_comm_overlap(ops) if scen == "tp+overlap" else ops
+                    runs.append((simulate(trace, m), summary(trace), trace, i))
+                # The synchronous ring runs at its slowest rank's pace; its stack
+                # alone is traced.
+                sch, sm, slowest, i = max(runs, key=lambda run: run[0].step)
+                steady = layer_in_stack(slowest, m,
+                                        stack(i) if slowest is traces[i] else None)[1]
+                busy = [run[0].compute for run in runs]
+                rows.append(dict(
+                    model=cfg.name, p=p, seq_length=s, scenario=scen, gpu=g,
+                    step_s=sch.step, compute_s=sch.compute,
+                    exposed_comm_s=sch.exposed_comm,
+                    comm_busy_s=dict(sch.comm), mfu=model_flops / sch.step /
+                    m.peak_flops, model_flops=model_flops,
+                    executed_flops=sm["flops"], compute_bytes=sm["compute_bytes"],
+                    comm_ops=sm["comm_ops"], trace_s=traced_s,
+                    # added fields (older readers ignore them)
+                    compute_ops=sm["compute_ops"], host_op_s=host_op_s,
+                    host_s=sch.host, host_bound=sch.host_bound,
+                    ranks_traced=len(runs), rank_compute_s=busy,
+                    rank_compute_max_over_mean=max(busy) / (sum(busy) / len(busy)),
+                    qkv_backward=qkv if mode == "metp" else "",
+                    ring_pass=ring if mode == "metp" else "",
+                    steady_s=steady, team_size=team,
+                    placement=placement if mode == "wallfacer" else ""))
+                if keep is not None:
+                    keep.setdefault((cfg.name, g, s), {})[
+                        f"{cfg.name} p={p} s={seq_label(s)} {scen} {g}"] = sch
     return rows
 
 
@@ -297,7 +322,8 @@ def run(args, ints) -> int:
                              host_op_s=args.host_op_us * 1e-6,
                              ring_pass=getattr(args, "metp_ring_pass", "auto"),
                              qkv_backward=getattr(args, "metp_qkv_backward", "auto"),
-                             attention_efficiency=args.attention_efficiency)
+                             attention_efficiency=args.attention_efficiency,
+                             team_size=getattr(args, "wallfacer_team_size", 1))
     md = markdown(rows)
     print(md)
     print(f"\n(traced and simulated in {time.time() - t0:.0f} s)")
