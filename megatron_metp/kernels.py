@@ -3,7 +3,8 @@
 Everything above this module is kernel-agnostic: it calls attention of one Q block against one
 K/V block, gets the block's output and log-sum-exp, and merges blocks with :func:`merge_partial`
 (new tensors) or, in ring loops that own their fp32 accumulator, :func:`merge_start` /
-:func:`merge_partial_` (in place, no temporary of the accumulator's size).
+:func:`merge_partial_` (in place, no temporary of the accumulator's size) and
+:func:`merge_ring_` (in place, one fused op, for blocks whose rows all saw a key).
 
 Shapes (heads before sequence, as PyTorch's SDPA ops take them)::
 

@@ -6,9 +6,11 @@ process), as in tests/test_planner.py.
 """
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -282,6 +284,57 @@ def test_frontier_in_two_processes_is_the_frontier_of_one(tmp_path):
     assert res["killed"] == ("metp plan --frontier worker (model killed p=2): exited with code 3 "
                              "and no result"), res
     assert res["failed_left"] == res["killed_left"] == 0
+
+
+def _children(pid: int):
+    """Live (not zombie) processes whose parent is ``pid``."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                stat = open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(stat[1]) == pid and stat[0] != "Z":
+                out.append(int(d))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.full
+def test_frontier_workers_end_with_a_killed_parent(tmp_path):
+    """SIGTERM runs none of ``metp plan``'s clean-up: its --jobs workers must still end, within
+    a few of their half-second polls, not plan on for minutes with nobody to read them."""
+    import signal
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "megatron_metp.training.cli", "plan", "--frontier", "--models",
+         "tiny-gpt,tiny-llama", "--p", "2", "--memory-gb", "1.1", "--reserve-gb", "1",
+         "--jobs", "2", "--frontier-dir", str(tmp_path)], cwd=str(ROOT),
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while len(_children(proc.pid)) < 3 and time.time() < deadline:  # 2 workers + tracker
+            time.sleep(0.2)
+        workers = _children(proc.pid)
+        assert len(workers) >= 3, workers
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+        deadline = time.time() + 15
+        while any(_alive(w) for w in workers) and time.time() < deadline:
+            time.sleep(0.2)
+        assert not [w for w in workers if _alive(w)], "workers outlived their parent"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for w in _children(proc.pid):
+            os.kill(w, signal.SIGKILL)
 
 
 @pytest.mark.parametrize("argv, match", [

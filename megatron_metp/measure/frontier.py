@@ -124,7 +124,10 @@ class Variant:
             out = ["--tensor-parallel-mode", "wallfacer", "--tensor-model-parallel-size", str(p),
                    "--wallfacer-team-size", str(self.team)]
             if self.team > 1:
-                out += ["--wallfacer-placement", self.placement]
+                from megatron_metp.validation import PLACEMENT_ALIASES
+
+                user = {v: k for k, v in PLACEMENT_ALIASES.items()}   # the flag's own names
+                out += ["--wallfacer-placement", user.get(self.placement, self.placement)]
             out += (["--use-megatron-fsdp", "--data-parallel-sharding-strategy",
                      "optim_grads_params", "--no-gradient-accumulation-fusion"] if self.fsdp
                     else ["--use-distributed-optimizer"])
@@ -504,13 +507,30 @@ def _plan_model_in_worker(task) -> Tuple[List[dict], List[dict]]:
     return rows, longest
 
 
+def _exit_with_parent(poll_s: float = 0.5) -> None:
+    """End this process as soon as its parent is gone (killed outright, SIGTERM included,
+    which runs none of the parent's clean-up): a worker never outlives its ``metp plan``."""
+    import threading
+
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
 def _worker(conn, task) -> None:
     """A worker process: plans ``task`` and sends ``("ok", (rows, longest))`` or
-    ``("error", text)`` back. Ctrl-C is the parent's to handle: it stops the workers."""
+    ``("error", text)`` back. Ctrl-C is the parent's to handle: it stops the workers; a parent
+    that dies without stopping them ends them too (:func:`_exit_with_parent`)."""
     import signal
     import traceback
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _exit_with_parent()
     try:
         conn.send(("ok", _plan_model_in_worker(task)))
     except BaseException as e:  # reported to the parent, which raises it

@@ -138,7 +138,7 @@ def add_arguments(parser) -> None:
     a("--jobs", type=int, default=1, metavar="N",
       help="--frontier: plan N models (each p apart) at a time, each in a process of its "
            "own; the same output as one process (default 1; the four paper models "
-           "take ~28 min in one process on 2 cores, ~15 min with --jobs 2)")
+           "take ~33 min with --jobs 2 on 2 cores)")
     a("--json", default=None, metavar="PATH", help="write every planned point as JSON")
     timeline_report.add_arguments(parser)
 

@@ -186,12 +186,22 @@ class PlanPoint:
 # sequence parallelism around it. What TE saves for backward (context_parallel.py 1784-1795 at
 # v2.9): q (a view of the input), the K/V received last (the size of the local K and V), the
 # output and a merged fp32 log-sum-exp [b, n/tp, s/cp]; the stand-in saves the local q, k, v,
-# output and log-sum-exp: the same bytes. TE's forward also keeps all cp received K/V buffers and
-# every step's partial output until its loop ends, and its backward sends K/V with dK/dV (2x the
-# forward's ring traffic): both cost TE more than the stand-in, so the plan is stock's best case.
+# output and log-sum-exp: the same bytes. Kernels per ring step (TE's context_parallel.py):
+# forward, one attention kernel on the same halves (diagonal: both chunks causal; an earlier
+# rank's K/V: all q x the first K/V half; a later one's: the second q half x all K/V), the lse
+# correction and the output correction, each one kernel under TE's default torch.compile
+# (``jit_fuser``; 7 and 4 eager), so 3; the stand-in 2 (the kernel and one fused merge).
+# Backward, TE one attention-backward kernel and 3 adds (dq, and dK / dV in the travelling
+# buffer), 4; the stand-in 6 (the kernel, 3 adds, a zeroed dq scratch and its add into the
+# travelling dq). TE's forward also keeps every step's partial output until its loop ends
+# (more memory than the stand-in). Its backward moves K/V and dK/dV (bf16) round the ring and
+# keeps q, out, dout; the stand-in moves the query package [q | dout | out | lse] and the fp32
+# dq: 5 A_q bytes-units per hop against TE's 4 A_kv, 25 % more for MHA and more for GQA, hops
+# that run behind the kernels except at short sequences.
 CP_STAND_IN = ("the plugin's ring attention (WallFacer C = 1) in place of Transformer Engine's "
-               "AttnFuncWithCPAndKVP2P: the same saved bytes; TE's forward buffers and 2x "
-               "backward ring traffic are not modelled (in stock's favour)")
+               "AttnFuncWithCPAndKVP2P: the same saved bytes and attention kernels; TE's "
+               "forward partial outputs are not modelled (in stock's favour), its smaller "
+               "backward ring messages are (against it)")
 
 # Transformer Engine's a2a CP attention (AttnFuncWithCPAndQKVOA2A) needs CUDA too. A stock plan
 # with --cp-comm-type a2a runs ``megatron_metp.ulysses`` in its place inside Megatron's own
