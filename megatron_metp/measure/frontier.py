@@ -507,12 +507,12 @@ def _plan_model_in_worker(task) -> Tuple[List[dict], List[dict]]:
     return rows, longest
 
 
-def _exit_with_parent(poll_s: float = 0.5) -> None:
-    """End this process as soon as its parent is gone (killed outright, SIGTERM included,
-    which runs none of the parent's clean-up): a worker never outlives its ``metp plan``."""
+def _exit_with_parent(parent: int, poll_s: float = 0.5) -> None:
+    """End this process as soon as its parent ``parent`` (the pid it was started by, passed
+    in: a parent that died while this one was still importing has already handed it to
+    another) is gone, killed outright too (SIGTERM runs none of the parent's clean-up): a
+    worker never outlives its ``metp plan``."""
     import threading
-
-    parent = os.getppid()
 
     def watch():
         while os.getppid() == parent:
@@ -522,7 +522,7 @@ def _exit_with_parent(poll_s: float = 0.5) -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
-def _worker(conn, task) -> None:
+def _worker(conn, task, parent: int) -> None:
     """A worker process: plans ``task`` and sends ``("ok", (rows, longest))`` or
     ``("error", text)`` back. Ctrl-C is the parent's to handle: it stops the workers; a parent
     that dies without stopping them ends them too (:func:`_exit_with_parent`)."""
@@ -530,7 +530,7 @@ def _worker(conn, task) -> None:
     import traceback
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _exit_with_parent()
+    _exit_with_parent(parent)
     try:
         conn.send(("ok", _plan_model_in_worker(task)))
     except BaseException as e:  # reported to the parent, which raises it
@@ -558,7 +558,8 @@ def _in_workers(tasks, jobs: int) -> List[Tuple[List[dict], List[dict]]]:
             while todo and len(running) < jobs:
                 k = todo.pop(0)
                 recv, send = ctx.Pipe(duplex=False)
-                proc = ctx.Process(target=_worker, args=(send, tasks[k]), daemon=True)
+                proc = ctx.Process(target=_worker, args=(send, tasks[k], os.getpid()),
+                                   daemon=True)
                 proc.start()
                 send.close()
                 running[k] = (proc, recv)
