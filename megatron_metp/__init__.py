@@ -13,7 +13,7 @@ __version__ = "0.2.0"
 
 def _warn_once(*logger_names: str) -> None:
     """Megatron-Core warnings that every layer build repeats (``Unknown MLP type`` once per
-    layer and per model built): each distinct message once per process (issue 34 item 7)."""
+    layer and per model built): each distinct message once per process."""
     import logging
 
     class _Once(logging.Filter):
@@ -42,7 +42,7 @@ _warn_once("megatron.core.transformer.transformer_layer")
 def _fallback_notes_once() -> None:
     """Megatron-Core's import-time notes that Transformer Engine / Apex / absl are missing (one per
     module that imports them: a dozen per process on a CPU machine, in every rank): the first
-    one per process on rank 0, none on the other ranks (issue 34 item 7). Only these messages."""
+    one per process on rank 0, none on the other ranks. Only these messages."""
     import os
     import warnings
 

@@ -260,7 +260,7 @@ def release_ddp_hooks() -> int:
     is never collected: every wrapper, its model, its buffers, the DistributedOptimizer built
     on it and every process group they reference stayed alive, and with them each gloo group's
     threads and sockets (about 48 threads and 22 sockets per run with the distributed
-    optimizer, issue 27). Dropping ``grad_accs`` frees the nodes (a parameter keeps only a weak
+    optimizer). Dropping ``grad_accs`` frees the nodes (a parameter keeps only a weak
     reference to its node), so the rest is ordinary garbage. Called by
     :func:`destroy_parallel`, after which no wrapper can reduce gradients anyway (its groups
     are ended); it finds the wrappers among the garbage collector's objects (~0.1 s).

@@ -662,7 +662,7 @@ def markdown(doc: dict) -> str:
 
 
 def _norms_only(recompute: str) -> bool:
-    """No recompute beyond the norms (issue 32's "without recompute")."""
+    """No recompute beyond the norms (the frontier's "without recompute")."""
     return recompute in ("", "--recompute-granularity selective --recompute-modules layernorm")
 
 

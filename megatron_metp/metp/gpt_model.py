@@ -92,7 +92,7 @@ class MetpGPTModel(GPTModel):
         if self.position_table_sharded:
             # Each rank holds the table rows of its own slice of one whole sequence; a packed
             # batch's positions restart in every document, so they fall in other ranks' rows
-            # (issue 35 item 3: F.embedding's IndexError after the word reduce-scatter).
+            # (F.embedding's IndexError after the word reduce-scatter).
             raise ValueError(
                 "packed sequences (packed_seq_params) with METP's sharded learned position "
                 "table: positions restart in every document, so a rank's tokens need rows other "
@@ -102,8 +102,8 @@ class MetpGPTModel(GPTModel):
                            s // self.tp_size, self._packed_order(s, params) is not None)
 
     def _agree_on_inputs(self, ref: torch.Tensor, params) -> None:
-        """The TP ranks compare a fingerprint of their inputs before the step's first collective
-        (issue 35 item 7): the tokens' shape and the values of every ``cu_seqlens`` field. Ranks
+        """The TP ranks compare a fingerprint of their inputs before the step's first collective:
+        the tokens' shape and the values of every ``cu_seqlens`` field. Ranks
         handed different inputs would otherwise pair up wrong collectives, or one would refuse
         its input while the others block in the embedding's reduce-scatter until the group
         times out. One all-reduce of two int64 per forward, on the input's device; on a

@@ -114,7 +114,7 @@ class WallFacerCoreAttention(MegatronModule):
         communication; the layout is cached on ``params`` for :meth:`forward`). For THD, also
         a ``max_seqlen_q`` shorter than a document: Megatron sizes the rotary table from it, so
         the ranks would apply a table too short (raw size errors on some ranks, a one-row table
-        on others, and collectives that pair up wrong; issue 35 item 4). The check reads only
+        on others, and collectives that pair up wrong). The check reads only
         values every rank shares, so every rank refuses alike."""
         if params.qkv_format == "thd" and getattr(params, "max_seqlen_q", None) is not None:
             field = ("cu_seqlens_q_padded" if getattr(params, "cu_seqlens_q_padded", None)
