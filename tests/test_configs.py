@@ -17,7 +17,7 @@ BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4)
 def test_every_shipped_config_loads():
     names = {p.stem for p in CONFIGS}
     assert {"tiny-gpt", "tiny-llama", "bert-large", "llama-7b", "llama-70b", "gpt-175b",
-            "wallfacer-gpt-3b", "wallfacer-gpt-7b", "dit-1b"} <= names
+            "wallfacer-gpt-3b", "wallfacer-gpt-7b", "dit-1b", "llama3-8b"} <= names
     for p in CONFIGS:
         cfg = load_config(p)
         assert cfg.hidden_size % cfg.num_attention_heads == 0, p
@@ -44,6 +44,16 @@ def test_paper_values():
     assert not load_config("dit-1b").causal and load_config("tiny-gpt").causal
     bert = load_config("bert-large")
     assert (bert.num_layers, bert.hidden_size, bert.num_attention_heads) == (24, 1024, 16)
+    l3 = load_config("llama3-8b")
+    assert (l3.num_layers, l3.hidden_size, l3.num_attention_heads, l3.num_query_groups,
+            l3.ffn_hidden_size, l3.vocab_size) == (32, 4096, 32, 8, 14336, 128256)
+    # Its parameters counted from the fields, against Meta's published 8.03 B (model card):
+    # two untied 128,256 x 4096 tables; per layer Q, O (h x h), K, V (h x h/4), SwiGLU's three
+    # h x 14,336 matrices and two norms; the final norm. The card rounds to 0.01 B.
+    h, f, kv = l3.hidden_size, l3.ffn_hidden_size, l3.kv_channels * l3.num_query_groups
+    layer = 2 * h * h + 2 * h * kv + 3 * h * f + 2 * h
+    total = 2 * l3.vocab_size * h + l3.num_layers * layer + h
+    assert abs(total / 1e9 - 8.03) < 0.005, total
 
 
 def test_defaults_follow_megatron():

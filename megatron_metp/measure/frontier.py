@@ -50,6 +50,7 @@ import math
 import os
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Tuple
 
@@ -68,6 +69,15 @@ NORMS_ONLY = ((), ("layernorm",))   # "without recompute": nothing beyond the no
 # CheckpointFunction backward (seen under FakeTensorMode on CPU). Such models are searched
 # without it (their other recompute choices remain); LLaMA's bias-free MLP keeps it.
 MLP_RECOMPUTE_WITH_BIAS = "skipped"
+
+
+# WallFacer's optimizer choices by name: (Megatron-FSDP?, its sharding strategy).
+# "distributed": Megatron's distributed optimizer (ZeRO-1: the 12 B of fp32 state sharded);
+# "optim_grads": Megatron-FSDP's ZeRO-2 (gradients sharded too, parameters whole: the WallFacer
+# paper's sharding); "optim_grads_params": its ZeRO-3 (parameters gathered per layer).
+WALLFACER_OPTIMIZERS = {"distributed": (False, "optim_grads_params"),
+                        "optim_grads": (True, "optim_grads"),
+                        "optim_grads_params": (True, "optim_grads_params")}
 
 
 def mlp_recompute_hangs(cfg, modules) -> bool:
@@ -104,6 +114,8 @@ class Variant:
     placement: str = "collective_intra"   # wallfacer: --wallfacer-placement (C > 1)
     # wallfacer: Megatron-FSDP instead of the distributed optimizer (None: as the settings say)
     fsdp: Optional[bool] = None
+    # Megatron-FSDP's --data-parallel-sharding-strategy: optim_grads_params | optim_grads
+    sharding: str = "optim_grads_params"
 
     def recompute_flags(self, layers: int) -> List[str]:
         if self.block >= layers:
@@ -128,13 +140,17 @@ class Variant:
 
                 user = {v: k for k, v in PLACEMENT_ALIASES.items()}   # the flag's own names
                 out += ["--wallfacer-placement", user.get(self.placement, self.placement)]
+            # Megatron-FSDP saves only its own checkpoint format (validate_args asserts it).
             out += (["--use-megatron-fsdp", "--data-parallel-sharding-strategy",
-                     "optim_grads_params", "--no-gradient-accumulation-fusion"] if self.fsdp
+                     self.sharding, "--no-gradient-accumulation-fusion",
+                     "--ckpt-format", "fsdp_dtensor"] if self.fsdp
                     else ["--use-distributed-optimizer"])
         elif self.family == "metp":
-            out = ["--tensor-parallel-mode", "metp", "--tensor-model-parallel-size", str(p),
+            out = ["--tensor-parallel-mode", "metp", "--tensor-model-parallel-size", str(tp),
                    "--sequence-parallel", "--metp-ring-pass", self.ring_pass,
                    "--metp-qkv-backward", self.qkv]
+            if self.cp > 1:  # METP x CP: its K/V ring over the TP x CP ranks
+                out += ["--context-parallel-size", str(self.cp), "--cp-comm-type", "p2p"]
         else:
             out = ["--tensor-model-parallel-size", str(tp)]
             if tp > 1:
@@ -148,7 +164,8 @@ class Variant:
 
     def settings(self, layers: int) -> dict:
         """PlanSettings fields of this configuration (``Planner.plan`` overrides)."""
-        kw = dict(context_parallel=self.cp if self.mode == "tp" else 1, cp_comm_type=self.cp_comm,
+        kw = dict(context_parallel=self.cp if self.mode != "wallfacer" else 1,
+                  cp_comm_type=self.cp_comm,
                   recompute_granularity=None, recompute_modules=None,
                   recompute_method="block", recompute_num_layers=1)
         if self.block:
@@ -160,7 +177,7 @@ class Variant:
         if self.mode == "wallfacer":
             kw.update(wallfacer_team=self.team, wallfacer_placement=self.placement)
             if self.fsdp is not None:
-                kw.update(megatron_fsdp=self.fsdp)
+                kw.update(megatron_fsdp=self.fsdp, fsdp_sharding=self.sharding)
         return kw
 
 
@@ -173,13 +190,14 @@ class Frontier:
 
     def __init__(self, settings: Optional[PlanSettings] = None, gpus=("H100",),
                  host_op_s: float = HOST_OP_US * 1e-6, gpus_per_node: int = 8, progress=None,
-                 stock_overlap: bool = True, wallfacer_fsdp: bool = False):
+                 stock_overlap: bool = True, wallfacer_fsdp: bool = False,
+                 wallfacer_optimizers: Optional[Tuple[str, ...]] = None):
         self.settings = settings or PlanSettings()
         self.planner = Planner(self.settings)
         self.gpus = tuple(gpus)
         self.machines = {g: replace(GPUS[g], efficiency=self.settings.efficiency,
                                     attention_efficiency=self.settings.attention_efficiency,
-                                    gpus_per_node=gpus_per_node, host_op_s=host_op_s)
+                                    gpus_per_node=gpus_per_node, host_op_s=host_op_s).per_gpu()
                          for g in self.gpus}
         self._times: Dict[tuple, Dict[str, Dict[str, float]]] = {}
         self.progress = progress or (lambda msg: None)
@@ -187,6 +205,8 @@ class Frontier:
         self.stock_overlap = stock_overlap  # stock's --tp-comm-overlap among its choices
         self.gpus_per_node = gpus_per_node
         self.wallfacer_fsdp = wallfacer_fsdp  # WallFacer under Megatron-FSDP among its choices
+        # WallFacer's optimizers, by name (WALLFACER_OPTIMIZERS); None: by wallfacer_fsdp
+        self.wallfacer_optimizers = wallfacer_optimizers
 
     # ---- the configurations -------------------------------------------------------------
 
@@ -214,8 +234,10 @@ class Frontier:
             choices = self.planner.metp_choices(cfg, "metp", p, 0, kept_weights=True)
             return [Variant("metp", "metp", 1, sel, ring_pass=r, qkv=q)
                     for r, q in choices for sel in NORMS_ONLY]
-        return [Variant("wallfacer", "wallfacer", p, sel, team=c, placement=pl, fsdp=f)
-                for c, pl in self.teams(p) for f in self._fsdp_choices() for sel in NORMS_ONLY]
+        return [Variant("wallfacer", "wallfacer", p, sel, team=c, placement=pl, fsdp=f,
+                        sharding=sh)
+                for c, pl in self.teams(p) for f, sh in self._fsdp_choices()
+                for sel in NORMS_ONLY]
 
     def teams(self, p: int) -> List[Tuple[int, str]]:
         """WallFacer's (team size, placement) choices at p: every valid C, each in the
@@ -232,8 +254,12 @@ class Frontier:
                 out.append((c, pl))
         return out
 
-    def _fsdp_choices(self) -> Tuple[Optional[bool], ...]:
-        return (False, True) if self.wallfacer_fsdp else (None,)
+    def _fsdp_choices(self) -> List[Tuple[Optional[bool], str]]:
+        """WallFacer's (Megatron-FSDP?, its sharding strategy) choices."""
+        if self.wallfacer_optimizers is not None:
+            return [WALLFACER_OPTIMIZERS[name] for name in self.wallfacer_optimizers]
+        names = ("distributed", "optim_grads_params") if self.wallfacer_fsdp else (None,)
+        return [WALLFACER_OPTIMIZERS.get(n, (None, "optim_grads_params")) for n in names]
 
     def frugal(self, cfg, family: str, p: int) -> List[Variant]:
         """The configurations that need the least memory: full recompute of every layer, and
@@ -255,8 +281,8 @@ class Frontier:
                     Variant("metp", "metp", 1, norms, ring_pass=r, qkv=q)]
         # C = 1 only: a team of C holds C - 1 more query/key/value shards and partial outputs
         # than ring attention at the same length, so it is never the longer.
-        return [Variant("wallfacer", "wallfacer", p, sel, block=k, fsdp=f)
-                for f in self._fsdp_choices() for sel, k in (((), L), (norms, 0))]
+        return [Variant("wallfacer", "wallfacer", p, sel, block=k, fsdp=f, sharding=sh)
+                for f, sh in self._fsdp_choices() for sel, k in (((), L), (norms, 0))]
 
     # ---- memory and time ------------------------------------------------------------------
 
@@ -272,15 +298,17 @@ class Frontier:
         from megatron_metp.measure.planner import chains_layers
 
         sel = () if full else v.selective
+        b = self.settings.micro_batch
         key = (cfg.name, v.mode, p, s, v.cp, sel, full, v.ring_pass, v.qkv, v.cp_comm, v.team,
-               v.placement)
+               v.placement, b)
         if key not in self._times:
             # On the planner's own fake world (rank 0): every rank runs the same work in these
             # layouts (module docstring), and one world set up at a time. One trace serves with
             # and without --tp-comm-overlap (a rewrite of the same ops).
-            kw = dict(world=self.planner.world, recompute_modules=list(sel) or None,
+            kw = dict(world=self.planner.world, micro_batch=b,
+                      recompute_modules=list(sel) or None,
                       ring_pass=v.ring_pass or "auto", qkv_backward=v.qkv or "recompute",
-                      cp=v.cp if v.mode == "tp" else 1, full_recompute=full,
+                      cp=v.cp if v.mode != "wallfacer" else 1, full_recompute=full,
                       cp_comm_type=v.cp_comm, team_size=v.team, placement=v.placement)
             ops = trace_layer(cfg, v.mode, p, s, **kw)
             # Layers that hand work to the next are traced as a stack of two as well.
@@ -293,27 +321,49 @@ class Frontier:
                        for g, m in self.machines.items()}}
         return self._times[key][v.overlap]
 
-    def step_times(self, cfg, v: Variant, p: int, s: int, params_per_rank: int
-                   ) -> Dict[str, float]:
-        """ESTIMATED step seconds per GPU of the device's layers (module docstring)."""
+    @contextmanager
+    def using(self, **fields):
+        """Plan and time with these PlanSettings ``fields`` inside the block (``micro_batch``,
+        ``data_parallel``, ...; memory and traces are cached per micro-batch size)."""
+        saved = self.settings
+        self.settings = self.planner.settings = replace(saved, **fields)
+        try:
+            yield self
+        finally:
+            self.settings = self.planner.settings = saved
+
+    def stack_times(self, cfg, v: Variant, p: int, s: int) -> Dict[str, float]:
+        """ESTIMATED seconds per GPU of one micro-batch through the device's layers, forward
+        and backward, without the optimizer's communication (module docstring)."""
         L = cfg.layers_per_device
         k = min(v.block, L)
         plain = self.layer_times(cfg, v, p, s, False) if k < L else None
         ckpt = self.layer_times(cfg, v, p, s, True) if k else None
         out = {}
-        cp = v.cp if v.mode != "metp" else 1
-        for g, m in self.machines.items():
+        for g in self.machines:
             # The stack's first layer is a checkpointed one where any is (the block method
             # checkpoints the first k): it pays what one layer alone adds to a steady one.
             first, steady = (ckpt if k else plain)[g]
-            t = first - steady + (L - k) * (plain[g][1] if plain else 0.0) + \
+            out[g] = first - steady + (L - k) * (plain[g][1] if plain else 0.0) + \
                 k * (ckpt[g][1] if ckpt else 0.0)
+        return out
+
+    def step_times(self, cfg, v: Variant, p: int, s: int, params_per_rank: int
+                   ) -> Dict[str, float]:
+        """ESTIMATED step seconds per GPU of the device's layers (module docstring)."""
+        stack = self.stack_times(cfg, v, p, s)
+        out = {}
+        cp = v.cp
+        for g, m in self.machines.items():
+            t = stack[g]
             if cp > 1 and v.fsdp:
                 # Megatron-FSDP: per layer, the bf16 parameters all-gathered for the forward
-                # and again for the backward, the fp32 gradient reduce-scattered; charged
+                # and again for the backward (optim_grads_params; optim_grads gathers them once,
+                # after the optimizer step), the fp32 gradient reduce-scattered; charged
                 # exposed (Megatron-FSDP prefetches them behind compute: an upper bound).
                 link = m.link(cp)
-                t += 2 * comm_time("all_gather", 2 * params_per_rank, cp, link)
+                gathers = 1 if v.sharding == "optim_grads" else 2
+                t += gathers * comm_time("all_gather", 2 * params_per_rank, cp, link)
                 t += comm_time("reduce_scatter", 4 * params_per_rank, cp, link)
             elif cp > 1:  # distributed optimizer over CP: fp32 gradient RS + bf16 parameter AG
                 link = m.link(cp)
@@ -362,15 +412,19 @@ class Frontier:
 
     # ---- the search -------------------------------------------------------------------------
 
-    def fastest(self, cfg, family: str, p: int, s: int) -> Dict[str, tuple]:
+    def fastest(self, cfg, family: str, p: int, s: int, cost=None, bases=None
+                ) -> Dict[str, tuple]:
         """The family's fastest configuration that fits at s on each GPU: {gpu: (variant,
-        point)}; {} when none fits."""
+        point)}; {} when none fits. ``cost(variant, point)``: seconds per GPU to rank them by
+        (default :meth:`step_times`); ``bases``: the configurations to search instead of
+        :meth:`base_variants`."""
         fitting = []  # (time, variant, point)
-        bases = self.base_variants(cfg, family, p)
+        cost = cost or (lambda v, pt: self.step_times(cfg, v, p, s, pt.params_per_rank))
+        bases = self.base_variants(cfg, family, p) if bases is None else bases
         groups: Dict[tuple, List[Variant]] = {}
         for v in bases:  # one group per attention / TP x CP / CP comm / overlap choice
             groups.setdefault((v.cp, v.cp_comm, v.ring_pass, v.qkv, v.overlap, v.team,
-                               v.placement, v.fsdp), []).append(v)
+                               v.placement, v.fsdp, v.sharding), []).append(v)
         for members in groups.values():
             fit_sets: List[set] = []
             for v in members:  # SELECTIVE order: less recompute first
@@ -380,7 +434,7 @@ class Frontier:
                 pt = self.plan(cfg, v, p, s)
                 if pt.fits:
                     fit_sets.append(set(v.selective))
-                    fitting.append((self.step_times(cfg, v, p, s, pt.params_per_rank), v, pt))
+                    fitting.append((cost(v, pt), v, pt))
             # Full recompute of the fewest layers that fit, unless the norms alone already fit
             # (one more forward of k layers costs more than the norms' recompute).
             if any(f <= set(NORMS_ONLY[1]) for f in fit_sets):
@@ -389,7 +443,7 @@ class Frontier:
             if got:
                 k, pt = got
                 w = replace(members[0], selective=(), block=k)
-                fitting.append((self.step_times(cfg, w, p, s, pt.params_per_rank), w, pt))
+                fitting.append((cost(w, pt), w, pt))
         out = {}
         for g in self.gpus:
             if fitting:
@@ -397,15 +451,16 @@ class Frontier:
                 out[g] = (v, pt)
         return out
 
-    def longest(self, cfg, family: str, p: int):
+    def longest(self, cfg, family: str, p: int, variants=None):
         """The family's longest sequence (multiple of 1024 tokens) and its configuration:
-        the most frugal configurations' longest (``Planner.longest_sequence``)."""
+        the most frugal configurations' longest (``Planner.longest_sequence``); ``variants``:
+        those to search instead of :meth:`frugal`'s."""
         best = None
 
         def tick(s, pt):
-            self._tick(cfg, family, p, s, "longest")
+            self._tick(cfg, family, p, s, "longest: probing whether it fits at")
 
-        for v in self.frugal(cfg, family, p):
+        for v in self.frugal(cfg, family, p) if variants is None else variants:
             # Only a longer sequence can replace the best so far, and a need grows with s: the
             # search starts one granule beyond it, where a configuration that does not fit is
             # done in one probe (longest_sequence returns None).
@@ -431,16 +486,20 @@ def seq_grid(limit: int, lo: int = 4096) -> List[int]:
 
 
 def plan_model(fr: "Frontier", cfg, p: int, families, seqs: Optional[List[int]], log,
-               t_all: float, index: int, count: int) -> Tuple[List[dict], List[dict]]:
-    """One model at one p: each family's longest sequence, then the fastest configuration of
-    each family at every length of the grid. Returns ``(rows, longest)``, the frontier's
-    entries for this model and p (``run_frontier`` joins them in model, then p, order).
-    ``log`` takes the per-model lines, ``fr.progress`` the others."""
+               t_all: float, index: int, count: int, search_longest: bool = True
+               ) -> Tuple[List[dict], List[dict]]:
+    """One model at one p: each family's longest sequence (unless ``search_longest`` is false
+    and ``seqs`` are given), then the fastest configuration of each family at every length of
+    the grid. Returns ``(rows, longest)``, the frontier's entries for this model and p
+    (``run_frontier`` joins them in model, then p, order). ``log`` takes the per-model lines,
+    ``fr.progress`` the others."""
     t0 = time.time()
+    search_longest = search_longest or seqs is None
     log(f"[metp plan --frontier {time.time() - t_all:5.0f} s] model {index + 1}/{count} "
-        f"{cfg.name} p={p}: longest sequence per family")
+        f"{cfg.name} p={p}: " + ("longest sequence per family" if search_longest
+                                 else f"{len(seqs)} lengths"))
     limits, longest, rows = {}, [], []
-    for fam in families:
+    for fam in families if search_longest else ():
         got = fr.longest(cfg, fam, p)
         if got:
             v, pt = got
@@ -450,13 +509,14 @@ def plan_model(fr: "Frontier", cfg, p: int, families, seqs: Optional[List[int]],
     top = max(limits.values(), default=0)
     grid = (sorted(set(seq_grid(top)) | set(limits.values())) if seqs is None
             else sorted(seqs))
-    log(f"[metp plan --frontier {time.time() - t_all:5.0f} s] {cfg.name} p={p}: longest "
-        + ", ".join(f"{f} {seq_label(s)}" for f, s in limits.items())
-        + f"; {len(grid)} lengths to plan")
+    if search_longest:
+        log(f"[metp plan --frontier {time.time() - t_all:5.0f} s] {cfg.name} p={p}: longest "
+            + ", ".join(f"{f} {seq_label(s)}" for f, s in limits.items())
+            + f"; {len(grid)} lengths to plan")
     for j, s in enumerate(grid):
         here = []
         for fam in families:
-            if s > limits.get(fam, 0):
+            if search_longest and s > limits.get(fam, 0):
                 continue
             fr.progress(f"{cfg.name} p={p} s={seq_label(s)} ({j + 1}/{len(grid)}) {fam}")
             for g, (v, pt) in fr.fastest(cfg, fam, p, s).items():
@@ -494,14 +554,14 @@ def _plan_model_in_worker(task) -> Tuple[List[dict], List[dict]]:
     from megatron_metp.measure.planner import quiet_megatron
 
     (cfg, p, gpus, settings, host_op_s, gpus_per_node, families, seqs, t_all, index,
-     count) = task
+     count, search_longest) = task
     warnings.filterwarnings("ignore")
     fr = Frontier(settings, gpus, host_op_s, gpus_per_node, _throttled(_stderr, t_all),
                   wallfacer_fsdp=True)
     try:
         with quiet_megatron():
             rows, longest = plan_model(fr, cfg, p, families, seqs, _stderr, t_all, index,
-                                       count)
+                                       count, search_longest)
     finally:
         fr.planner.world.teardown()
     return rows, longest
@@ -595,10 +655,11 @@ def _in_workers(tasks, jobs: int) -> List[Tuple[List[dict], List[dict]]]:
 
 def run_frontier(cfgs, ps, gpus, settings: PlanSettings, host_op_s: float, gpus_per_node: int,
                  families=FAMILIES, log=None, seqs: Optional[List[int]] = None,
-                 jobs: int = 1) -> dict:
+                 jobs: int = 1, longest: bool = True) -> dict:
     """The frontier of every model and p (module docstring): the JSON document. ``seqs``:
     the lengths to plan instead of the powers of two up to the longest (each family's longest
-    is still searched, and a family is planned only at lengths it fits). ``jobs`` > 1: the
+    is still searched where ``longest``, and a family is then planned only at lengths it
+    fits; without it a length where none of a family's configurations fits has no row). ``jobs`` > 1: the
     (model, p) pairs are planned in that many worker processes (spawned; each plans a pair
     with a Frontier of its own, as a separate ``metp plan --frontier`` would), and their
     entries joined in the same order: the same document as one process gives, but for
@@ -613,14 +674,15 @@ def run_frontier(cfgs, ps, gpus, settings: PlanSettings, host_op_s: float, gpus_
                       wallfacer_fsdp=True)
         try:
             for i, cfg, p in units:
-                r, lg = plan_model(fr, cfg, p, families, seqs, log, t_all, i, len(cfgs))
+                r, lg = plan_model(fr, cfg, p, families, seqs, log, t_all, i, len(cfgs),
+                                   longest)
                 rows += r
                 longest += lg
         finally:
             fr.planner.world.teardown()
     else:
         tasks = [(cfg, p, tuple(gpus), settings, host_op_s, gpus_per_node, tuple(families), seqs,
-                  t_all, i, len(cfgs)) for i, cfg, p in units]
+                  t_all, i, len(cfgs), longest) for i, cfg, p in units]
         for r, lg in _in_workers(tasks, jobs):  # in (model, p) order
             rows += r
             longest += lg

@@ -139,6 +139,25 @@ def add_arguments(parser) -> None:
       help="--frontier: plan N models (each p apart) at a time, each in a process of its "
            "own; the same output as one process (default 1; the four paper models "
            "take ~33 min with --jobs 2 on 2 cores)")
+    a("--gpus-total", default=None, metavar="N[,N...]",
+      help="--frontier on jobs of N GPUs (e.g. 8,32,64; nodes of --gpus-per-node): each "
+           "family's fastest TP x CP x DP split and micro-batch under --global-batch-tokens, "
+           "written to --frontier-dir as cluster.json, cluster.md and cluster-<model>.svg "
+           "(measure/cluster.py); --p is then not used")
+    a("--global-batch-tokens", type=int, default=None, metavar="T",
+      help="--gpus-total: tokens per optimizer step (default 4,194,304 = 4M); each "
+           "configuration runs T / s sequences as micro-batches of its own choice")
+    a("--each-team-size", action="store_true",
+      help="--gpus-total: a row for WallFacer's fastest at every valid team size C (C = 1 is "
+           "ring attention), not only for its fastest")
+    a("--wallfacer-optimizers", default=None, metavar="LIST",
+      help="--gpus-total: WallFacer's optimizers to plan, comma-separated: distributed "
+           "(Megatron's distributed optimizer), optim_grads (Megatron-FSDP's ZeRO-2, the "
+           "WallFacer paper's sharding), optim_grads_params (its ZeRO-3); default "
+           "distributed,optim_grads_params")
+    a("--longest", action="store_true",
+      help="--frontier with --seq-lengths: also search each family's longest sequence (a "
+           "bisection; without --seq-lengths it is always searched, to end the grid)")
     a("--json", default=None, metavar="PATH", help="write every planned point as JSON")
     timeline_report.add_arguments(parser)
 
@@ -150,9 +169,31 @@ def _modules(value: Optional[str]) -> Optional[List[str]]:
     return [m.strip() for m in value.split(",") if m.strip()] if value else None
 
 
+# The flags that take lists of whole numbers (a "k" suffix: x 1024 tokens).
+INT_LIST_FLAGS = (("p", "--tensor-model-parallel-size"), ("longest_p", "--longest-p"),
+                  ("seq_lengths", "--seq-lengths"), ("time_seq_length", "--time-seq-length"),
+                  ("gpus_total", "--gpus-total"))
+
+
+def _check_int_lists(args) -> None:
+    """One line naming the flag for a malformed list (``--seq-lengths 256q``)."""
+    for attr, flag in INT_LIST_FLAGS:
+        value = getattr(args, attr, None)
+        if value is None:
+            continue
+        try:
+            _ints(value)
+        except ValueError:
+            raise ValueError(f"{flag} {value!r}: give comma-separated whole numbers, each "
+                             f"optionally ending in k (x 1024 tokens), e.g. 4k,32k,1024k") \
+                from None
+
+
 def _check(args) -> None:
     from megatron_metp.models.config import load_config
     from megatron_metp.validation import check_output_file
+
+    _check_int_lists(args)
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in ALL_MODES]
@@ -226,6 +267,32 @@ def _check(args) -> None:
         raise ValueError("--frontier and --timeline are two reports: run one at a time")
     if args.jobs < 1:
         raise ValueError(f"--jobs {args.jobs}: give 1 or more processes")
+    for n in _ints(args.gpus_total or ""):
+        if n < 1:
+            raise ValueError(f"--gpus-total {n}: must be >= 1 (GPUs in the job)")
+    if args.global_batch_tokens is not None and args.global_batch_tokens < 1:
+        raise ValueError(f"--global-batch-tokens {args.global_batch_tokens}: must be >= 1 "
+                         "(tokens per optimizer step, e.g. 4194304)")
+    for flag, given in (("--gpus-total", args.gpus_total is not None),
+                        ("--global-batch-tokens", args.global_batch_tokens is not None),
+                        ("--longest", args.longest),
+                        ("--each-team-size", args.each_team_size),
+                        ("--wallfacer-optimizers", args.wallfacer_optimizers is not None)):
+        if given and not args.frontier:
+            raise ValueError(f"{flag}: only --frontier uses it; add --frontier or drop {flag}")
+    if args.wallfacer_optimizers is not None:
+        from megatron_metp.measure.frontier import WALLFACER_OPTIMIZERS
+
+        names = [n.strip() for n in args.wallfacer_optimizers.split(",") if n.strip()]
+        if not names or any(n not in WALLFACER_OPTIMIZERS for n in names):
+            raise ValueError(f"--wallfacer-optimizers {args.wallfacer_optimizers!r}: choose "
+                             f"from {', '.join(WALLFACER_OPTIMIZERS)}, comma-separated")
+    for flag, given in (("--global-batch-tokens", args.global_batch_tokens is not None),
+                        ("--each-team-size", args.each_team_size),
+                        ("--wallfacer-optimizers", args.wallfacer_optimizers is not None)):
+        if given and args.gpus_total is None:
+            raise ValueError(f"{flag}: it plans jobs of N GPUs; add --gpus-total N or drop "
+                             f"{flag}")
     if args.jobs > 1 and not args.frontier:
         raise ValueError(f"--jobs {args.jobs}: only --frontier plans in several processes; "
                          "drop --jobs or add --frontier")
@@ -466,9 +533,12 @@ def run_frontier(args) -> int:
     cfgs = [load_config(n.strip()) for n in args.models.split(",") if n.strip()]
     # --seq-lengths named on the command line: those lengths instead of 4k .. the longest.
     seqs = _ints(args.seq_lengths) if named(args, "seq_lengths") else None
+    if args.gpus_total is not None:
+        return run_cluster(args, cfgs, gpus, settings, seqs)
     with quiet_megatron():
         doc = frontier.run_frontier(cfgs, ps, gpus, settings, args.host_op_us * 1e-6,
-                                    args.gpus_per_node, seqs=seqs, jobs=args.jobs)
+                                    args.gpus_per_node, seqs=seqs, jobs=args.jobs,
+                                    longest=args.longest or seqs is None)
     md = frontier.markdown(doc)
     print(md)
     d = args.frontier_dir
@@ -480,6 +550,33 @@ def run_frontier(args) -> int:
     print(f"\n[metp plan --frontier] {doc['seconds']:.0f} s; wrote "
           f"{args.json or os.path.join(d, 'frontier.json')}, {d}/frontier.md, "
           f"{d}/frontier.svg (ESTIMATES)")
+    return 0
+
+
+def run_cluster(args, cfgs, gpus, settings, seqs) -> int:
+    """``metp plan --frontier --gpus-total N`` (``measure.cluster``): progress on stderr, the
+    table on stdout, cluster.json / .md / -<model>.svg in --frontier-dir."""
+    from megatron_metp.measure import cluster
+    from megatron_metp.measure.planner import quiet_megatron
+
+    if args.jobs > 1:
+        raise ValueError(f"--jobs {args.jobs}: --gpus-total plans in one process (its traces "
+                         "serve every N); drop --jobs")
+    # --modes named: those families (tp is stock's), else all three.
+    families = ([{"tp": "stock"}.get(m.strip(), m.strip()) for m in args.modes.split(",")
+                 if m.strip()] if named(args, "modes") else list(cluster.FAMILIES))
+    with quiet_megatron():
+        doc = cluster.run_cluster(
+            cfgs, _ints(args.gpus_total), gpus, settings, args.host_op_us * 1e-6,
+            args.gpus_per_node, families=families, seqs=seqs, longest=args.longest,
+            global_batch_tokens=args.global_batch_tokens or cluster.GLOBAL_BATCH_TOKENS,
+            each_team=args.each_team_size,
+            wallfacer_optimizers=tuple(n.strip() for n in args.wallfacer_optimizers.split(",")
+                                       if n.strip()) if args.wallfacer_optimizers else None)
+    print(cluster.markdown(doc))
+    paths = cluster.write(doc, args.frontier_dir)
+    print(f"\n[metp plan --frontier --gpus-total] {doc['seconds']:.0f} s; wrote "
+          f"{', '.join(paths)} (ESTIMATES)")
     return 0
 
 

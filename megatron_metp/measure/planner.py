@@ -132,6 +132,12 @@ class PlanSettings:
     host_memory_gib: Optional[float] = None
     # Megatron-FSDP (optim_grads_params) instead of the distributed optimizer; see item 4.
     megatron_fsdp: bool = False
+    # Megatron-FSDP's --data-parallel-sharding-strategy: optim_grads_params (ZeRO-3) or
+    # optim_grads (ZeRO-2: the bf16 parameters stay whole, nothing is gathered per layer).
+    fsdp_sharding: str = "optim_grads_params"
+    # Data-parallel replicas of the model-parallel group (``metp plan --gpus-total``): the
+    # optimizer state is sharded over DP x CP (the distributed optimizer, Megatron-FSDP).
+    data_parallel: int = 1
     # WallFacer's team size C and placement (``wallfacer.config_generator.PLACEMENTS``): the
     # probe runs that team, its team group and its sub-rings.
     wallfacer_team: int = 1
@@ -225,12 +231,17 @@ def a2a_heads_split(cfg, tp: int, cp: int) -> bool:
 
 
 def optimizer_bytes_per_param(mode: str, p: int, distributed_optimizer: bool,
-                              megatron_fsdp: bool = False, cp: Optional[int] = None) -> float:
+                              megatron_fsdp: bool = False, cp: Optional[int] = None,
+                              sharding: str = "optim_grads_params") -> float:
     """Model-state bytes per parameter (see the module docstring, item 4). ``cp``: the
     context-parallel size (default p for wallfacer, else 1); weights are replicated over CP and
     their optimizer state is sharded over it (the distributed optimizer, as wallfacer and a
-    Megatron-LM user with CP > 1 run it)."""
+    Megatron-LM user with CP > 1 run it). ``sharding``: Megatron-FSDP's
+    ``--data-parallel-sharding-strategy``; ``optim_grads`` (ZeRO-2) keeps the bf16 parameter
+    whole and shards the other 16 B."""
     d = cp if cp is not None else (p if mode == "wallfacer" else 1)
+    if megatron_fsdp and sharding == "optim_grads":
+        return 2.0 + 16.0 / d
     if megatron_fsdp:
         return 18.0 / d
     return 6.0 + (12.0 / d if distributed_optimizer or d > 1 else 12.0)
@@ -246,13 +257,15 @@ def fsdp_gathered_layers(layer_params_full: int, layers: int) -> int:
     return min(layers, 1 + prefetched)
 
 
-def fsdp_transient_bytes(mode: str, p: int, layer_params_full: int, layers: int = 2) -> int:
+def fsdp_transient_bytes(mode: str, p: int, layer_params_full: int, layers: int = 2,
+                         sharding: str = "optim_grads_params") -> int:
     """Megatron-FSDP's unsharded buffers at the last layer's backward peak (module docstring,
-    item 4): the gathered layers' bf16 parameters, one layer's fp32 gradient and (without
-    gradient-accumulation fusion) at most one layer's bf16 weight gradients; 0 when nothing is
-    sharded (d = 1)."""
+    item 4): the gathered layers' bf16 parameters (none under ``optim_grads``, whose parameters
+    stay whole), one layer's fp32 gradient and (without gradient-accumulation fusion) at most
+    one layer's bf16 weight gradients; 0 when nothing is sharded (d = 1)."""
     d = p if mode == "wallfacer" else 1
-    gathered = fsdp_gathered_layers(layer_params_full, layers)
+    gathered = 0 if sharding == "optim_grads" else fsdp_gathered_layers(layer_params_full,
+                                                                        layers)
     return 0 if d == 1 else (2 * gathered + 4 + 2) * layer_params_full
 
 
@@ -343,8 +356,9 @@ class FakeWorld:
             # Stock TP x CP with --cp-comm-type a2a: Megatron's own groups, nothing more.
             initialize_parallel(tensor_model_parallel_size=p // cp, context_parallel_size=cp,
                                 mode="tp")
-        else:
-            initialize_parallel(tensor_model_parallel_size=p, mode=mode)
+        else:  # tp, or metp (TP = p / cp: METP x CP, its K/V ring over the TP x CP ranks)
+            initialize_parallel(tensor_model_parallel_size=p // cp, context_parallel_size=cp,
+                                mode=mode)
         self.key = (mode, p, rank, cp, team, placement)
 
     def teardown(self) -> None:
@@ -494,10 +508,10 @@ class Planner:
 
     def _cp(self, mode: str, p: int) -> int:
         """The context-parallel size of a ``mode`` plan at ``p``: p for wallfacer, the settings'
-        split for stock tp, 1 for metp."""
+        split for stock tp and metp (METP x CP: TP = p / cp)."""
         if mode == "wallfacer":
             return p
-        return self.settings.context_parallel if mode == "tp" else 1
+        return self.settings.context_parallel
 
     def _measure(self, cfg, mode: str, p: int, s: int, qkv: str = "recompute",
                  ring_pass: str = "", full: bool = False):
@@ -514,11 +528,12 @@ class Planner:
         comm = self.settings.cp_comm_type if cp > 1 and mode == "tp" else ""
         team = (self.settings.wallfacer_team, self.settings.wallfacer_placement) \
             if mode == "wallfacer" else (1, "collective_intra")
-        key = (cfg.name, mode, p, s, qkv, ring_pass, cp, full, tuple(modules or ()), comm, team)
+        b = self.settings.micro_batch
+        key = (cfg.name, mode, p, s, qkv, ring_pass, cp, full, tuple(modules or ()), comm, team,
+               b)
         if key not in self._layer:
             probe = probe_mode(mode, cp, comm or "p2p")
             self.world.setup(probe, p, cp, *team)
-            b = self.settings.micro_batch
             with cpu_compat.planning():
                 tcfg = transformer_config(cfg, p, probe, modules, ring_pass, qkv, cp=cp,
                                           full_recompute=full)
@@ -534,12 +549,12 @@ class Planner:
                         rotary_base=cfg.rotary_base)
                     # The head (final norm, logits or METP's ring loss) is the same whatever the
                     # layers recompute or which attention pass they take: once per point.
-                    hkey = (cfg.name, probe, p, s, cp)
+                    hkey = (cfg.name, probe, p, s, cp, b)
                     if holds_all_layers(cfg) and hkey not in self._head:
                         self._head[hkey] = layer_probe.measure_head(
                             tcfg, padded_vocab(cfg, p // cp), s, b, mode=probe)
         return self._layer[key], self._head.get(
-            (cfg.name, probe_mode(mode, cp, comm or "p2p"), p, s, cp))
+            (cfg.name, probe_mode(mode, cp, comm or "p2p"), p, s, cp, b))
 
     def saved_tensors(self, cfg, mode: str, p: int, s: int) -> list:
         """One layer's tensors kept for backward, itemised (``layer_probe.itemise_layer``),
@@ -646,7 +661,7 @@ class Planner:
         act = x0 + stack_activation(L, lm, ckpt, st.recompute_method, st.recompute_num_layers,
                                     shared, head_extra, resident)
         if st.megatron_fsdp:
-            act += fsdp_transient_bytes(mode, p, lm.params, L)
+            act += fsdp_transient_bytes(mode, p, lm.params, L, st.fsdp_sharding)
         if qkv == KEEPS_WEIGHTS and L > 1 and chains_layers(cfg, mode, p, s, b, full):
             act += deferred_grad_bytes(cfg, p)
         if st.count_send_buffers:
@@ -658,7 +673,8 @@ class Planner:
                 params += padded_vocab(cfg, p // cp) // (p // cp) * h  # word table
             params += position_table_params(cfg, mode, p, s)
         state = int(params * optimizer_bytes_per_param(mode, p, st.distributed_optimizer,
-                                                       st.megatron_fsdp, cp))
+                                                       st.megatron_fsdp, cp * st.data_parallel,
+                                                       st.fsdp_sharding))
         total = state + act
         needed = total * (1 + st.fragmentation) + st.reserve_gib * GIB
         sent = 2.0 * (L * lm.sent_elements + (head.sent_elements if head else 0.0))

@@ -110,6 +110,9 @@ class Link:
     bandwidth: float          # bytes/s per direction, peak
     alpha: float              # seconds per call
     efficiency: float = 0.8   # achievable fraction of ``bandwidth`` (bus efficiency)
+    # ``bandwidth`` is one NIC per node that the node's GPUs share: the frontier gives each
+    # GPU 1 / (GPUs per node) of it (``Machine.per_gpu``).
+    shared_by_node: bool = False
 
     @property
     def beta(self) -> float:  # achievable bytes/s
@@ -138,6 +141,15 @@ class Machine:
         return self.op_overhead + max(op.flops / (self.peak_flops * eff),
                                       op.bytes / (self.hbm_bandwidth * mem))
 
+    def per_gpu(self) -> "Machine":
+        """This machine with a node-shared inter-node link split over its GPUs per node (every
+        GPU of a node crossing at once: the DP and CP collectives, and rings whose every member
+        sends across)."""
+        if not self.inter.shared_by_node:
+            return self
+        return replace(self, inter=replace(self.inter, shared_by_node=False,
+                                           bandwidth=self.inter.bandwidth / self.gpus_per_node))
+
     def link(self, group_size: int) -> Link:
         """The link of a group of ``group_size`` consecutive ranks (filling nodes in order)."""
         return self.intra if group_size <= self.gpus_per_node else self.inter
@@ -157,6 +169,15 @@ GPUS: Dict[str, Machine] = {
                     Link("NVLink 4", 450e9, 10e-6), Link("IB NDR 400G", 50e9, 20e-6)),
     "A100": Machine("A100 80GB SXM", 312e12, 2.039e12,
                     Link("NVLink 3", 300e9, 10e-6), Link("IB HDR 200G", 25e9, 20e-6)),
+    # The WallFacer paper's Google Cloud A100 40GB nodes (8 or 16 GPUs, NVLink inside): one
+    # 100 Gb/s Ethernet per node, 12.5 GB/s, which a single flow may fill ("A100-40GB-eth") or
+    # the node's GPUs share when each sends across at once ("A100-40GB-eth-shared"); 50 us per
+    # call over TCP (an assumption, twice InfiniBand's). HBM2 1.555 TB/s (data sheet).
+    "A100-40GB-eth": Machine("A100 40GB SXM, 100 GbE", 312e12, 1.555e12,
+                             Link("NVLink 3", 300e9, 10e-6), Link("100 GbE", 12.5e9, 50e-6)),
+    "A100-40GB-eth-shared": Machine(
+        "A100 40GB SXM, 100 GbE shared", 312e12, 1.555e12, Link("NVLink 3", 300e9, 10e-6),
+        Link("100 GbE per node", 12.5e9, 50e-6, shared_by_node=True)),
 }
 
 

@@ -184,7 +184,7 @@ def _mode_rows(cfg, p, mode, seqs, gpus, efficiency, gpus_per_node, keep, host_o
                             attention_efficiency=(
                                 ATTENTION_EFFICIENCY if attention_efficiency is None
                                 else attention_efficiency),
-                            gpus_per_node=gpus_per_node, host_op_s=host_op_s)
+                            gpus_per_node=gpus_per_node, host_op_s=host_op_s).per_gpu()
                 runs = []
                 for i, ops in enumerate(traces):
                     trace = tp_comm_overlap(ops) if scen == "tp+overlap" else ops
