@@ -10,7 +10,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -23,12 +22,10 @@ from megatron_metp.models.config import load_config
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(script: str, timeout: int = 900) -> dict:
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True,
-                          text=True, timeout=timeout, cwd=str(ROOT))
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
+def _run(script: str) -> dict:
+    from tests.test_frontier import _run as run_script  # one helper for the fake runs
+
+    return run_script(script, timeout=900)
 
 
 def test_sequences_and_micro_batches():

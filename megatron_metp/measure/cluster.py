@@ -49,13 +49,13 @@ counted) and pipeline bubbles (LLaMA-70B and GPT-175B are one middle pipeline st
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from dataclasses import dataclass, replace
 from typing import Dict, List, Optional
 
-from megatron_metp.measure.frontier import FAMILIES, Frontier, Variant, seq_grid
+from megatron_metp.measure.frontier import (FAMILIES, Frontier, Variant, seq_grid,
+                                            settings_record)
 from megatron_metp.measure.planner import GIB, PlanSettings, seq_label
 from megatron_metp.measure.timeline import ESTIMATE, comm_time
 
@@ -394,12 +394,7 @@ def run_cluster(cfgs, totals: List[int], gpus, settings: PlanSettings, host_op_s
     finally:
         fr.planner.world.teardown()
     return dict(label=ESTIMATE, global_batch_tokens=global_batch_tokens,
-                gpus_per_node=gpus_per_node,
-                settings=dict(memory_gib=settings.memory_gib, reserve_gib=settings.reserve_gib,
-                              fragmentation=settings.fragmentation,
-                              efficiency=settings.efficiency,
-                              attention_efficiency=settings.attention_efficiency,
-                              host_op_us=host_op_s * 1e6),
+                gpus_per_node=gpus_per_node, settings=settings_record(settings, host_op_s),
                 cluster=rows, longest=far, seconds=time.time() - t_all)
 
 
@@ -450,56 +445,24 @@ def _lines(rows: List[dict]) -> List[tuple]:
 
 
 def svg(doc: dict, path: str) -> None:
-    """Tokens/s per GPU against s (log axes), one line per family ending at its longest
-    planned length, one panel per (model, N, GPU): a dependency-free SVG titled ESTIMATE."""
+    """Tokens/s per GPU against s (log axes), one line per family (per WallFacer team size
+    where the rows hold each) ending at its longest planned length, one panel per (model, N,
+    GPU): a dependency-free SVG titled ESTIMATE."""
+    from megatron_metp.measure import svg_plot
+
     rows = doc["cluster"]
-    panels = sorted({(r["model"], r["gpus"], r["gpu"]) for r in rows})
-    colours = {"stock": "#1f77b4", "metp": "#d62728", "wallfacer": "#2ca02c"}
-    W, H, m = 380, 260, 55
-    cols = min(len(panels), 3) or 1
-    nrows = -(-len(panels) // cols)
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W * cols}" '
-             f'height="{H * nrows + 40}" font-family="sans-serif" font-size="11">',
-             '<rect width="100%" height="100%" fill="white"/>',
-             '<text x="10" y="18" font-size="14">ESTIMATE (simulated, not measured): tokens/s '
-             'per GPU of each family\'s fastest configuration under the global batch</text>']
-    for n, (model, gpus, gpu) in enumerate(panels):
-        x0, y0 = (n % cols) * W + m, (n // cols) * H + 50
-        pw, ph = W - m - 20, H - 75
+    panels = []
+    for model, gpus, gpu in sorted({(r["model"], r["gpus"], r["gpu"]) for r in rows}):
         pr = [r for r in rows if (r["model"], r["gpus"], r["gpu"]) == (model, gpus, gpu)]
-        seqs = [r["seq_length"] for r in pr]
-        tps = [r["tokens_per_s_per_gpu"] for r in pr]
-        sx0, sx1 = math.log2(min(seqs)), math.log2(max(seqs))
-        ty0, ty1 = math.floor(math.log10(min(tps))), math.ceil(math.log10(max(tps)))
-        ty1 += ty1 == ty0
-        xs = lambda s: x0 + pw * (math.log2(s) - sx0) / ((sx1 - sx0) or 1)  # noqa: E731
-        ys = lambda v: y0 + ph * (1 - (math.log10(v) - ty0) / (ty1 - ty0))  # noqa: E731
-        parts.append(f'<text x="{x0}" y="{y0 - 6}">ESTIMATE {model}, N={gpus}, {gpu}</text>')
-        parts.append(f'<rect x="{x0}" y="{y0}" width="{pw}" height="{ph}" fill="none" '
-                     f'stroke="#888"/>')
-        for e in range(ty0, ty1 + 1):
-            parts.append(f'<text x="{x0 - 45}" y="{ys(10 ** e) + 4:.1f}">1e{e}</text>')
-        for s in sorted(set(seqs))[::2]:
-            parts.append(f'<text x="{xs(s) - 10:.1f}" y="{y0 + ph + 14}">{seq_label(s)}</text>')
-        parts.append(f'<text x="{x0 + pw / 2 - 60}" y="{y0 + ph + 30}">sequence length s '
-                     f'(log)</text>')
-        for j, (fam, team, label) in enumerate(_lines(pr)):
-            pts = sorted((r["seq_length"], r["tokens_per_s_per_gpu"]) for r in pr
-                         if r["family"] == fam and (team is None or r["team_size"] == team))
-            c = colours[fam]
-            dash = f' stroke-dasharray="{2 * team},{2 * team}"' if team and team > 1 else ""
-            d = " ".join(f"{xs(s):.1f},{ys(v):.1f}" for s, v in pts)
-            parts.append(f'<polyline points="{d}" fill="none" stroke="{c}" stroke-width="2"'
-                         f'{dash}/>')
-            parts.append(f'<circle cx="{xs(pts[-1][0]):.1f}" cy="{ys(pts[-1][1]):.1f}" r="3.5" '
-                         f'fill="{c}"/>')
-            parts.append(f'<text x="{x0 + pw - 130}" y="{y0 + 14 + 13 * j}" fill="{c}">'
-                         f'{label} (to {seq_label(pts[-1][0])})</text>')
-        parts.append(f'<text x="{x0 + 4}" y="{y0 + ph - 6}" fill="#555">tokens/s/GPU (log)'
-                     f'</text>')
-    parts.append("</svg>")
-    with open(path, "w") as f:
-        f.write("\n".join(parts))
+        lines = [svg_plot.Line(label, svg_plot.COLOURS[fam], sorted(
+            (r["seq_length"], r["tokens_per_s_per_gpu"]) for r in pr
+            if r["family"] == fam and (team is None or r["team_size"] == team)),
+            f"{2 * team},{2 * team}" if team and team > 1 else "")
+            for fam, team, label in _lines(pr)]
+        panels.append(svg_plot.Panel(f"ESTIMATE {model}, N={gpus}, {gpu}", lines))
+    svg_plot.write(path, "ESTIMATE (simulated, not measured): tokens/s per GPU of each "
+                   "family's fastest configuration under the global batch", panels,
+                   "tokens/s/GPU (log)", cols=3)
 
 
 def write(doc: dict, directory: str) -> List[str]:

@@ -46,7 +46,6 @@ FLOPs, and a causal model counts the causal half of the attention scores, as Meg
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import time
@@ -686,13 +685,16 @@ def run_frontier(cfgs, ps, gpus, settings: PlanSettings, host_op_s: float, gpus_
         for r, lg in _in_workers(tasks, jobs):  # in (model, p) order
             rows += r
             longest += lg
-    return dict(label=ESTIMATE, settings=dict(memory_gib=settings.memory_gib,
-                                              reserve_gib=settings.reserve_gib,
-                                              fragmentation=settings.fragmentation,
-                                              efficiency=settings.efficiency,
-                                              attention_efficiency=settings.attention_efficiency,
-                                              host_op_us=host_op_s * 1e6),
+    return dict(label=ESTIMATE, settings=settings_record(settings, host_op_s),
                 frontier=rows, longest=longest, seconds=time.time() - t_all)
+
+
+def settings_record(settings: PlanSettings, host_op_s: float) -> dict:
+    """The planning settings a frontier document records beside its rows."""
+    return dict(memory_gib=settings.memory_gib, reserve_gib=settings.reserve_gib,
+                fragmentation=settings.fragmentation, efficiency=settings.efficiency,
+                attention_efficiency=settings.attention_efficiency,
+                host_op_us=host_op_s * 1e6)
 
 
 # ---- reports ---------------------------------------------------------------------------------
@@ -777,60 +779,18 @@ def lead_markdown(doc: dict) -> str:
 def svg(doc: dict, path: str) -> None:
     """Tokens/s against s (log axes), one line per family ending at its longest sequence, one
     panel per (model, p, GPU): a dependency-free SVG titled ESTIMATE."""
+    from megatron_metp.measure import svg_plot
+
     rows = doc["frontier"]
-    panels = sorted({(r["model"], r["p"], r["gpu"]) for r in rows})
-    colours = {"stock": "#1f77b4", "metp": "#d62728", "wallfacer": "#2ca02c"}
-    W, H, m = 380, 260, 55
-    cols = min(len(panels), 2) or 1
-    nrows = -(-len(panels) // cols)
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W * cols}" '
-             f'height="{H * nrows + 40}" font-family="sans-serif" font-size="11">',
-             '<rect width="100%" height="100%" fill="white"/>',
-             '<text x="10" y="18" font-size="14">ESTIMATE (simulated, not measured): tokens/s '
-             'of the fastest configuration that fits, per family</text>']
-    for n, (model, p, gpu) in enumerate(panels):
-        x0 = (n % cols) * W + m
-        y0 = (n // cols) * H + 50
-        pw, ph = W - m - 20, H - 75
+    panels = []
+    for model, p, gpu in sorted({(r["model"], r["p"], r["gpu"]) for r in rows}):
         pr = [r for r in rows if (r["model"], r["p"], r["gpu"]) == (model, p, gpu)]
-        seqs = [r["seq_length"] for r in pr]
-        tps = [r["tokens_per_s"] for r in pr if r["tokens_per_s"]]
-        sx0, sx1 = math.log2(min(seqs)), math.log2(max(seqs))
-        ty0 = math.floor(math.log10(min(tps)))
-        ty1 = math.ceil(math.log10(max(tps)))
-        if ty1 == ty0:
-            ty1 += 1
-        xs = lambda s: x0 + pw * (math.log2(s) - sx0) / ((sx1 - sx0) or 1)  # noqa: E731
-        ys = lambda v: y0 + ph * (1 - (math.log10(v) - ty0) / (ty1 - ty0))  # noqa: E731
-        parts.append(f'<text x="{x0}" y="{y0 - 6}">ESTIMATE {model}, p={p}, {gpu}</text>')
-        parts.append(f'<rect x="{x0}" y="{y0}" width="{pw}" height="{ph}" fill="none" '
-                     f'stroke="#888"/>')
-        for e in range(ty0, ty1 + 1):
-            parts.append(f'<text x="{x0 - 45}" y="{ys(10 ** e) + 4:.1f}">1e{e}</text>')
-        k = int(sx0)
-        while k <= sx1:
-            if k == int(k):
-                parts.append(f'<text x="{xs(2 ** k) - 10:.1f}" y="{y0 + ph + 14}">'
-                             f'{seq_label(2 ** k)}</text>')
-            k += 2
-        parts.append(f'<text x="{x0 + pw / 2 - 60}" y="{y0 + ph + 30}">sequence length s '
-                     f'(log)</text>')
-        for j, fam in enumerate(FAMILIES):
-            pts = sorted((r["seq_length"], r["tokens_per_s"]) for r in pr
-                         if r["family"] == fam and r["tokens_per_s"])
-            if not pts:
-                continue
-            c = colours[fam]
-            d = " ".join(f"{xs(s):.1f},{ys(v):.1f}" for s, v in pts)
-            parts.append(f'<polyline points="{d}" fill="none" stroke="{c}" stroke-width="2"/>')
-            ex, ey = xs(pts[-1][0]), ys(pts[-1][1])
-            parts.append(f'<circle cx="{ex:.1f}" cy="{ey:.1f}" r="3.5" fill="{c}"/>')
-            parts.append(f'<text x="{x0 + pw - 110}" y="{y0 + 14 + 13 * j}" fill="{c}">'
-                         f'{fam} (to {seq_label(pts[-1][0])})</text>')
-        parts.append(f'<text x="{x0 + 4}" y="{y0 + ph - 6}" fill="#555">tokens/s (log)</text>')
-    parts.append("</svg>")
-    with open(path, "w") as f:
-        f.write("\n".join(parts))
+        lines = [svg_plot.Line(fam, svg_plot.COLOURS[fam], sorted(
+            (r["seq_length"], r["tokens_per_s"]) for r in pr
+            if r["family"] == fam and r["tokens_per_s"])) for fam in FAMILIES]
+        panels.append(svg_plot.Panel(f"ESTIMATE {model}, p={p}, {gpu}", lines))
+    svg_plot.write(path, "ESTIMATE (simulated, not measured): tokens/s of the fastest "
+                   "configuration that fits, per family", panels, "tokens/s (log)")
 
 
 def write(doc: dict, json_path: Optional[str], svg_path: Optional[str]) -> None:
