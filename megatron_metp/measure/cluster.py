@@ -196,7 +196,7 @@ class Cluster:
     def replica_variants(self, cfg, family: str, p: int) -> List[Variant]:
         """The family's configurations on a replica of p GPUs, TP inside a node."""
         g = self.fr.gpus_per_node
-        if family == "wallfacer" and p < 2:
+        if family != "stock" and p < 2:  # one GPU has no ring: that is stock's plain DP
             return []
         if family == "metp":  # METP x CP: an even TP inside a node, CP across
             return [replace(v, cp=cp) for cp in _divisors(p) if p // cp <= g
