@@ -285,3 +285,25 @@ def test_wallfacer_table_matches_its_json():
         assert f"{step[1] / step[c]:.2f}" == m[7], line
         seen += 1
     assert seen == 12
+
+
+def test_short_cells_table_matches_its_json():
+    """docs/cluster.md's N = 8 table is docs/cluster/n8-short/cluster.json: each family's step
+    time (0.01 s), and METP's ratio to stock."""
+    import re
+
+    names = {"LLaMA-7B": "llama-7b", "LLaMA-70B (5-layer stage)": "llama-70b",
+             "GPT-175B (1-layer stage)": "gpt-175b"}
+    doc = json.loads((ROOT / "docs" / "cluster" / "n8-short" / "cluster.json").read_text())
+    seen = 0
+    for line in (ROOT / "docs" / "cluster.md").read_text().splitlines():
+        m = re.match(r"\| (.+?) \| (\d+)k \| [^|]*: ([\d.]+) \| [^|]*: ([\d.]+) \| [^|]*: "
+                     r"([\d.]+) \| ([\d.]+)x \|", line)
+        if not m or m[1] not in names:
+            continue
+        step = {r["family"]: r["step_ms"] / 1e3 for r in doc["cluster"]
+                if r["model"] == names[m[1]] and r["seq_length"] == int(m[2]) * 1024}
+        assert [f"{step[f]:.2f}" for f in ("stock", "metp", "wallfacer")] == [m[3], m[4], m[5]]
+        assert f"{step['metp'] / step['stock']:.2f}" == m[6], line
+        seen += 1
+    assert seen == 6
