@@ -44,6 +44,29 @@ def _ints(value: str) -> List[int]:
     return out
 
 
+def _add_cluster_arguments(a) -> None:
+    """``--frontier --gpus-total``'s flags (``measure.cluster``)."""
+    a("--gpus-total", default=None, metavar="N[,N...]",
+      help="--frontier on jobs of N GPUs (e.g. 8,32,64; nodes of --gpus-per-node): each "
+           "family's fastest TP x CP x DP split and micro-batch under --global-batch-tokens, "
+           "written to --frontier-dir as cluster.json, cluster.md and cluster-<model>.svg "
+           "(measure/cluster.py); --p is then not used")
+    a("--global-batch-tokens", type=int, default=None, metavar="T",
+      help="--gpus-total: tokens per optimizer step (default 4,194,304 = 4M); each "
+           "configuration runs T / s sequences as micro-batches of its own choice")
+    a("--each-team-size", action="store_true",
+      help="--gpus-total: a row for WallFacer's fastest at every valid team size C (C = 1 is "
+           "ring attention), not only for its fastest")
+    a("--wallfacer-optimizers", default=None, metavar="LIST",
+      help="--gpus-total: WallFacer's optimizers to plan, comma-separated: distributed "
+           "(Megatron's distributed optimizer), optim_grads (Megatron-FSDP's ZeRO-2, the "
+           "WallFacer paper's sharding), optim_grads_params (its ZeRO-3); default "
+           "distributed,optim_grads_params")
+    a("--longest", action="store_true",
+      help="--frontier with --seq-lengths: also search each family's longest sequence (a "
+           "bisection; without --seq-lengths it is always searched, to end the grid)")
+
+
 def add_arguments(parser) -> None:
     a = parser.add_argument
     # None: not named (fill_defaults), so that --timeline and --frontier can tell a value left
@@ -139,25 +162,7 @@ def add_arguments(parser) -> None:
       help="--frontier: plan N models (each p apart) at a time, each in a process of its "
            "own; the same output as one process (default 1; the four paper models "
            "take ~33 min with --jobs 2 on 2 cores)")
-    a("--gpus-total", default=None, metavar="N[,N...]",
-      help="--frontier on jobs of N GPUs (e.g. 8,32,64; nodes of --gpus-per-node): each "
-           "family's fastest TP x CP x DP split and micro-batch under --global-batch-tokens, "
-           "written to --frontier-dir as cluster.json, cluster.md and cluster-<model>.svg "
-           "(measure/cluster.py); --p is then not used")
-    a("--global-batch-tokens", type=int, default=None, metavar="T",
-      help="--gpus-total: tokens per optimizer step (default 4,194,304 = 4M); each "
-           "configuration runs T / s sequences as micro-batches of its own choice")
-    a("--each-team-size", action="store_true",
-      help="--gpus-total: a row for WallFacer's fastest at every valid team size C (C = 1 is "
-           "ring attention), not only for its fastest")
-    a("--wallfacer-optimizers", default=None, metavar="LIST",
-      help="--gpus-total: WallFacer's optimizers to plan, comma-separated: distributed "
-           "(Megatron's distributed optimizer), optim_grads (Megatron-FSDP's ZeRO-2, the "
-           "WallFacer paper's sharding), optim_grads_params (its ZeRO-3); default "
-           "distributed,optim_grads_params")
-    a("--longest", action="store_true",
-      help="--frontier with --seq-lengths: also search each family's longest sequence (a "
-           "bisection; without --seq-lengths it is always searched, to end the grid)")
+    _add_cluster_arguments(a)
     a("--json", default=None, metavar="PATH", help="write every planned point as JSON")
     timeline_report.add_arguments(parser)
 
@@ -187,6 +192,36 @@ def _check_int_lists(args) -> None:
             raise ValueError(f"{flag} {value!r}: give comma-separated whole numbers, each "
                              f"optionally ending in k (x 1024 tokens), e.g. 4k,32k,1024k") \
                 from None
+
+
+def _check_cluster(args) -> None:
+    """The flags of the cluster frontier (``--gpus-total``): values, and what they need."""
+    for n in _ints(args.gpus_total or ""):
+        if n < 1:
+            raise ValueError(f"--gpus-total {n}: must be >= 1 (GPUs in the job)")
+    if args.global_batch_tokens is not None and args.global_batch_tokens < 1:
+        raise ValueError(f"--global-batch-tokens {args.global_batch_tokens}: must be >= 1 "
+                         "(tokens per optimizer step, e.g. 4194304)")
+    for flag, given in (("--gpus-total", args.gpus_total is not None),
+                        ("--global-batch-tokens", args.global_batch_tokens is not None),
+                        ("--longest", args.longest),
+                        ("--each-team-size", args.each_team_size),
+                        ("--wallfacer-optimizers", args.wallfacer_optimizers is not None)):
+        if given and not args.frontier:
+            raise ValueError(f"{flag}: only --frontier uses it; add --frontier or drop {flag}")
+    if args.wallfacer_optimizers is not None:
+        from megatron_metp.measure.frontier import WALLFACER_OPTIMIZERS
+
+        names = [n.strip() for n in args.wallfacer_optimizers.split(",") if n.strip()]
+        if not names or any(n not in WALLFACER_OPTIMIZERS for n in names):
+            raise ValueError(f"--wallfacer-optimizers {args.wallfacer_optimizers!r}: choose "
+                             f"from {', '.join(WALLFACER_OPTIMIZERS)}, comma-separated")
+    for flag, given in (("--global-batch-tokens", args.global_batch_tokens is not None),
+                        ("--each-team-size", args.each_team_size),
+                        ("--wallfacer-optimizers", args.wallfacer_optimizers is not None)):
+        if given and args.gpus_total is None:
+            raise ValueError(f"{flag}: it plans jobs of N GPUs; add --gpus-total N or drop "
+                             f"{flag}")
 
 
 def _check(args) -> None:
@@ -267,32 +302,7 @@ def _check(args) -> None:
         raise ValueError("--frontier and --timeline are two reports: run one at a time")
     if args.jobs < 1:
         raise ValueError(f"--jobs {args.jobs}: give 1 or more processes")
-    for n in _ints(args.gpus_total or ""):
-        if n < 1:
-            raise ValueError(f"--gpus-total {n}: must be >= 1 (GPUs in the job)")
-    if args.global_batch_tokens is not None and args.global_batch_tokens < 1:
-        raise ValueError(f"--global-batch-tokens {args.global_batch_tokens}: must be >= 1 "
-                         "(tokens per optimizer step, e.g. 4194304)")
-    for flag, given in (("--gpus-total", args.gpus_total is not None),
-                        ("--global-batch-tokens", args.global_batch_tokens is not None),
-                        ("--longest", args.longest),
-                        ("--each-team-size", args.each_team_size),
-                        ("--wallfacer-optimizers", args.wallfacer_optimizers is not None)):
-        if given and not args.frontier:
-            raise ValueError(f"{flag}: only --frontier uses it; add --frontier or drop {flag}")
-    if args.wallfacer_optimizers is not None:
-        from megatron_metp.measure.frontier import WALLFACER_OPTIMIZERS
-
-        names = [n.strip() for n in args.wallfacer_optimizers.split(",") if n.strip()]
-        if not names or any(n not in WALLFACER_OPTIMIZERS for n in names):
-            raise ValueError(f"--wallfacer-optimizers {args.wallfacer_optimizers!r}: choose "
-                             f"from {', '.join(WALLFACER_OPTIMIZERS)}, comma-separated")
-    for flag, given in (("--global-batch-tokens", args.global_batch_tokens is not None),
-                        ("--each-team-size", args.each_team_size),
-                        ("--wallfacer-optimizers", args.wallfacer_optimizers is not None)):
-        if given and args.gpus_total is None:
-            raise ValueError(f"{flag}: it plans jobs of N GPUs; add --gpus-total N or drop "
-                             f"{flag}")
+    _check_cluster(args)
     if args.jobs > 1 and not args.frontier:
         raise ValueError(f"--jobs {args.jobs}: only --frontier plans in several processes; "
                          "drop --jobs or add --frontier")
