@@ -7,18 +7,16 @@ A module of constants only, so that the planner's settings and the simulator sha
 importing each other.
 """
 
-# Fraction of bf16 peak for GEMMs and other FLOP-counted ops. Refitted at the fifteenth stop to
-# the two H100 measurements' GEMM classes at 128k (0.84-0.88: stock 0.876 / 0.872, METP 0.861 /
-# 0.840; mean 0.862). The first fit, 0.75 on the H200, split the difference between stock's
-# GEMMs (0.85-0.87) and METP's ring-sliced ones (0.63-0.70); METP's have been whole-token GEMMs
-# since, as fast as stock's, so 0.75 only made GEMM-heavy runs (recompute) look slower.
+# Fraction of bf16 peak for GEMMs and other FLOP-counted ops, fitted to the two H100
+# measurements' GEMM classes at 128k (0.84-0.88: stock 0.876 / 0.872, METP 0.861 / 0.840; mean
+# 0.862). METP's GEMMs are whole-token GEMMs, as fast as stock's, so one figure serves both.
 GEMM_EFFICIENCY = 0.86
 ATTENTION_EFFICIENCY = 0.66   # fraction of bf16 peak for fused attention kernels (cuDNN's)
 HOST_OP_US = 30.0             # host microseconds to issue one traced op
 MEM_EFFICIENCY = 0.8          # fraction of HBM bandwidth for the other ops (dense copies: 0.80)
 # Fraction of HBM bandwidth for element-wise ops on strided or broadcast operands
-# (``op_trace.is_strided``: TensorIterator's unvectorised kernel): fitted at the fifteenth stop
-# to the fourth measurement's 128k profiles, stock's and METP's, by op and shapes: the 20 such
+# (``op_trace.is_strided``: TensorIterator's unvectorised kernel): fitted to the fourth
+# measurement's 128k profiles, stock's and METP's, by op and shapes: the 20 such
 # op groups that both the trace and the profile hold, 10.41 ms ESTIMATED at 0.8 against 13.80
 # ms measured (0.8 / 1.326 = 0.60). METP's online-softmax merges and ring accumulators are such
 # ops, and RoPE's products in both families.

@@ -540,9 +540,8 @@ class Planner:
                 with FakeTensorMode():
                     # RoPE in every plan, context parallel ones included (Megatron's
                     # RotaryEmbedding gives a CP rank its chunks of the table: cpu_compat's
-                    # get_pos_emb_on_this_cp_rank; before the twentieth stop CP plans ran
-                    # without it). Its fused kernel saves the [s, 1, 1, d] fp32 table, external
-                    # to the layers.
+                    # get_pos_emb_on_this_cp_rank). Its fused kernel saves the [s, 1, 1, d]
+                    # fp32 table, external to the layers.
                     rope = cfg.position_embedding_type == "rope"
                     self._layer[key] = layer_probe.measure_layer(
                         tcfg, probe, s, b, causal=cfg.causal, rope=rope,

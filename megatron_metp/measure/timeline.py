@@ -19,13 +19,9 @@ measurement on record (below). The model (every number below is an input, stated
   and receives posted together on one group (no compute or wait between them: one
   ``batch_isend_irecv``, one ``ncclGroupStart/End``) are one FIFO entry: the sends share the
   outgoing direction, the receives the incoming one (NVSwitch: one per-direction figure per
-  GPU, whatever the peer), and a wait on any of them waits for the batch. History: until the
-  seventeenth stop every op of a batch ran at the full rate at once (a batch of several sends,
-  such as the MLP weight ring's two weights and two fp32 accumulators, up to four times too
-  fast); until the eighteenth, different communicators ran at once each at the full rate,
-  which made METP's weight traffic (its own communicator) free beside its all-to-alls (the TP
-  group's): LLaMA-7B's METP layer at 4k / 16k / 32k read 5.3 / 7.9 / 15.4 ms where shared
-  links give 5.5 / 8.1 / 15.8 (before ``metp.layer_schedule``; ``docs/timeline/README.md``).
+  GPU, whatever the peer), and a wait on any of them waits for the batch. The ops of a batch
+  share the link's rate, and so do different communicators on one link: METP's weight traffic
+  (its own communicator) is not free beside its all-to-alls (the TP group's).
 * Alpha-beta links (NCCL's ring algorithms), S = payload (CommCounter's convention), p = group
   size, B = link bandwidth per direction x bus efficiency, alpha per call:
   all_gather, reduce_scatter, all_to_all: alpha + (p-1)/p S/B;  all_reduce: alpha + 2(p-1)/p S/B;
@@ -70,9 +66,7 @@ the next layer's first ops queued when the previous one ends. One layer simulate
 with the GPU idle while the host issues its first ops, and ends with nothing after it to hide
 its last transfers behind. So a device's step is the first layer's time plus L - 1 times the
 *steady* one: the time a second layer adds to a stack of two, simulated as the stack runs them
-(forward of both, backward of the second, backward of the first). Every family alike. Until the
-nineteenth stop a step was L times one layer alone (LLaMA-7B at 16k, p = 8, H100: METP 7.36 ->
-7.03 ms per layer, stock TP 4 x CP 2 a2a + overlap 5.83 -> 5.69, TP 8 + SP 7.49 -> 7.44).
+(forward of both, backward of the second, backward of the first). Every family alike.
 
 Host: one CPU thread issues the ops in program order, ``host_op_s`` each (compute and comm
 alike; a wait costs nothing on the host: ``Work.wait()`` on NCCL only orders streams). No op starts
