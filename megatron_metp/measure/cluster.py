@@ -146,12 +146,6 @@ def optimizer_seconds(m, link, params_per_rank: int, d: int, t_micro: float,
     return t
 
 
-def _group(v: Variant) -> tuple:
-    """A configuration's group in ``Frontier.fastest`` (all but its recompute)."""
-    return (v.cp, v.cp_comm, v.ring_pass, v.qkv, v.overlap, v.team, v.placement, v.fsdp,
-            v.sharding)
-
-
 def _divisors(n: int) -> List[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -269,9 +263,9 @@ class Cluster:
             if not here or all(g in prev and here[g][3] >= 0.99 * prev[g] for g in here):
                 break
             prev = {g: e[3] for g, e in here.items()}
-            near = {_group(v) for v, tv in times.items()
+            near = {v.group() for v, tv in times.items()
                     if any(tv[g] <= FOLLOW * here[g][3] for g in here)}
-            bases = [v for v in bases if _group(v) in near]
+            bases = [v for v in bases if v.group() in near]
         return best
 
     def row(self, cfg, family: str, s: int, entry, gpu: str) -> dict:

@@ -116,6 +116,12 @@ class Variant:
     # Megatron-FSDP's --data-parallel-sharding-strategy: optim_grads_params | optim_grads
     sharding: str = "optim_grads_params"
 
+    def group(self) -> tuple:
+        """Everything but the recompute: the configurations :meth:`Frontier.fastest` weighs
+        recompute choices within."""
+        return (self.cp, self.cp_comm, self.ring_pass, self.qkv, self.overlap, self.team,
+                self.placement, self.fsdp, self.sharding)
+
     def recompute_flags(self, layers: int) -> List[str]:
         if self.block >= layers:
             return ["--recompute-granularity", "full", "--recompute-method", "uniform",
@@ -422,8 +428,7 @@ class Frontier:
         bases = self.base_variants(cfg, family, p) if bases is None else bases
         groups: Dict[tuple, List[Variant]] = {}
         for v in bases:  # one group per attention / TP x CP / CP comm / overlap choice
-            groups.setdefault((v.cp, v.cp_comm, v.ring_pass, v.qkv, v.overlap, v.team,
-                               v.placement, v.fsdp, v.sharding), []).append(v)
+            groups.setdefault(v.group(), []).append(v)
         for members in groups.values():
             fit_sets: List[set] = []
             for v in members:  # SELECTIVE order: less recompute first
