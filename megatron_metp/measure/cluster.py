@@ -150,6 +150,13 @@ def _divisors(n: int) -> List[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def metp_cps(p: int, gpus_per_node: int) -> List[int]:
+    """METP's CP sizes on p GPUs: TP = p / CP inside a node, and even when CP > 1 (each TP
+    rank holds tokens of one of its CP rank's two load-balanced chunks)."""
+    return [cp for cp in _divisors(p) if p // cp <= gpus_per_node
+            and (cp == 1 or (p // cp) % 2 == 0)]
+
+
 def job_flags(cfg, v: Variant, split: Split, s: int) -> List[str]:
     """Every Megatron-LM flag the configuration needs beyond the model's own
     (``megatron_lm.config_flags``): the run's length and batch, the parallel sizes, the
@@ -193,8 +200,7 @@ class Cluster:
         if family != "stock" and p < 2:  # one GPU has no ring: that is stock's plain DP
             return []
         if family == "metp":  # METP x CP: an even TP inside a node, CP across
-            return [replace(v, cp=cp) for cp in _divisors(p) if p // cp <= g
-                    and (cp == 1 or (p // cp) % 2 == 0)
+            return [replace(v, cp=cp) for cp in metp_cps(p, g)
                     for v in self.fr.base_variants(cfg, family, p // cp)
                     if cp == 1 or v.ring_pass != "a2a"]   # a2a's all-to-alls: TP group only
         out = self.fr.base_variants(cfg, family, p)
@@ -297,8 +303,7 @@ class Cluster:
         with TP inside a node; METP also at each CP."""
         g = self.fr.gpus_per_node
         if family == "metp":
-            return [replace(v, cp=cp) for cp in _divisors(n) if n // cp <= g
-                    and (cp == 1 or (n // cp) % 2 == 0)
+            return [replace(v, cp=cp) for cp in metp_cps(n, g)
                     for v in self.fr.frugal(cfg, family, n // cp)]
         out = self.fr.frugal(cfg, family, n)
         return [v for v in out if n // v.cp <= g] if family == "stock" else out
