@@ -352,8 +352,10 @@ def resolve_metp_attention(ns) -> None:
 
 def resolve_auto(ns) -> None:
     """``--tensor-parallel-mode auto`` through Megatron-LM: plan this run's model at its
-    ``--tensor-model-parallel-size`` and ``--seq-length`` (``measure.auto``), print the table
-    on rank 0, and set the chosen mode (and WallFacer's C and placement) in ``ns``."""
+    ``--seq-length`` on its world (``measure.auto.decide``: the whole job's split and
+    micro-batch under its ``--global-batch-size`` where the world is larger than
+    ``--tensor-model-parallel-size``), print the table on rank 0, and set the choice in
+    ``ns``."""
     from megatron_metp.measure import auto
     from megatron_metp.models.config import ConfigError, config_from_megatron_args
 
@@ -361,14 +363,16 @@ def resolve_auto(ns) -> None:
     if (getattr(ns, "context_parallel_size", 1) or 1) > 1:
         raise MetpConfigError("--tensor-parallel-mode auto chooses for --context-parallel-size "
                               "1: name the mode to compose it with context parallelism")
+    world = int(getattr(ns, "world_size", None) or os.environ.get("WORLD_SIZE", p))
     try:
         cfg = config_from_megatron_args(ns)
         chosen, text = auto.decide(
             cfg, p, ns.seq_length, micro_batch=getattr(ns, "micro_batch_size", None) or 1,
-            gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", p)),
+            gpus_per_node=auto.local_world_size(world),
             distributed_optimizer=bool(getattr(ns, "use_distributed_optimizer", False)),
             megatron_fsdp=bool(getattr(ns, "use_megatron_fsdp", False)),
-            tp_comm_overlap=_can_overlap_tp_comm(ns))
+            tp_comm_overlap=_can_overlap_tp_comm(ns), world_size=world,
+            global_batch_size=getattr(ns, "global_batch_size", None))
     except (ConfigError, ValueError) as e:
         raise MetpConfigError(str(e) if "--tensor-parallel-mode auto" in str(e)
                               else f"--tensor-parallel-mode auto: {e}")

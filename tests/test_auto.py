@@ -156,6 +156,40 @@ def test_a_choice_replaces_the_decided_flags_on_the_command_line():
         ("full", "block", 1) and ns.use_distributed_optimizer
 
 
+def test_a_job_choice_sets_its_split_micro_batch_and_optimizer():
+    """auto on a job larger than one model-parallel group (``auto.choose_job``): the choice
+    (here METP x CP, TP 2 x CP 2 x DP 2 on 8 GPUs, micro-batch 2 of a global batch of 8, so
+    two accumulation steps) sets the whole split, the micro-batch, the global batch and the
+    distributed optimizer with Megatron-LM's overlap (DP x CP = 4 ranks share the optimizer),
+    and the command line's micro-batch is replaced by the choice's."""
+    from megatron_metp.measure import auto
+    from megatron_metp.measure.cluster import Split
+    from megatron_metp.measure.frontier import Variant
+
+    v = Variant("metp", "metp", 2, ring_pass="whole", qkv="save")
+    split = Split(gpus=8, dp=2, micro_batch=2, accumulation=2)
+    chosen = auto.Choice("metp", auto.job_choice_flags(v, split, 2), v, dict(layers=2), split)
+    ns = argparse.Namespace(tensor_model_parallel_size=1, context_parallel_size=1,
+                            cp_comm_type=["a2a"], micro_batch_size=8, global_batch_size=8,
+                            use_distributed_optimizer=False, overlap_grad_reduce=False,
+                            overlap_param_gather=False)
+    auto.apply(ns, chosen)
+    assert ns.tensor_parallel_mode == "metp"
+    assert (ns.tensor_model_parallel_size, ns.context_parallel_size, ns.cp_comm_type) == \
+        (2, 2, ["p2p"])   # METP's K/V ring runs p2p over the TP x CP ranks
+    assert (ns.micro_batch_size, ns.global_batch_size) == (2, 8)
+    assert 8 // (2 * 2) * ns.micro_batch_size * split.accumulation == ns.global_batch_size
+    assert ns.use_distributed_optimizer and ns.overlap_grad_reduce and ns.overlap_param_gather
+    assert (ns.metp_ring_pass, ns.metp_qkv_backward) == ("whole", "save")
+    argv = ["--config", "tiny-gpt", "--tensor-parallel-mode", "auto", "--micro-batch-size=8",
+            "--global-batch-size", "8", "--nproc-per-node", "8"]
+    assert auto.rewrite_argv(argv, chosen) == [
+        "--config", "tiny-gpt", "--nproc-per-node", "8", "--tensor-parallel-mode", "metp",
+        "--tensor-model-parallel-size", "2", "--sequence-parallel", "--metp-ring-pass", "whole",
+        "--metp-qkv-backward", "save", "--context-parallel-size", "2", "--cp-comm-type", "p2p",
+        "--micro-batch-size", "2", "--global-batch-size", "8", "--use-distributed-optimizer"]
+
+
 def test_auto_plans_the_runs_sharding(report):
     """--use-megatron-fsdp reaches auto's planner (the settings it plans with), and there
     WallFacer's model state shards over its CP group (18/d B per parameter instead of 6 +
@@ -253,15 +287,65 @@ def test_metp_train_auto_prints_its_choice_and_trains(report):
            f"{chosen}, trained 3 iterations")
 
 
+# In the full tier for time: auto plans every split of the 2-rank job (~45 s on 2 cores).
+@pytest.mark.full
+def test_metp_train_auto_on_a_job_chooses_its_split_and_micro_batch(report):
+    """metp train on 2 ranks with --tensor-model-parallel-size 1: the world is larger than the
+    model-parallel group given, so auto plans the whole job (TP x CP x DP = 2, the micro-batch
+    under --global-batch-size 8), prints each family's fastest with its split, chooses by the
+    rule (a plugin family only beyond the margin over stock), and the ranks train with it."""
+    import re
+
+    from megatron_metp.measure.fitted import AUTO_LEAD_MARGIN
+
+    r = _train("--tensor-parallel-mode", "auto", "--tensor-model-parallel-size", "1",
+               "--seq-length", "64", "--micro-batch-size", "1", "--global-batch-size", "8",
+               "--train-iters", "2", "--lr-warmup-iters", "1", "--nproc-per-node", "2")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    out = r.stdout
+    assert "auto on 2 GPUs" in out and "--global-batch-size 8" in out, out[:3000]
+    rows = {m[0]: (tuple(map(int, m[1:5])), float(m[5].replace(",", ""))) for m in re.findall(
+        r"^\[?(?:metp\] )?\| (\w+)(?: \*\*chosen\*\*)? \| (\d+) x (\d+) x (\d+), (\d+) \| "
+        r"`[^`]*` \| [\d.]+ \| ([\d,.]+) \|", out, re.M)}
+    assert set(rows) == {"stock", "metp", "wallfacer"}, out[:3000]
+    for (tp, cp, dp, b), _ in rows.values():
+        assert tp * cp * dp == 2 and 8 % (dp * b) == 0
+    fastest = min(rows, key=lambda f: rows[f][1])
+    expect = "stock" if fastest != "stock" and \
+        rows[fastest][1] * AUTO_LEAD_MARGIN > rows["stock"][1] else fastest
+    chosen = out.split("auto chose ")[1].split()[0]
+    assert chosen == expect, out[:3000]
+    (tp, cp, dp, b), _ = rows[chosen]
+    launch = next(ln for ln in out.splitlines() if ln.startswith("[metp] launching"))
+    assert f"--micro-batch-size {b}" in launch and " auto" not in launch, launch
+    assert f"--tensor-model-parallel-size {tp if chosen != 'wallfacer' else tp * cp}" in launch
+    assert "iter     2/2" in out, out[-2000:]
+    report(f"metp train --tensor-parallel-mode auto on 2 CPU ranks (tiny-gpt, s=64, global "
+           f"batch 8): chose {chosen}, TP {tp} x CP {cp} x DP {dp}, micro-batch {b}")
+
+
 def test_metp_train_auto_refuses_at_start_up_in_one_line():
     # 4 GiB are the reserve: nothing fits, not even 4k tokens (the refusal with the longest
     # sequence that fits is checked in-process above; its bisection costs tens of seconds).
+    # TP 4 on 4 ranks: one model-parallel group (a job's refusal is planned below, ~50 s more).
     r = _train("--tensor-parallel-mode", "auto", "--auto-memory-gib", "4.001", "--seq-length",
-               "4096", "--nproc-per-node", "4")
+               "4096", "--tensor-model-parallel-size", "4", "--nproc-per-node", "4")
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1, r.stdout[-2000:] + r.stderr[-3000:]
     assert "--tensor-parallel-mode auto" in lines[0] and "no configuration fits" in lines[0], lines
     assert "[metp] launching" not in r.stdout  # no rank started
+
+
+@pytest.mark.full
+def test_auto_on_a_job_refuses_what_fits_nowhere():
+    """A job's refusal (``auto.choose_job``): 4 GiB is the planner's reserve, so no split of 2
+    GPUs fits even 4k tokens, and the refusal says so in the flag's words."""
+    from megatron_metp.measure import auto
+
+    with pytest.raises(ValueError, match=r"^--tensor-parallel-mode auto: no configuration fits "
+                                         r"4.001 GiB even at 4k tokens on 2 GPUs"):
+        auto.decide(_tiny(), 1, 4096, memory_gib=4.001, gpu="H100", world_size=2,
+                    global_batch_size=2)
 
 
 def test_megatron_lm_route_resolves_auto(monkeypatch):

@@ -43,10 +43,23 @@ class Choice:
     flags: List[str]               # Megatron-LM's flags of the configuration
     variant: object = None         # frontier.Variant
     row: Optional[dict] = None     # frontier.Frontier.row (ESTIMATED step, memory)
+    split: object = None           # cluster.Split: the job's DP and micro-batch (choose_job)
 
     @property
     def mode(self) -> str:
         return FAMILY_MODE[self.family]
+
+
+def local_world_size(world_size: int) -> int:
+    """GPUs per node of the run being started: torchrun's ``LOCAL_WORLD_SIZE``, else SLURM's
+    ``SLURM_NTASKS_PER_NODE`` (one task per GPU), else one node of up to 8 GPUs."""
+    import os
+
+    for key in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        got = os.environ.get(key, "").split("(")[0]   # SLURM may write "8(x4)"
+        if got.isdigit() and int(got) > 0:
+            return int(got)
+    return min(world_size, 8)
 
 
 def _frontier(settings: PlanSettings, gpu: str, gpus_per_node: int, tp_comm_overlap: bool):
@@ -67,6 +80,29 @@ def table(rows: Dict[str, Optional[dict]], chosen: Optional[Choice], gpu: str) -
         out.append(f"| {fam}{mark} | `{r['flags']}` | {r['memory_gib']:.1f} | "
                    f"{r['step_ms']:,.3f} | {r['tokens_per_s']:,.0f} |")
     return "\n".join(out)
+
+
+def _rule(choices: Dict[str, Choice], margin: float) -> Tuple[Choice, str, str]:
+    """The choice among each family's fastest (module docstring): (the chosen, the words that
+    say why, the others' times). ``min`` keeps the first of equals: stock, metp, wallfacer."""
+    fastest = min(choices.values(), key=lambda c: c.row["step_ms"])
+    stock = choices.get("stock")
+    inside = (stock is not None and fastest is not stock
+              and fastest.row["step_ms"] * margin > stock.row["step_ms"])
+    chosen = stock if inside else fastest
+    rest = ", ".join(f"{c.family} {c.row['step_ms']:,.3f} ms" for c in choices.values()
+                     if c is not chosen)
+    if inside:
+        lead = stock.row["step_ms"] / fastest.row["step_ms"]
+        keeps = (" (auto keeps --tensor-parallel-mode tp): "
+                 f"{fastest.family} is estimated {lead:.3f}x faster, inside the "
+                 f"timeline's measured error in its favour (auto asks for "
+                 f"{margin:.2f}x; docs/calibration/README.md); stock's estimate")
+    else:
+        keeps = (" (stock Megatron-Core is fastest here: auto keeps "
+                 "--tensor-parallel-mode tp): the fastest estimate"
+                 if chosen.family == "stock" else ": the fastest estimate")
+    return chosen, keeps, rest
 
 
 def choose(cfg, p: int, s: int, *, micro_batch: int = 1, memory_gib: float = 80.0,
@@ -92,24 +128,8 @@ def choose(cfg, p: int, s: int, *, micro_batch: int = 1, memory_gib: float = 80.
                 rows[fam] = fr.row(cfg, got[0], p, s, got[1], gpu) if got else None
                 if got:
                     choices[fam] = Choice(fam, got[0].flags(p, L), got[0], rows[fam])
-            if choices:  # min keeps the first of equals: stock, metp, wallfacer
-                fastest = min(choices.values(), key=lambda c: c.row["step_ms"])
-                stock = choices.get("stock")
-                inside = (stock is not None and fastest is not stock
-                          and fastest.row["step_ms"] * margin > stock.row["step_ms"])
-                chosen = stock if inside else fastest
-                rest = ", ".join(f"{c.family} {c.row['step_ms']:,.3f} ms" for c in
-                                 choices.values() if c is not chosen)
-                if inside:
-                    lead = stock.row["step_ms"] / fastest.row["step_ms"]
-                    keeps = (" (auto keeps --tensor-parallel-mode tp): "
-                             f"{fastest.family} is estimated {lead:.3f}x faster, inside the "
-                             f"timeline's measured error in its favour (auto asks for "
-                             f"{margin:.2f}x; docs/calibration/README.md); stock's estimate")
-                else:
-                    keeps = (" (stock Megatron-Core is fastest here: auto keeps "
-                             "--tensor-parallel-mode tp): the fastest estimate"
-                             if chosen.family == "stock" else ": the fastest estimate")
+            if choices:
+                chosen, keeps, rest = _rule(choices, margin)
                 why = (f"{chosen.family}{keeps}, {chosen.row['step_ms']:,.3f}"
                        f" ms per micro-batch step on {gpu}{' against ' + rest if rest else ''}, "
                        f"at --seq-length {s} in {settings.memory_gib:g} GiB; its flags: "
@@ -134,15 +154,101 @@ def choose(cfg, p: int, s: int, *, micro_batch: int = 1, memory_gib: float = 80.
     return None, table(rows, None, gpu), why
 
 
+def job_table(rows: Dict[str, Optional[dict]], chosen: Optional[Choice], gpu: str) -> str:
+    """Each family's fastest configuration of the job, a row each (cluster rows)."""
+    out = [f"| family | TP x CP x DP, micro-batch | fastest configuration that fits (Megatron-LM "
+           f"flags) | needs GiB | step ms ({gpu} ESTIMATE) | tokens/s per GPU | MFU |",
+           "|---|---|---|---:|---:|---:|---:|"]
+    for fam, r in rows.items():
+        if r is None:
+            out.append(f"| {fam} | - | nothing fits | - | - | - | - |")
+            continue
+        mark = " **chosen**" if chosen is not None and chosen.family == fam else ""
+        out.append(f"| {fam}{mark} | {r['tp']} x {r['cp']} x {r['dp']}, {r['micro_batch']} | "
+                   f"`{r['flags']}` | {r['memory_gib']:.1f} | {r['step_ms']:,.3f} | "
+                   f"{r['tokens_per_s_per_gpu']:,.0f} | {r['mfu']:.1%} |")
+    return "\n".join(out)
+
+
+def job_choice_flags(v, split, layers: int) -> List[str]:
+    """The flags a job's choice sets (:data:`JOB_DECIDED`): the configuration's, its
+    micro-batch and global batch, and the optimizer's sharding as the cluster plans it."""
+    out = v.flags(split.p, layers) + ["--micro-batch-size", str(split.micro_batch),
+                                      "--global-batch-size", str(split.sequences)]
+    if not v.fsdp and "--use-distributed-optimizer" not in out:
+        out.append("--use-distributed-optimizer")
+    return out
+
+
+def choose_job(cfg, n: int, s: int, *, global_batch_tokens: int, gpus_per_node: int = 8,
+               gpu: str = "H100", settings: Optional[PlanSettings] = None,
+               tp_comm_overlap: bool = False, margin: float = AUTO_LEAD_MARGIN
+               ) -> Tuple[Optional[Choice], str, str]:
+    """:func:`choose` for a whole job of n GPUs under a global batch of
+    ``global_batch_tokens``: each family's fastest TP x CP x DP split and micro-batch on the
+    cluster frontier (``measure.cluster``), the same rule between them. The choice's
+    ``flags`` are its configuration's and its micro-batch; its ``row`` holds the split and
+    every flag the job needs."""
+    from megatron_metp.measure.cluster import Cluster
+    from megatron_metp.measure.frontier import FAMILIES
+
+    settings = settings or PlanSettings()
+    cl = Cluster(_frontier(settings, gpu, gpus_per_node, tp_comm_overlap), global_batch_tokens)
+    L = cfg.layers_per_device
+    try:
+        with quiet_megatron():
+            rows, choices = {}, {}
+            for fam in FAMILIES:
+                got = cl.best(cfg, fam, n, s).get(gpu)
+                rows[fam] = dict(cl.row(cfg, fam, s, got, gpu), layers=L) if got else None
+                if got:
+                    v, split = got[0], got[1]
+                    choices[fam] = Choice(fam, job_choice_flags(v, split, L), v, rows[fam],
+                                          split)
+            far = [] if choices else [r for r in (cl.longest(cfg, f, n) for f in FAMILIES) if r]
+    finally:
+        cl.fr.planner.world.teardown()
+    if choices:
+        chosen, keeps, rest = _rule(choices, margin)
+        r = chosen.row
+        why = (f"{chosen.family}{keeps}, {r['step_ms']:,.3f} ms per optimizer step of "
+               f"{r['global_batch_tokens']:,} tokens on {n} {gpu}"
+               f"{' against ' + rest if rest else ''}, at --seq-length {s} in "
+               f"{settings.memory_gib:g} GiB: TP {r['tp']} x CP {r['cp']} x DP {r['dp']}, "
+               f"micro-batch {r['micro_batch']}; its flags: {r['flags']}")
+        return chosen, job_table(rows, chosen, gpu), why
+    if not far:
+        why = (f"no configuration fits {settings.memory_gib:g} GiB even at 4k tokens on {n} "
+               f"GPUs: use more GPUs or a smaller model")
+    else:
+        best = max(far, key=lambda r: r["seq_length"])
+        why = (f"no configuration fits --seq-length {s} in {settings.memory_gib:g} GiB on {n} "
+               f"GPUs; the longest that fits is {best['family']} at "
+               f"{seq_label(best['seq_length'])} (--seq-length {best['seq_length']}) with "
+               f"{best['flags']}")
+    return None, job_table(rows, None, gpu), why
+
+
 def decide(cfg, p: int, s: int, *, micro_batch: int = 1, memory_gib: Optional[float] = None,
            gpu: Optional[str] = None, gpus_per_node: int = 8, distributed_optimizer: bool = False,
-           megatron_fsdp: bool = False, tp_comm_overlap: bool = False) -> Tuple[Choice, str]:
+           megatron_fsdp: bool = False, tp_comm_overlap: bool = False,
+           world_size: Optional[int] = None, global_batch_size: Optional[int] = None
+           ) -> Tuple[Choice, str]:
     """What both routes (``metp train``, Megatron-LM's argument hook) run: the GPU's memory and
-    kind where there is one (else 80 GiB, H100), p = 1 -> tp, else :func:`choose`. Returns the
-    choice and the text to print; nothing fits: a ValueError naming the longest that would.
-    ``distributed_optimizer`` / ``megatron_fsdp``: the run's sharding, planned as ``metp plan``
-    plans it. ``tp_comm_overlap``: whether stock's ``--tp-comm-overlap`` can run here."""
-    if p == 1:
+    kind where there is one (else 80 GiB, H100), then
+
+    * a world larger than p (``--tensor-model-parallel-size``): :func:`choose_job` on all of
+      it, the split, the micro-batch and the accumulation auto's, under the run's global batch
+      (``--global-batch-size`` sequences, or one per GPU where it is not given);
+    * else p = 1 -> tp, or :func:`choose` within the one model-parallel group of p GPUs at the
+      given micro-batch.
+
+    Returns the choice and the text to print; nothing fits: a ValueError naming the longest
+    that would. ``distributed_optimizer`` / ``megatron_fsdp``: the run's sharding, planned as
+    ``metp plan`` plans it. ``tp_comm_overlap``: whether stock's ``--tp-comm-overlap`` can run
+    here."""
+    n = world_size or p
+    if n == 1:
         return Choice("stock", ["--tensor-model-parallel-size", "1"]), \
             "--tensor-model-parallel-size 1 leaves nothing to choose: tp"
     import torch
@@ -155,17 +261,27 @@ def decide(cfg, p: int, s: int, *, micro_batch: int = 1, memory_gib: Optional[fl
     settings = PlanSettings(memory_gib=memory_gib, micro_batch=micro_batch,
                             distributed_optimizer=distributed_optimizer,
                             megatron_fsdp=megatron_fsdp)
-    chosen, tbl, why = choose(cfg, p, s, gpu=gpu, gpus_per_node=gpus_per_node,
-                              settings=settings, tp_comm_overlap=tp_comm_overlap)
-    if chosen is None:
-        raise ValueError(f"--tensor-parallel-mode auto: {why}")
     sharding = ("Megatron-FSDP, " if megatron_fsdp else
                 "distributed optimizer, " if distributed_optimizer else "")
-    return chosen, (f"--tensor-parallel-mode auto at p = {p}, --seq-length {s}, micro batch "
-                    f"{micro_batch}, {memory_gib:g} GiB, {sharding}{gpus_per_node} ranks per "
-                    f"node: each family's fastest configuration that fits (memory planned under "
-                    f"fake tensors; times are ESTIMATES of the timeline model for {gpu}, not "
-                    f"measurements):\n{tbl}\nauto chose {why}")
+    planned = (f"(memory planned under fake tensors; times are ESTIMATES of the timeline model "
+               f"for {gpu}, not measurements)")
+    if n > p:
+        seqs = global_batch_size or n
+        chosen, tbl, why = choose_job(cfg, n, s, global_batch_tokens=seqs * s, gpu=gpu,
+                                      gpus_per_node=gpus_per_node, settings=settings,
+                                      tp_comm_overlap=tp_comm_overlap)
+        head = (f"--tensor-parallel-mode auto on {n} GPUs ({gpus_per_node} per node), "
+                f"--seq-length {s}, --global-batch-size {seqs}, {memory_gib:g} GiB: each "
+                f"family's fastest TP x CP x DP split and micro-batch that fits {planned}")
+    else:
+        chosen, tbl, why = choose(cfg, p, s, gpu=gpu, gpus_per_node=gpus_per_node,
+                                  settings=settings, tp_comm_overlap=tp_comm_overlap)
+        head = (f"--tensor-parallel-mode auto at p = {p}, --seq-length {s}, micro batch "
+                f"{micro_batch}, {memory_gib:g} GiB, {sharding}{gpus_per_node} ranks per "
+                f"node: each family's fastest configuration that fits {planned}")
+    if chosen is None:
+        raise ValueError(f"--tensor-parallel-mode auto: {why}")
+    return chosen, f"{head}:\n{tbl}\nauto chose {why}"
 
 
 # The flags a choice decides: given ones are replaced by the winner's.
@@ -176,16 +292,31 @@ DECIDED = ("--tensor-parallel-mode", "--tensor-model-parallel-size", "--context-
            "--metp-qkv-backward", "--wallfacer-team-size", "--wallfacer-placement")
 
 
+# ... and a job's choice (choose_job) its micro-batch and global batch, and the optimizer's.
+JOB_DECIDED = DECIDED + ("--micro-batch-size", "--global-batch-size",
+                         "--use-distributed-optimizer")
+
+
 def apply(ns, chosen: Choice, team_size_type=int) -> None:
     """The choice into an argument namespace (Megatron-LM's attribute names, which ``metp
-    train`` shares): mode, TP x CP, recompute, METP attention, WallFacer's team."""
+    train`` shares): mode, TP x CP, recompute, METP attention, WallFacer's team; a job's
+    choice also its micro-batch, global batch and the distributed optimizer, with
+    Megatron-LM's overlap of its gradient reduction and parameter gather where DP x CP > 1."""
     v = chosen.variant
     ns.tensor_parallel_mode = chosen.mode
     if v is None:  # p = 1
         return
+    split = chosen.split
+    if split is not None:
+        ns.tensor_model_parallel_size = split.p
+        ns.micro_batch_size, ns.global_batch_size = split.micro_batch, split.sequences
+        if not v.fsdp:
+            ns.use_distributed_optimizer = True
+            if split.dp * v.cp > 1 and hasattr(ns, "overlap_grad_reduce"):
+                ns.overlap_grad_reduce = ns.overlap_param_gather = True
     p = ns.tensor_model_parallel_size
     L = chosen.row["layers"] if chosen.row else None
-    cp = v.cp if v.mode == "tp" else 1
+    cp = v.cp if v.mode != "wallfacer" else 1   # WallFacer's remap makes TP its CP
     ns.tensor_model_parallel_size = p // cp
     ns.context_parallel_size = cp
     if cp > 1:
@@ -216,10 +347,11 @@ def apply(ns, chosen: Choice, team_size_type=int) -> None:
 def rewrite_argv(argv: List[str], chosen: Choice) -> List[str]:
     """A command line with the decided flags (:data:`DECIDED`) replaced by the winner's (both
     ``--flag value...`` and ``--flag=value`` spellings)."""
+    decided = JOB_DECIDED if chosen.split is not None else DECIDED
     out, skip = [], False
     for a in argv:
         name = a.split("=", 1)[0]
-        if name in DECIDED:
+        if name in decided:
             skip = "=" not in a
             continue
         if skip and not a.startswith("--"):

@@ -10,16 +10,15 @@ p = TP x CP GPUs is contiguous and its DP replicas lie beside it. The configurat
 stock       every DP that divides N, and on the p = N / DP GPUs left every TP x CP split the
             frontier searches (``Frontier.base_variants``) with TP inside a node: CP p2p and
             a2a, --tp-comm-overlap, selective and full recompute
-metp        DP x TP = N with TP inside a node, METP's attention choices, recompute as the
-            frontier searches it
+metp        DP x TP x CP = N with an even TP inside a node (METP x CP: its K/V ring over the
+            TP x CP ranks, p2p), METP's attention choices (its a2a ring pass at CP = 1
+            only), recompute as the frontier searches it
 wallfacer   DP x CP = N (TP = 1), every valid team size C and placement, the distributed
             optimizer or Megatron-FSDP, recompute as the frontier searches it
 ==========  =====================================================================================
 
-Not planned, though Megatron-LM or the plugin can run it: METP x CP (the plugin trains it; its
-K/V ring over TP x CP ranks is not traced by the planner), stock's
-``--hierarchical-context-parallel-sizes`` (a2a inside a node, p2p across: no stand-in), and
-WallFacer with TP > 1.
+Not planned, though they run: stock's ``--hierarchical-context-parallel-sizes`` (a2a inside a
+node, p2p across: no stand-in), and WallFacer with TP > 1 inside each CP rank (not traced).
 
 The global batch (``--global-batch-tokens``, default 4,194,304): G / s sequences per optimizer
 step (one where s > G), split evenly over DP; each replica runs them as micro-batches of b

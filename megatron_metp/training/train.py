@@ -132,9 +132,10 @@ def resolve_auto(args: Namespace, cfg: ModelConfig, world_size: int, *,
                          "--pipeline-model-parallel-size 1: name the mode to compose them")
     chosen, text = auto.decide(
         cfg, p, ns.seq_length, micro_batch=ns.micro_batch_size, memory_gib=args.auto_memory_gib,
-        gpu=args.auto_gpu, gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
+        gpu=args.auto_gpu, gpus_per_node=auto.local_world_size(world_size),
         distributed_optimizer=bool(args.use_distributed_optimizer),
-        megatron_fsdp=bool(args.use_megatron_fsdp))  # no --tp-comm-overlap in metp train
+        megatron_fsdp=bool(args.use_megatron_fsdp),  # no --tp-comm-overlap in metp train
+        world_size=world_size, global_batch_size=ns.global_batch_size)
     if announce:
         print("[metp] " + text.replace("\nauto chose", "\n[metp] auto chose"), flush=True)
     args.tensor_model_parallel_size = p
