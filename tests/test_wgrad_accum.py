@@ -318,3 +318,93 @@ def test_weight_grad_keeps_fp32_and_hands_megatrons_placeholder():
     # Without main_grad (no DDP) the fusion falls back to the cast.
     plain = torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))
     assert torch.equal(weight_grad(torch.ones(3), plain, on=True), torch.ones(3).bfloat16())
+
+
+def _reduce_dtypes_and_bytes(model, main_grad_fp32: bool, large: bool):
+    """One bf16 micro-batch under Float16Module and DDP with ``main_grad`` in fp32 (Megatron's
+    default) or bf16 (``--grad-reduce-in-bf16``). Returns the loss, every ``main_grad``, the
+    dtypes of the backward's reductions (reduce-scatter, reduce, all-reduce) and the bytes its
+    P2P sends moved."""
+    import torch.distributed as dist
+    from megatron.core.transformer.module import Float16Module
+
+    ddp = M.wrap_ddp(Float16Module(model.config, model), grad_reduce_in_fp32=main_grad_fp32)
+    b = M.batch(0)
+    ddp.zero_grad_buffer()
+    seen, sent = set(), [0]
+    real = {k: getattr(dist, k) for k in ("reduce_scatter_tensor", "reduce", "all_reduce",
+                                          "batch_isend_irecv")}
+
+    def reduction(name):
+        def call(*args, **kwargs):
+            t = kwargs.get("input", args[1] if name == "reduce_scatter_tensor" else args[0])
+            seen.add(t.dtype)
+            return real[name](*args, **kwargs)
+        return call
+
+    def p2p(ops):
+        sent[0] += sum(op.tensor.numel() * op.tensor.element_size() for op in ops
+                       if op.op is dist.isend)
+        return real["batch_isend_irecv"](ops)
+
+    with M.large_layers(large):
+        logits = ddp(b["tokens"], b["position_ids"], b["attention_mask"])
+        loss = model.compute_language_model_loss(
+            b["labels"], logits.float().transpose(0, 1).contiguous()).mean()
+        for k in ("reduce_scatter_tensor", "reduce", "all_reduce"):
+            setattr(dist, k, reduction(k))
+        dist.batch_isend_irecv = p2p
+        try:
+            loss.backward()
+        finally:
+            for k, f in real.items():
+                setattr(dist, k, f)
+    return dict(loss=loss.item(), seen=seen, sent=sent[0],
+                grads={n: prm.main_grad.detach().float().clone()
+                       for n, prm in model.named_parameters()},
+                weights=_metp_weights(model))
+
+
+def _bf16_reduction(p, large):
+    M.setup(tp=p, mode="metp")
+    out = {}
+    for name, (style, overrides) in CASES.items():
+        runs = {}
+        for fp32 in (True, False):
+            model = M.build("metp", style, gradient_accumulation_fusion=True, bf16=True,
+                            params_dtype=torch.bfloat16, **overrides)
+            runs[fp32] = _reduce_dtypes_and_bytes(model, fp32, large)
+        ref, lever = runs[True], runs[False]
+        # The same bf16 forward, so the same loss bit for bit.
+        assert ref["loss"] == lever["loss"], name
+        # Default: METP reduces its weight gradients in fp32. --grad-reduce-in-bf16: every
+        # reduction of the backward is bf16 (the whole pass's and the gathered MLP's
+        # reduce-scatters, the head-group pass's reduces, DDP's own), and the MLP's weight
+        # ring, whose gradient accumulators travel point to point, sends fewer bytes; the
+        # other passes' P2P traffic (K/V rings) is the same.
+        assert torch.float32 in ref["seen"], (name, ref["seen"])
+        assert lever["seen"] <= {torch.bfloat16}, (name, lever["seen"])
+        assert (lever["sent"] < ref["sent"]) if "ring-mlp" in name \
+            else lever["sent"] == ref["sent"], (name, lever["sent"], ref["sent"])
+        for n in lever["weights"]:
+            g, r = lever["grads"][n], ref["grads"][n]
+            # bf16 keeps 8 bits: each of the p = 2 partial sums and their sum rounds once
+            # (2^-9 relative each), so the gradient's error is a few 2^-9 of the partials'
+            # size; in norm, 2^-6 of the fp32-reduced gradient (itself within fp32 of TP's:
+            # the test above and tests/test_metp_mlp.py against fp64) holds that with room,
+            # and a lost or doubled contribution (an error near the gradient's own norm)
+            # fails it.
+            err = ((g - r).norm() / r.norm()).item()
+            assert err <= 2 ** -6, (name, n, err)
+        out[name] = (lever["sent"], ref["sent"])
+    return out
+
+
+def test_grad_reduce_in_bf16_reduces_metp_weight_gradients_in_bf16(report):
+    """Megatron-LM's --grad-reduce-in-bf16 (DDP's ``main_grad`` in bf16): METP sums and reduces
+    its weight gradients in bf16 as DDP's own buckets do (``wgrad_accum.reduce_dtype``), half
+    the gradient bytes, within bf16's rounding of the fp32 reduction; every METP pass."""
+    res = run_ranks(2, _bf16_reduction, 2, False)[0]
+    report("--grad-reduce-in-bf16, METP p=2, bf16: weight gradients reduced in bf16 within "
+           "2^-6 (norm) of the fp32 reduction; P2P bytes of the backward: " + ", ".join(
+               f"{k} {a:,} vs {b:,}" for k, (a, b) in res.items()))

@@ -51,8 +51,8 @@ import torch.distributed as dist
 from megatron_metp.comm import gather_rows as _gather, scatter_rows as _scatter
 from megatron_metp.comm import scatter_rows_together
 from megatron_metp.kernels import widening_mm
-from megatron_metp.metp.wgrad_accum import shard_outs, weight_grad, weight_grads
-from megatron_metp.metp.weight_ring import _fc1, accum_dtype as _accum
+from megatron_metp.metp.wgrad_accum import reduce_dtype, shard_outs, weight_grad, weight_grads
+from megatron_metp.metp.weight_ring import _fc1
 
 __all__ = ["GATHERED_MLP_BYTES", "takes_gathered", "GatheredMLPFunction"]
 
@@ -177,7 +177,7 @@ class GatheredMLPFunction(torch.autograd.Function):
         x, w_in, b_in, w_out, t, d = ctx.saved_tensors
         act, group, p = ctx.act, ctx.group, ctx.p
         g = grad_out.contiguous()
-        gacc = _accum(w_in.dtype)
+        gacc = reduce_dtype(w_in)
         if ctx.kept is not None:
             # save+fc1+weights: T and both gathered weights kept; nothing to gather.
             (w_full, wot), ctx.kept = ctx.kept, None

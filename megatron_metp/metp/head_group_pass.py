@@ -17,7 +17,7 @@ from megatron_metp.metp.attention_plan import (_Plan, _bnsd, _finish_reduce, _fl
                                                _sbnd)
 from megatron_metp.metp.ring_attention import (ring_attention_backward, ring_attention_forward,
                                                stack_kv)
-from megatron_metp.metp.wgrad_accum import weight_grad
+from megatron_metp.metp.wgrad_accum import reduce_dtype, weight_grad
 
 
 class _WeightPrefetch:
@@ -108,12 +108,13 @@ class _MetpMHAFunction(torch.autograd.Function):
         dnorm = [torch.zeros_like(prm) for prm in norm_params]
         own_grads = [None, None, None]
         pending = []  # (handles, grads, j) of reduces in flight
+        # Weight gradients are reduced over p ranks: keep them (and the reduce) in fp32 for
+        # bf16/fp16 weights, so the sum adds no rounding TP's single matmul does not have; in
+        # bf16 under bf16 main_grad (wgrad_accum.reduce_dtype, read off this rank's own shard).
+        gacc = reduce_dtype(w_proj)
         for j in range(plan.p):
             w_qkv_j, b_qkv_j, w_proj_j = weights.get(j)
             weights.post(j + 1)
-            # Weight gradients are reduced over p ranks: keep them (and the reduce) in fp32 for
-            # bf16/fp16 weights, so the sum adds no rounding TP's single matmul does not have.
-            gacc = torch.promote_types(w_proj_j.dtype, torch.float32)
             dw_proj_j = torch.empty(w_proj_j.shape, dtype=gacc, device=w_proj_j.device)
             proj = _ProjectionBackward(plan, x2d, dx2d, gacc, w_qkv_j, b_qkv_j)
             for c, gs in enumerate(plan.chunks):

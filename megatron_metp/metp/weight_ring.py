@@ -38,7 +38,9 @@ per step, as TP's reduce-scatter rounds once per partial sum it adds; an fp32 ac
 cost 2 bsh/p bytes more at bf16 plus a cast copy). The weight-gradient accumulators are fp32 for
 bf16/fp16 data: TP computes each weight gradient in one matmul (one rounding) and METP sums p
 contributions, so fp32 keeps it as exact as TP; they are weight-sized (h F / p), independent of
-the sequence length, and travel in fp32 (twice the bytes, the same elements).
+the sequence length, and travel in fp32 (twice the bytes, the same elements). Under Megatron-LM's
+``--grad-reduce-in-bf16`` (bf16 ``main_grad``) they are bf16, as DDP's own buckets are
+(``wgrad_accum.reduce_dtype``).
 
 Transient memory of the backward beyond activations: two weight receive buffers, three fp32
 gradient sets (the owner's and two alternating accumulators), and for p > 2 one step's
@@ -54,14 +56,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_metp.comm import DoubleBuffer, RingComm
-from megatron_metp.metp.wgrad_accum import weight_grad
+from megatron_metp.metp.wgrad_accum import reduce_dtype, weight_grad
 
 Weights = Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]  # (w_in, b_in, w_out)
-
-
-def accum_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Dtype of the weight-gradient sums over ring steps: fp32 for half types, else the data's."""
-    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
 
 
 class Pending:
@@ -78,7 +75,7 @@ class Pending:
     __slots__ = ("dtype", "value")
 
     def __init__(self, dtype: torch.dtype):
-        self.dtype = dtype            # the accumulators' (accum_dtype)
+        self.dtype = dtype            # the accumulators' (wgrad_accum.reduce_dtype)
         self.value: Optional[torch.Tensor] = None
 
     def add_(self, t: torch.Tensor) -> "Pending":
@@ -279,7 +276,7 @@ def circulate_for_backward(
 ) -> List[torch.Tensor]:
     """Alg. 2's ring: the weight shards ``present`` circulate again and each shard's gradient
     is built on the way and brought home (module docstring). Returns this rank's gradients of
-    ``present``, accumulated in :func:`accum_dtype` (the caller casts).
+    ``present``, accumulated in ``wgrad_accum.reduce_dtype`` (the caller casts).
 
     ``step_fn(step, cur, target)`` runs once per step on the shards held now (``cur``, same order as
     ``present``): it adds this rank's contribution to ``target`` and may return deferred work
@@ -287,7 +284,7 @@ def circulate_for_backward(
     at the last step while the final accumulator hop is in flight.
     """
     p = _ring_size(group)
-    gdt = accum_dtype(present[0].dtype)
+    gdt = reduce_dtype(present[0])
     new = lambda: [torch.zeros_like(t, dtype=gdt) for t in present]  # noqa: E731
     own = new()  # the owner's contribution never leaves the rank
     comm = RingComm(group) if p > 1 else None

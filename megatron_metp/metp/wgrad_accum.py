@@ -37,7 +37,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["param_of", "fuses", "placeholder", "weight_grad", "weight_grads", "shard_outs",
+__all__ = ["param_of", "fuses", "reduce_dtype", "placeholder", "weight_grad", "weight_grads", "shard_outs",
            "spans_together", "add_together", "WGRADS_TOGETHER_MAX_VALUES", "scatters_together"]
 
 
@@ -78,6 +78,21 @@ def fuses(weight: Optional[torch.Tensor], on: bool) -> bool:
     prm = param_of(weight)
     return (hasattr(prm, "main_grad") and prm.requires_grad
             and not hasattr(prm, "__fsdp_param__"))
+
+
+def reduce_dtype(weight: torch.Tensor) -> torch.dtype:
+    """The dtype a METP pass sums ``weight``'s gradient in over its ring steps and reduces it in
+    over the weight group: the data's for fp32 and fp64 weights; for half types fp32 (TP
+    computes each weight gradient in one matmul, METP sums p contributions, and fp32 keeps
+    that sum as exact as TP's), unless Megatron DDP gave the parameter a ``main_grad`` in the
+    weight's own dtype: Megatron-LM's ``--grad-reduce-in-bf16``, under which DDP reduces its
+    buckets in bf16, so METP reduces in bf16 too and moves half the gradient bytes (2 B per
+    element instead of 4). Read outside the reduction, once per pass."""
+    dt = weight.dtype
+    if dt in (torch.float32, torch.float64):
+        return dt
+    main = getattr(param_of(weight), "main_grad", None)
+    return dt if main is not None and main.dtype == dt else torch.float32
 
 
 def placeholder(weight: torch.Tensor, spare: Optional[torch.Tensor] = None

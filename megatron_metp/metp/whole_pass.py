@@ -26,7 +26,7 @@ from megatron_metp.metp.a2a_attention import (a2a_attention_backward, a2a_attent
 from megatron_metp.metp.attention_plan import _Plan, _bnsd, _flat, _post_grad, _sbnd
 from megatron_metp.metp.ring_attention import (ring_attention_backward, ring_attention_forward,
                                                stack_kv)
-from megatron_metp.metp.wgrad_accum import (fuses, param_of, placeholder, shard_outs,
+from megatron_metp.metp.wgrad_accum import (fuses, param_of, placeholder, reduce_dtype, shard_outs,
                                             weight_grad, weight_grads)
 
 
@@ -440,8 +440,8 @@ class _MetpWholeFunction(torch.autograd.Function):
             w_full, w_handle = _gather_rows(w_qkv, plan, async_op=True)
             b_full, b_handle = _gather_rows(b_src, plan, async_op=True)
         # Weight gradients are summed over p ranks: in fp32 for bf16/fp16 weights, so the sum
-        # adds no rounding TP's single matmul does not have.
-        gacc = torch.promote_types(w_proj.dtype, torch.float32)
+        # adds no rounding TP's single matmul does not have; in bf16 under bf16 main_grad.
+        gacc = reduce_dtype(w_proj)
         # --metp-ring-pass a2a: the exchanges of what backward's attention reads and we already
         # hold travel behind the two GEMMs below: O and its lse. Saved head-sharded
         # (ctx.heads) only O is to travel: ahead, or with dO in one exchange where that is
