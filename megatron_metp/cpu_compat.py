@@ -578,6 +578,11 @@ class _WgradAccum:
             # bytes (the CPU kernels have no bf16-in, fp32-out GEMM: a real CPU run keeps two).
             torch.addmm(main_grad, g.t(), x, out_dtype=torch.float32, out=main_grad)
             return
+        if isinstance(main_grad, FakeTensor) and main_grad.dtype == g.dtype:
+            # A bf16 main_grad (--grad-reduce-in-bf16): apex's fp16 kernel, one GEMM with
+            # beta = 1 into it; one op here too.
+            torch.addmm(main_grad, g.t(), x, out=main_grad)
+            return
         main_grad.add_(torch.mm(g.t(), x))
 
     wgrad_gemm_accum_fp32 = _accum

@@ -71,6 +71,70 @@ def test_optimizer_seconds_against_the_alpha_beta_arithmetic():
                                                                  link), rel=1e-12)
 
 
+def test_grad_reduce_in_bf16_halves_the_gradient_bytes_of_every_family():
+    """--grad-reduce-in-bf16 (``grad_bytes`` 2): the reduce-scatter of the distributed optimizer
+    and of Megatron-FSDP moves 2 B per parameter instead of 4 (by hand, alpha-beta), the
+    ``main_grad`` holds 2 B (18 -> 16 B per parameter, 6 + 12/d -> 4 + 12/d), and a job's flags
+    say so."""
+    from megatron_metp.measure.planner import optimizer_bytes_per_param
+
+    m = GPUS["H100"]
+    link = m.inter
+    P, d = 202_000_000, 4
+    adam = 34 * P / d / (m.hbm_bandwidth * m.mem_efficiency)
+    rs2 = link.alpha + (d - 1) / d * 2 * P / link.beta
+    ag = link.alpha + (d - 1) / d * 2 * P / link.beta
+    assert cluster.optimizer_seconds(m, link, P, d, 0.0, False, grad_bytes=2.0) == \
+        pytest.approx(adam + rs2 + ag, rel=1e-12)   # float order: 1e-12 relative
+    assert cluster.fsdp_seconds(link, P, d, grad_bytes=2.0) == pytest.approx(
+        2 * comm_time("all_gather", 2 * P, d, link) + rs2, rel=1e-12)
+    assert optimizer_bytes_per_param("tp", 8, False, grad_bytes=2.0) == 16.0
+    assert optimizer_bytes_per_param("metp", 8, True, cp=4, grad_bytes=2.0) == 4.0 + 3.0
+    assert optimizer_bytes_per_param("wallfacer", 8, True, True, cp=8, grad_bytes=2.0) == 2.0
+    v = Variant("metp", "metp", 1, ring_pass="whole", qkv="save")
+    flags = cluster.job_flags(load_config("llama-7b"), v, cluster.Split(8, 2, 1, 4), 4096,
+                              bf16_grads=True)
+    assert flags[-1] == "--grad-reduce-in-bf16" and flags.count("--grad-reduce-in-bf16") == 1
+
+
+def test_grad_reduce_in_bf16_in_the_planners_trace_and_memory():
+    """The planner under ``grad_reduce_in_bf16``: METP's traced weight-gradient reductions
+    (reduce-scatters over the weight group) carry half the bytes, every other communication the
+    same; model state 2 B per parameter less (the bf16 main_grad), and the backward's peak
+    lower (its transient weight-gradient buffers, fp32 before, are bf16)."""
+    import torch
+
+    from megatron_metp.measure import layer_probe
+    from megatron_metp.measure.op_trace import trace_layer
+    from megatron_metp.measure.planner import FakeWorld, PlanSettings, Planner
+
+    cfg = load_config("tiny-gpt")
+    traces = {}
+    for dt in (torch.float32, torch.bfloat16):
+        world = FakeWorld()
+        try:
+            with layer_probe.main_grads_in(dt):
+                traces[dt] = trace_layer(cfg, "metp", 2, 256, world=world, ring_pass="a2a",
+                                         qkv_backward="save")
+        finally:
+            world.teardown()
+    comm = {dt: [(o.name, o.bytes) for o in t if o.kind == "comm"] for dt, t in traces.items()}
+    assert [n for n, _ in comm[torch.float32]] == [n for n, _ in comm[torch.bfloat16]]
+    halved = [(n, a, b) for (n, a), (_, b) in zip(comm[torch.float32], comm[torch.bfloat16])
+              if a != b]
+    assert halved and all("reduce_scatter" in n and b * 2 == a for n, a, b in halved), halved
+    pts = {}
+    for bf16 in (False, True):
+        pl = Planner(PlanSettings(grad_reduce_in_bf16=bf16))
+        try:
+            pts[bf16] = pl.plan(cfg, "metp", 2, 256)
+        finally:
+            pl.world.teardown()
+    assert pts[False].state_bytes - pts[True].state_bytes == int(
+        pts[False].params_per_rank * 18) - int(pts[False].params_per_rank * 16)
+    assert pts[True].activation_bytes < pts[False].activation_bytes
+
+
 # One configuration of each kind the cluster frontier prints, on 32 GPUs of LLaMA-7B.
 _KINDS = [
     (Variant("stock", "tp", 4, ("layernorm",), cp_comm="a2a", overlap=True), 2, 1, 32768),

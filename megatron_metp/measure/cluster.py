@@ -113,33 +113,36 @@ def job_link(m, gpus: int):
     return m.intra if gpus <= m.gpus_per_node else m.inter
 
 
-def fsdp_seconds(link, params_per_rank: int, d: int, sharding: str = "optim_grads_params"
-                 ) -> float:
+def fsdp_seconds(link, params_per_rank: int, d: int, sharding: str = "optim_grads_params",
+                 grad_bytes: float = 4.0) -> float:
     """Megatron-FSDP's per micro-batch communication over d ranks (``Frontier.step_times``'
     charge, exposed): the fp32 gradient reduce-scattered, and under ``optim_grads_params`` the
     bf16 parameters all-gathered for the forward and again for the backward (``optim_grads``
     gathers them once per step: :func:`optimizer_seconds`)."""
     gathers = 0 if sharding == "optim_grads" else 2
     return gathers * comm_time("all_gather", 2 * params_per_rank, d, link) + \
-        comm_time("reduce_scatter", 4 * params_per_rank, d, link)
+        comm_time("reduce_scatter", grad_bytes * params_per_rank, d, link)
 
 
 def optimizer_seconds(m, link, params_per_rank: int, d: int, t_micro: float,
-                      fsdp: bool, sharding: str = "optim_grads_params") -> float:
+                      fsdp: bool, sharding: str = "optim_grads_params",
+                      grad_bytes: float = 4.0) -> float:
     """ESTIMATED seconds the optimizer adds to a step on machine ``m`` (module docstring): the
     exposed gradient reduce-scatter and parameter all-gather of the distributed optimizer over
     d ranks on ``link`` (under Megatron-FSDP its reduce-scatters run per micro-batch; ZeRO-2's
     ``optim_grads`` all-gathers the updated parameters once, exposed), and the Adam step on
-    1/d of the rank's parameters."""
+    1/d of the rank's parameters. ``grad_bytes``: 4 (fp32 gradients, Megatron-LM's default
+    under bf16), 2 under ``--grad-reduce-in-bf16``."""
     t = ADAM_BYTES * params_per_rank / d / (m.hbm_bandwidth * m.mem_efficiency)
     if d > 1 and fsdp and sharding == "optim_grads":
         return t + comm_time("all_gather", 2 * params_per_rank, d, link)
     if d <= 1 or fsdp:
         return t
     bucket = min(params_per_rank, max(DDP_BUCKET_MIN, 1_000_000 * d))
-    rs = comm_time("reduce_scatter", 4 * params_per_rank, d, link)
+    rs = comm_time("reduce_scatter", grad_bytes * params_per_rank, d, link)
     ag = comm_time("all_gather", 2 * params_per_rank, d, link)
-    t += max(comm_time("reduce_scatter", 4 * bucket, d, link), rs - BACKWARD_SHARE * t_micro)
+    t += max(comm_time("reduce_scatter", grad_bytes * bucket, d, link),
+             rs - BACKWARD_SHARE * t_micro)
     t += max(comm_time("all_gather", 2 * bucket, d, link),
              ag - (1 - BACKWARD_SHARE) * t_micro)
     return t
@@ -156,7 +159,7 @@ def metp_cps(p: int, gpus_per_node: int) -> List[int]:
             and (cp == 1 or (p // cp) % 2 == 0)]
 
 
-def job_flags(cfg, v: Variant, split: Split, s: int) -> List[str]:
+def job_flags(cfg, v: Variant, split: Split, s: int, bf16_grads: bool = False) -> List[str]:
     """Every Megatron-LM flag the configuration needs beyond the model's own
     (``megatron_lm.config_flags``): the run's length and batch, the parallel sizes, the
     optimizer's sharding and overlap, recompute, and ``--attention-dropout 0`` (METP and
@@ -172,6 +175,8 @@ def job_flags(cfg, v: Variant, split: Split, s: int) -> List[str]:
         out.append("--use-distributed-optimizer")
     if not v.fsdp and d > 1:
         out += ["--overlap-grad-reduce", "--overlap-param-gather"]
+    if bf16_grads:   # the gradient-reduction lever (PlanSettings.grad_reduce_in_bf16)
+        out.append("--grad-reduce-in-bf16")
     return out
 
 
@@ -207,17 +212,22 @@ class Cluster:
             out = [v for v in out if p // v.cp <= g]
         return out
 
+    def flags(self, cfg, v: Variant, split: Split, s: int) -> str:
+        """The job's flags (:func:`job_flags`) under this cluster's settings."""
+        return " ".join(job_flags(cfg, v, split, s, self.fr.settings.grad_reduce_in_bf16))
+
     def step(self, cfg, v: Variant, s: int, pt, split: Split) -> Dict[str, float]:
         """ESTIMATED seconds per optimizer step on each GPU (module docstring)."""
         stack = self.fr.stack_times(cfg, v, split.p, s)
         d = split.dp * v.cp   # the DP x CP group the optimizer shards over
+        gb = self.fr.settings.grad_bytes
         out = {}
         for g, m in self.fr.machines.items():
             link = job_link(m, split.gpus)
-            t_micro = stack[g] + (fsdp_seconds(link, pt.params_per_rank, d, v.sharding)
+            t_micro = stack[g] + (fsdp_seconds(link, pt.params_per_rank, d, v.sharding, gb)
                                   if v.fsdp and d > 1 else 0.0)
             out[g] = split.accumulation * t_micro + optimizer_seconds(
-                m, link, pt.params_per_rank, d, t_micro, bool(v.fsdp), v.sharding)
+                m, link, pt.params_per_rank, d, t_micro, bool(v.fsdp), v.sharding, gb)
         return out
 
     def best(self, cfg, family: str, n: int, s: int, team: Optional[int] = None
@@ -292,7 +302,7 @@ class Cluster:
                     tokens_per_s_per_gpu=tokens / t / split.gpus,
                     mfu=flops / t / m.peak_flops, memory_gib=pt.needed_bytes / GIB,
                     recompute=" ".join(v.recompute_flags(L)), fastest=False,
-                    flags=" ".join(job_flags(cfg, v, split, s)),
+                    flags=self.flags(cfg, v, split, s),
                     env=" ".join(f"{k}={x}" for k, x in job_env(v, split).items()))
 
     def frugal(self, cfg, family: str, n: int) -> List[Variant]:
@@ -319,7 +329,7 @@ class Cluster:
         split = Split(n, 1, 1, sequences_per_step(self.global_batch_tokens, s))
         return dict(model=cfg.name, gpus=n, family=family, seq_length=s, tp=n // v.cp,
                     cp=v.cp, team_size=v.team if family == "wallfacer" else None,
-                    memory_gib=pt.needed_bytes / GIB, flags=" ".join(job_flags(cfg, v, split, s)))
+                    memory_gib=pt.needed_bytes / GIB, flags=self.flags(cfg, v, split, s))
 
 
 def team_sizes(n: int) -> List[int]:

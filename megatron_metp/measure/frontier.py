@@ -305,7 +305,7 @@ class Frontier:
         sel = () if full else v.selective
         b = self.settings.micro_batch
         key = (cfg.name, v.mode, p, s, v.cp, sel, full, v.ring_pass, v.qkv, v.cp_comm, v.team,
-               v.placement, b)
+               v.placement, b, self.settings.grad_reduce_in_bf16)
         if key not in self._times:
             # On the planner's own fake world (rank 0): every rank runs the same work in these
             # layouts (module docstring), and one world set up at a time. One trace serves with
@@ -315,10 +315,11 @@ class Frontier:
                       ring_pass=v.ring_pass or "auto", qkv_backward=v.qkv or "recompute",
                       cp=v.cp if v.mode != "wallfacer" else 1, full_recompute=full,
                       cp_comm_type=v.cp_comm, team_size=v.team, placement=v.placement)
-            ops = trace_layer(cfg, v.mode, p, s, **kw)
-            # Layers that hand work to the next are traced as a stack of two as well.
-            two = trace_layer(cfg, v.mode, p, s, layers=2, **kw) if chains_layers(
-                cfg, v.mode, p, s, self.settings.micro_batch, full) else None
+            with self.settings.main_grads():   # --grad-reduce-in-bf16: bf16 reductions
+                ops = trace_layer(cfg, v.mode, p, s, **kw)
+                # Layers that hand work to the next are traced as a stack of two as well.
+                two = trace_layer(cfg, v.mode, p, s, layers=2, **kw) if chains_layers(
+                    cfg, v.mode, p, s, self.settings.micro_batch, full) else None
             over = tp_comm_overlap(ops) if v.mode == "tp" and p // v.cp > 1 else ops
             self._times[key] = {
                 False: {g: layer_in_stack(ops, m, two) for g, m in self.machines.items()},
@@ -359,6 +360,7 @@ class Frontier:
         stack = self.stack_times(cfg, v, p, s)
         out = {}
         cp = v.cp
+        gb = self.settings.grad_bytes   # fp32 gradients, bf16 under --grad-reduce-in-bf16
         for g, m in self.machines.items():
             t = stack[g]
             if cp > 1 and v.fsdp:
@@ -369,10 +371,10 @@ class Frontier:
                 link = m.link(cp)
                 gathers = 1 if v.sharding == "optim_grads" else 2
                 t += gathers * comm_time("all_gather", 2 * params_per_rank, cp, link)
-                t += comm_time("reduce_scatter", 4 * params_per_rank, cp, link)
+                t += comm_time("reduce_scatter", gb * params_per_rank, cp, link)
             elif cp > 1:  # distributed optimizer over CP: fp32 gradient RS + bf16 parameter AG
                 link = m.link(cp)
-                t += comm_time("reduce_scatter", 4 * params_per_rank, cp, link)
+                t += comm_time("reduce_scatter", gb * params_per_rank, cp, link)
                 t += comm_time("all_gather", 2 * params_per_rank, cp, link)
             out[g] = t
         return out
@@ -404,7 +406,9 @@ class Frontier:
         model_flops = training_flops(_flop_model(cfg), self.settings.micro_batch, s) * L / p
         m = self.machines[gpu]
         return dict(model=cfg.name, p=p, gpu=gpu, seq_length=s, family=v.family,
-                    flags=" ".join(v.flags(p, L)), fits=bool(point.fits),
+                    flags=" ".join(v.flags(p, L) + (["--grad-reduce-in-bf16"] if
+                                                    self.settings.grad_reduce_in_bf16 else [])),
+                    fits=bool(point.fits),
                     step_ms=step * 1e3 if step else None,
                     tokens_per_s=s * self.settings.micro_batch / step if step else None,
                     mfu=model_flops / step / m.peak_flops if step else None,
@@ -699,7 +703,8 @@ def settings_record(settings: PlanSettings, host_op_s: float) -> dict:
     return dict(memory_gib=settings.memory_gib, reserve_gib=settings.reserve_gib,
                 fragmentation=settings.fragmentation, efficiency=settings.efficiency,
                 attention_efficiency=settings.attention_efficiency,
-                host_op_us=host_op_s * 1e6)
+                host_op_us=host_op_s * 1e6,
+                **({"grad_reduce_in_bf16": True} if settings.grad_reduce_in_bf16 else {}))
 
 
 # ---- reports ---------------------------------------------------------------------------------

@@ -74,8 +74,24 @@ def _drop_param_grads(module: torch.nn.Module) -> list:
     return handles
 
 
+_MAIN_GRAD_DTYPE = [torch.float32]
+
+
+@contextlib.contextmanager
+def main_grads_in(dtype: torch.dtype):
+    """:func:`give_main_grads` gives ``main_grad`` s of ``dtype`` inside: bf16 is Megatron-LM's
+    ``--grad-reduce-in-bf16`` (DDP's buffers, and so METP's weight-gradient reductions,
+    ``metp.wgrad_accum.reduce_dtype``, in bf16)."""
+    _MAIN_GRAD_DTYPE.append(dtype)
+    try:
+        yield
+    finally:
+        _MAIN_GRAD_DTYPE.pop()
+
+
 def give_main_grads(module: torch.nn.Module) -> list:
-    """What Megatron's DDP gives every parameter: an fp32 ``main_grad``, and the flag
+    """What Megatron's DDP gives every parameter: an fp32 ``main_grad`` (bf16 inside
+    :func:`main_grads_in`), and the flag
     ``grad_added_to_main_grad`` (False; DDP's ``zero_grad_buffer`` resets it every step). With
     ``--gradient-accumulation-fusion`` (Megatron-LM's default) the weight-gradient GEMM of its
     linears accumulates straight into it, sets the flag and hands autograd an uninitialised
@@ -96,7 +112,7 @@ def give_main_grads(module: torch.nn.Module) -> list:
         start = -(-end // 64) * 64
         starts.append(start)
         end = start + prm.numel()
-    buf = torch.zeros(end, dtype=torch.float32, device=prms[0].device)
+    buf = torch.zeros(end, dtype=_MAIN_GRAD_DTYPE[-1], device=prms[0].device)
     for prm, start in zip(reversed(prms), starts):
         prm.main_grad = buf[start:start + prm.numel()].view(prm.shape)
         prm.grad_added_to_main_grad = False

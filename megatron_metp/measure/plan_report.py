@@ -88,6 +88,10 @@ def add_arguments(parser) -> None:
       help="allocator fragmentation on top of tensor bytes (default 0.05)")
     a("--use-distributed-optimizer", action="store_true",
       help="shard fp32 master weights and Adam states over the data-parallel group")
+    a("--grad-reduce-in-bf16", action="store_true",
+      help="Megatron-LM's --grad-reduce-in-bf16: DDP's main_grad and the gradient reductions "
+           "in bf16 (2 B per parameter instead of 4), METP's weight-gradient reductions with "
+           "them; every family (--frontier: a flag of every row)")
     a("--use-megatron-fsdp", action="store_true",
       help="plan Megatron-FSDP (optim_grads_params: parameters, gradients and optimizer "
            "state sharded over the data-parallel x context-parallel group, each layer "
@@ -369,6 +373,7 @@ def run(args) -> int:
                             offload_layers=args.cpu_offloading_num_layers,
                             host_memory_gib=args.host_memory_gb,
                             megatron_fsdp=args.use_megatron_fsdp,
+                            grad_reduce_in_bf16=args.grad_reduce_in_bf16,
                             wallfacer_team=args.wallfacer_team_size,
                             metp_ring_pass=args.metp_ring_pass,
                             metp_qkv_backward=args.metp_qkv_backward)
@@ -539,7 +544,8 @@ def run_frontier(args) -> int:
     settings = PlanSettings(memory_gib=args.memory_gb, reserve_gib=args.reserve_gb,
                             fragmentation=args.fragmentation, efficiency=args.efficiency,
                             attention_efficiency=args.attention_efficiency,
-                            distributed_optimizer=args.use_distributed_optimizer)
+                            distributed_optimizer=args.use_distributed_optimizer,
+                            grad_reduce_in_bf16=args.grad_reduce_in_bf16)
     cfgs = [load_config(n.strip()) for n in args.models.split(",") if n.strip()]
     # --seq-lengths named on the command line: those lengths instead of 4k .. the longest.
     seqs = _ints(args.seq_lengths) if named(args, "seq_lengths") else None

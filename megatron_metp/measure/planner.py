@@ -31,7 +31,8 @@ Method (per rank; b = micro batch 1, s = sequence, p = parallel degree, L = laye
 4. Model state = parameters per rank x ``optimizer_bytes_per_param``: Megatron's bf16 mixed
    precision Adam keeps a bf16 parameter (2 B), an fp32 ``main_grad`` (4 B; Megatron-LM turns on
    ``--accumulate-allreduce-grads-in-fp32`` with bf16), and fp32 master weight, Adam m and v
-   (12 B): 18 B per parameter. With ``--use-distributed-optimizer`` the 12 B are sharded over the
+   (12 B): 18 B per parameter; under ``--grad-reduce-in-bf16`` (``grad_reduce_in_bf16``) the
+   ``main_grad`` is bf16 (2 B): 16 B. With ``--use-distributed-optimizer`` the 12 B are sharded over the
    data-parallel (x context-parallel) group of size d: 6 + 12/d. Here every GPU is in the TP
    group (d = 1, 18 B) for tp and metp; for wallfacer (CP = p, TP = 1) d = p.
    With Megatron-FSDP (``--use-megatron-fsdp``, ``--data-parallel-sharding-strategy
@@ -135,6 +136,9 @@ class PlanSettings:
     # Megatron-FSDP's --data-parallel-sharding-strategy: optim_grads_params (ZeRO-3) or
     # optim_grads (ZeRO-2: the bf16 parameters stay whole, nothing is gathered per layer).
     fsdp_sharding: str = "optim_grads_params"
+    # Megatron-LM's --grad-reduce-in-bf16: DDP's main_grad and its reductions in bf16 (2 B per
+    # parameter instead of 4), and METP's weight-gradient reductions with them; every family.
+    grad_reduce_in_bf16: bool = False
     # Data-parallel replicas of the model-parallel group (``metp plan --gpus-total``): the
     # optimizer state is sharded over DP x CP (the distributed optimizer, Megatron-FSDP).
     data_parallel: int = 1
@@ -148,6 +152,21 @@ class PlanSettings:
     # "auto" plans METP with Q/K/V and the MLP's fc1 outputs saved, then Q/K/V alone, and keeps
     # the first that fits, else recomputes.
     metp_qkv_backward: str = "auto"
+
+    @property
+    def grad_bytes(self) -> float:
+        """Bytes of a parameter's ``main_grad`` and of its gradient reduction: 4 (fp32), 2
+        under ``--grad-reduce-in-bf16``."""
+        return 2.0 if self.grad_reduce_in_bf16 else 4.0
+
+    def main_grads(self):
+        """The probe's context for DDP's ``main_grad`` dtype (``layer_probe.main_grads_in``)."""
+        import torch
+
+        from megatron_metp.measure import layer_probe
+
+        return layer_probe.main_grads_in(torch.bfloat16 if self.grad_reduce_in_bf16
+                                         else torch.float32)
 
 
 @dataclass
@@ -232,19 +251,21 @@ def a2a_heads_split(cfg, tp: int, cp: int) -> bool:
 
 def optimizer_bytes_per_param(mode: str, p: int, distributed_optimizer: bool,
                               megatron_fsdp: bool = False, cp: Optional[int] = None,
-                              sharding: str = "optim_grads_params") -> float:
+                              sharding: str = "optim_grads_params",
+                              grad_bytes: float = 4.0) -> float:
     """Model-state bytes per parameter (see the module docstring, item 4). ``cp``: the
     context-parallel size (default p for wallfacer, else 1); weights are replicated over CP and
     their optimizer state is sharded over it (the distributed optimizer, as wallfacer and a
     Megatron-LM user with CP > 1 run it). ``sharding``: Megatron-FSDP's
     ``--data-parallel-sharding-strategy``; ``optim_grads`` (ZeRO-2) keeps the bf16 parameter
-    whole and shards the other 16 B."""
+    whole and shards the other 16 B. ``grad_bytes``: the ``main_grad``'s (4, fp32; 2 under
+    ``--grad-reduce-in-bf16``)."""
     d = cp if cp is not None else (p if mode == "wallfacer" else 1)
     if megatron_fsdp and sharding == "optim_grads":
-        return 2.0 + 16.0 / d
+        return 2.0 + (12.0 + grad_bytes) / d
     if megatron_fsdp:
-        return 18.0 / d
-    return 6.0 + (12.0 / d if distributed_optimizer or d > 1 else 12.0)
+        return (14.0 + grad_bytes) / d
+    return 2.0 + grad_bytes + (12.0 / d if distributed_optimizer or d > 1 else 12.0)
 
 
 FSDP_PREFETCH_ELEMENTS = 500_000_000  # Megatron-FSDP 0.16.1: half of its 1e9-element unit
@@ -529,15 +550,16 @@ class Planner:
         team = (self.settings.wallfacer_team, self.settings.wallfacer_placement) \
             if mode == "wallfacer" else (1, "collective_intra")
         b = self.settings.micro_batch
+        bf16_grads = self.settings.grad_reduce_in_bf16
         key = (cfg.name, mode, p, s, qkv, ring_pass, cp, full, tuple(modules or ()), comm, team,
-               b)
+               b, bf16_grads)
         if key not in self._layer:
             probe = probe_mode(mode, cp, comm or "p2p")
             self.world.setup(probe, p, cp, *team)
             with cpu_compat.planning():
                 tcfg = transformer_config(cfg, p, probe, modules, ring_pass, qkv, cp=cp,
                                           full_recompute=full)
-                with FakeTensorMode():
+                with FakeTensorMode(), self.settings.main_grads():
                     # RoPE in every plan, context parallel ones included (Megatron's
                     # RotaryEmbedding gives a CP rank its chunks of the table: cpu_compat's
                     # get_pos_emb_on_this_cp_rank). Its fused kernel saves the [s, 1, 1, d]
@@ -548,12 +570,12 @@ class Planner:
                         rotary_base=cfg.rotary_base)
                     # The head (final norm, logits or METP's ring loss) is the same whatever the
                     # layers recompute or which attention pass they take: once per point.
-                    hkey = (cfg.name, probe, p, s, cp, b)
+                    hkey = (cfg.name, probe, p, s, cp, b, bf16_grads)
                     if holds_all_layers(cfg) and hkey not in self._head:
                         self._head[hkey] = layer_probe.measure_head(
                             tcfg, padded_vocab(cfg, p // cp), s, b, mode=probe)
         return self._layer[key], self._head.get(
-            (cfg.name, probe_mode(mode, cp, comm or "p2p"), p, s, cp, b))
+            (cfg.name, probe_mode(mode, cp, comm or "p2p"), p, s, cp, b, bf16_grads))
 
     def saved_tensors(self, cfg, mode: str, p: int, s: int) -> list:
         """One layer's tensors kept for backward, itemised (``layer_probe.itemise_layer``),
@@ -673,7 +695,7 @@ class Planner:
             params += position_table_params(cfg, mode, p, s)
         state = int(params * optimizer_bytes_per_param(mode, p, st.distributed_optimizer,
                                                        st.megatron_fsdp, cp * st.data_parallel,
-                                                       st.fsdp_sharding))
+                                                       st.fsdp_sharding, st.grad_bytes))
         total = state + act
         needed = total * (1 + st.fragmentation) + st.reserve_gib * GIB
         sent = 2.0 * (L * lm.sent_elements + (head.sent_elements if head else 0.0))
@@ -685,10 +707,10 @@ class Planner:
             # Megatron-FSDP all-gathers the bf16 parameters twice (forward, and again for the
             # backward) and reduce-scatters the fp32 gradient, per layer.
             if st.megatron_fsdp:
-                sent += (cp - 1) / cp * params * (2 + 2 + 4)
+                sent += (cp - 1) / cp * params * (2 + 2 + st.grad_bytes)
                 calls += 3 * L
             else:
-                sent += (cp - 1) / cp * params * (4 + 2)
+                sent += (cp - 1) / cp * params * (st.grad_bytes + 2)
                 calls += 2
         host_ok = st.host_memory_gib is None or n_off * lm.retained <= st.host_memory_gib * GIB
         point = PlanPoint(

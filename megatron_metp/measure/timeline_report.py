@@ -316,7 +316,13 @@ def run(args, ints) -> int:
                          f"{seq_label(trace_s)} to --seq-lengths)")
     keep: Dict = {}
     t0 = time.time()
-    with quiet_megatron():  # Megatron-Core's spec notes ("Unknown MLP type") once per layer
+    import torch
+
+    from megatron_metp.measure.layer_probe import main_grads_in
+
+    bf16_grads = getattr(args, "grad_reduce_in_bf16", False)   # DDP's main_grad dtype
+    # Megatron-Core's spec notes ("Unknown MLP type") once per layer
+    with quiet_megatron(), main_grads_in(torch.bfloat16 if bf16_grads else torch.float32):
         rows = timeline_rows([load_config(m) for m in models], ps, modes, seqs, gpus,
                              args.efficiency, args.gpus_per_node, keep,
                              host_op_s=args.host_op_us * 1e-6,
