@@ -371,3 +371,33 @@ def test_short_cells_table_matches_its_json():
         assert f"{step['metp'] / step['stock']:.2f}" == m[6], line
         seen += 1
     assert seen == 6
+
+
+def test_gradient_lever_table_matches_its_json():
+    """docs/cluster.md's --grad-reduce-in-bf16 table is docs/cluster/n8-short-bf16/cluster.json
+    (each family's step, 0.01 s, METP's ratio) beside n8-short's fp32 METP step, and every row
+    of the plan carries the flag."""
+    import re
+
+    cl = ROOT / "docs" / "cluster"
+    bf16 = json.loads((cl / "n8-short-bf16" / "cluster.json").read_text())
+    fp32 = json.loads((cl / "n8-short" / "cluster.json").read_text())
+    assert bf16["settings"]["grad_reduce_in_bf16"] is True
+    assert all(r["flags"].endswith("--grad-reduce-in-bf16") for r in bf16["cluster"])
+
+    def steps(doc, s):
+        return {r["family"]: r["step_ms"] / 1e3 for r in doc["cluster"]
+                if r["model"] == "llama-7b" and r["seq_length"] == s}
+
+    seen = 0
+    for line in (ROOT / "docs" / "cluster.md").read_text().splitlines():
+        m = re.match(r"\| LLaMA-7B, --grad-reduce-in-bf16 \| (\d+)k \| [^|]*: ([\d.]+) \| "
+                     r"[^|]*: ([\d.]+) \| ([\d.]+)x \| ([\d.]+) \|", line)
+        if not m:
+            continue
+        s = int(m[1]) * 1024
+        got, before = steps(bf16, s), steps(fp32, s)
+        assert [f"{got['stock']:.2f}", f"{got['metp']:.2f}"] == [m[2], m[3]], line
+        assert f"{got['metp'] / got['stock']:.2f}" == m[4] and f"{before['metp']:.2f}" == m[5]
+        seen += 1
+    assert seen == 2
