@@ -594,18 +594,33 @@ def _number(v: str):
     return v
 
 
+# Megatron-LM's defaults (``megatron.training.arguments``) of the flags the plugin's start-up
+# checks read: the ranks see these where a flag is not given, so :func:`check_launch` starts
+# from them too (tests/test_megatron_lm.py compares them with core_v0.16.1's parser).
+MEGATRON_LM_DEFAULTS = dict(attention_dropout=0.1, hidden_dropout=0.1, softmax_type="vanilla",
+                            window_size=None, enable_cuda_graph=False,
+                            external_cuda_graph=False, cuda_graph_impl="none", fp8=None,
+                            fp4=None, deterministic_mode=False, tp_comm_overlap=False,
+                            reset_attention_mask=False, multi_latent_attention=False)
+
+
+# Megatron-LM flags whose attribute is not the flag's name.
+_DESTS = {"--fp8-format": "fp8", "--fp4-format": "fp4"}
+
+
 def check_launch(config: Optional[str], world_size: int, tokens: Sequence[str]) -> None:
     """The checks ``metp train`` and the Megatron-LM route run at start-up, on a launch script's
     flags (``tokens``, Megatron-LM names) with the model shape of ``config`` (None: the flags
     carry it), for ``world_size`` ranks: the same one-line MetpConfigError messages, before
     anything is submitted or started."""
     ns = argparse.Namespace(
+        **MEGATRON_LM_DEFAULTS,
         tensor_parallel_mode="tp", tensor_model_parallel_size=1, context_parallel_size=1,
         pipeline_model_parallel_size=1, sequence_parallel=False, wallfacer_team_size=None,
         wallfacer_placement=None, cp_comm_type=["p2p"], world_size=world_size)
     shape = list(config_flags(config, training=True)) if config else []
     for flag, vals in _flag_groups(shape + list(tokens)):
-        key = flag[2:].replace("-", "_")
+        key = _DESTS.get(flag, flag[2:].replace("-", "_"))
         if not vals:
             setattr(ns, key, True)
         else:
@@ -636,8 +651,12 @@ def torchrun(argv: Sequence[str]) -> int:
     nodes = str(a.nnodes).split(":")[-1]
     per_node = str(a.nproc_per_node)
     world = (int(nodes) if nodes.isdigit() else 1) * (int(per_node) if per_node.isdigit() else 1)
+    import warnings
+
     try:
-        check_launch(None, world, a.training_script_args)
+        with warnings.catch_warnings():   # Megatron-Core's import notes would bury the line
+            warnings.simplefilter("ignore")
+            check_launch(None, world, a.training_script_args)
     except ValueError as e:   # MetpConfigError
         print(f"megatron-metp: error: {e}", file=sys.stderr, flush=True)
         return 2

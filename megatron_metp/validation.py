@@ -25,13 +25,14 @@ metp       SP on when p > 1; hidden, heads, query groups, FFN and sequence all %
            replicated as Megatron's TP does); attention dropout 0, vanilla softmax, no
            sliding window; with CP > 1: p even, sequence % (p P) and % 2P, no
            ``--cp-comm-type`` but p2p, no hierarchical CP; no MoE, MLA, legacy models, TP
-           comm overlap, multi-token prediction
+           comm overlap, multi-token prediction, CUDA graphs, FP8 / FP4, deterministic mode
 metp_mlp   the METP MLP with TP attention: FFN, hidden and sequence % p, SP on when p > 1,
            TP's attention rules; no CP
 wallfacer  C >= 1 and C^2 | P; sequence % 2P (each rank holds chunks r and 2P-1-r); heads need
            not divide P; query groups divide heads and % TP; ``--cp-comm-type`` wallfacer;
            attention dropout 0, vanilla softmax, no sliding window; no hierarchical CP, MoE,
-           MLA, legacy models; heads and FFN % TP inside each CP rank
+           MLA, legacy models, CUDA graphs, FP8 / FP4, deterministic mode; heads and FFN % TP
+           inside each CP rank
 =========  =================================================================================
 
 Rules that belong to a module live beside it and are called from here, re-raised as
@@ -89,6 +90,25 @@ _UNSUPPORTED = {
          "every layer uses the mode's one layer spec"),
     ],
 }
+# What neither plugin mode runs (Megatron-LM's names): CUDA graph capture would freeze the
+# Python-side state that links layers (METP's posted weight gathers, the rings' schedules) and
+# the host's reads of packed layouts; the plugin's GEMMs and attention run in bf16, so under
+# FP8 or FP4 stock's layers would run a precision the plugin's do not; deterministic mode asks
+# for deterministic attention backward, which the plugin's kernels do not promise.
+_CUDA_GRAPH_WHY = ("CUDA graph capture would freeze the Python-side state that links its "
+                   "layers and the host's reads of packed layouts")
+_LOW_PRECISION_WHY = ("its GEMMs and attention run in bf16, so stock's layers would run a "
+                      "precision the plugin's do not")
+for _mode in ("metp", "wallfacer"):
+    _UNSUPPORTED[_mode] += [
+        ("enable_cuda_graph", "--enable-cuda-graph", _CUDA_GRAPH_WHY),
+        ("external_cuda_graph", "--external-cuda-graph", _CUDA_GRAPH_WHY),
+        ("fp8", "--fp8-format", _LOW_PRECISION_WHY),
+        ("fp4", "--fp4-format", _LOW_PRECISION_WHY),
+        ("deterministic_mode", "--deterministic-mode", "its attention kernels (flash-attn with "
+         "deterministic=False, the rings' accumulation order) do not promise a deterministic "
+         "backward"),
+    ]
 _UNSUPPORTED["metp_mlp"] = list(_UNSUPPORTED["metp"])  # its attention is Megatron's own
 # Megatron-LM's per-document masks: the plugin's attention applies the causal mask alone (as
 # Transformer Engine does for a causal mask type), so packed documents would see each other.
@@ -416,6 +436,10 @@ def _check_features(ns: Namespace, mode: str) -> None:
         if getattr(ns, attr, None):
             _fail(f"{flag} is not supported with --tensor-parallel-mode {mode}: {why}; "
                   f"drop {flag} or use --tensor-parallel-mode tp")
+    graphs = getattr(ns, "cuda_graph_impl", None) or "none"
+    if mode != "tp" and graphs != "none":
+        _fail(f"--cuda-graph-impl {graphs} is not supported with --tensor-parallel-mode {mode}: "
+              f"{_CUDA_GRAPH_WHY}; drop --cuda-graph-impl or use --tensor-parallel-mode tp")
     c = getattr(ns, "wallfacer_team_size", None)
     if mode != "wallfacer" and c not in (None, 1, "1"):
         _fail(f"--wallfacer-team-size {c} applies only to --tensor-parallel-mode wallfacer")
@@ -548,7 +572,8 @@ def _check_wallfacer(ns: Namespace, tp: int, cp: int) -> None:
               f"{', '.join(PLACEMENTS)}")
     dropout = getattr(ns, "attention_dropout", 0.0) or 0.0
     if dropout > 0:
-        _fail(f"--attention-dropout {dropout}: WallFacer attention has no attention dropout "
+        _fail(f"--attention-dropout {dropout} (Megatron-LM's default 0.1 where not given): "
+              f"WallFacer attention has no attention dropout "
               f"(its blocks' backward recomputes the probabilities with no per-block dropout "
               f"RNG state); set --attention-dropout 0")
     if (getattr(ns, "softmax_type", None) or "vanilla") != "vanilla" or getattr(

@@ -16,6 +16,7 @@ Megatron-LM's training package is not installable here and its ``pretrain()`` ne
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -221,6 +222,55 @@ print("RESULT", args.tensor_model_parallel_size, args.context_parallel_size,
     # The wrapper end to end, through pretrain(): tests/test_megatron_lm_training.py.
 
 
+@pytest.mark.parametrize("mode", ["metp", "wallfacer"])
+@pytest.mark.parametrize("flags,words", [
+    (["--enable-cuda-graph"], "--enable-cuda-graph is not supported"),
+    (["--external-cuda-graph"], "--external-cuda-graph is not supported"),
+    (["--cuda-graph-impl", "local"], "--cuda-graph-impl local is not supported"),
+    (["--fp8-format", "hybrid"], "--fp8-format is not supported"),
+    (["--fp4-format", "nvfp4"], "--fp4-format is not supported"),
+    (["--deterministic-mode"], "--deterministic-mode is not supported"),
+    ([], "--attention-dropout 0.1"),   # Megatron-LM's default, not given
+])
+def test_launch_check_refuses_what_the_ranks_would(mode, flags, words):
+    """The plugin's torchrun and SLURM check (``check_launch``) refuse, in one line naming the
+    flag, what every rank's ``validate_args`` would refuse: CUDA graphs, FP8 / FP4 and
+    deterministic mode under either plugin mode, and Megatron-LM's default attention dropout
+    (0.1) where the flag is left out; stock (tp) takes every one of them."""
+    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--seq-length", "64", "--tensor-parallel-mode", mode,
+            "--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    given = flags if not flags else flags + ["--attention-dropout", "0"]
+    with pytest.raises(mlm.MetpConfigError) as e:
+        mlm.check_launch(None, 2, base + given)
+    assert words in str(e.value) and "\n" not in str(e.value), str(e.value)
+    stock = [t for t in base if t not in ("metp", "wallfacer", "--tensor-parallel-mode")]
+    mlm.check_launch(None, 2, stock + flags)
+
+
+@pytest.mark.skipif(not os.environ.get("MEGATRON_LM_PATH"),
+                    reason="set MEGATRON_LM_PATH to a Megatron-LM core_v0.16.1 checkout whose "
+                           "defaults check_launch mirrors")
+def test_launch_defaults_are_megatron_lms():
+    """``MEGATRON_LM_DEFAULTS`` is what Megatron-LM's own parser gives where the flags are not
+    given."""
+    code = r"""
+import json, sys
+import megatron.training.arguments as A
+from megatron_metp import megatron_lm as mlm
+sys.argv = ["pretrain_gpt.py"]
+args = A.parse_args(None, ignore_unknown_args=True)
+print("RESULT " + json.dumps({k: getattr(args, k) for k in mlm.MEGATRON_LM_DEFAULTS}))
+"""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.environ["MEGATRON_LM_PATH"], str(ROOT),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+    assert json.loads(line[len("RESULT "):]) == mlm.MEGATRON_LM_DEFAULTS
+
+
 # ----------------------------------------------------------------------------- builder
 def _builder_args(mode, tp=1, cp=1, **kw):
     ns = argparse.Namespace(
@@ -368,6 +418,14 @@ def test_plugin_torchrun_refuses_before_any_rank_and_otherwise_is_torchrun(tmp_p
             "2", "--standalone", str(script), "--num-layers", "2", "--hidden-size", "64",
             "--seq-length", "64", "--tensor-parallel-mode", "metp",
             "--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    # Megatron-LM's default --attention-dropout 0.1, which every METP rank would refuse, is
+    # refused here, before any rank starts.
+    dropout = subprocess.run(base + ["--num-attention-heads", "4"], cwd=root, env=env,
+                             capture_output=True, text=True, timeout=120)
+    assert dropout.returncode == 2 and not list(started.iterdir()), dropout.stderr
+    assert len(dropout.stderr.strip().splitlines()) == 1 and \
+        "--attention-dropout 0.1" in dropout.stderr, dropout.stderr
+    base += ["--attention-dropout", "0"]
     bad = subprocess.run(base + ["--num-attention-heads", "6"], cwd=root, env=env,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and not list(started.iterdir()), (bad.stdout, bad.stderr)

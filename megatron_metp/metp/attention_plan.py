@@ -61,8 +61,9 @@ def check_metp_attention_config(config: TransformerConfig, p: int) -> None:
             f"--context-parallel-size 1")
     if config.attention_dropout and config.attention_dropout > 0:
         raise ValueError(
-            f"--tensor-parallel-mode metp: attention dropout is not implemented by the ring "
-            f"kernels; set --attention-dropout 0 (got {config.attention_dropout})"
+            f"--attention-dropout {config.attention_dropout} (Megatron-LM's default 0.1 where "
+            f"not given): --tensor-parallel-mode metp's ring kernels implement no attention "
+            f"dropout; set --attention-dropout 0"
         )
     if getattr(config, "attention_output_gate", False):
         raise ValueError("--tensor-parallel-mode metp does not support --attention-output-gate")
