@@ -242,7 +242,7 @@ OVERLAP_CASES = {
 }
 
 
-def _overlap_param_gather_run(style, kw, overlap, steps=3):
+def _overlap_param_gather_run(style, kw, overlap, steps=3, ring_loss=False):
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -262,9 +262,13 @@ def _overlap_param_gather_run(style, kw, overlap, steps=3):
         b = M.batch(seed=i)
         ddp.zero_grad_buffer()
         opt.zero_grad()
-        logits = ddp(b["tokens"], b["position_ids"], b["attention_mask"])
-        loss = model.compute_language_model_loss(
-            b["labels"], logits.transpose(0, 1).contiguous()).mean()
+        if ring_loss:   # labels given: METP's ring loss reads the output layer's weight
+            loss = ddp(b["tokens"], b["position_ids"], b["attention_mask"],
+                       labels=b["labels"]).mean()
+        else:
+            logits = ddp(b["tokens"], b["position_ids"], b["attention_mask"])
+            loss = model.compute_language_model_loss(
+                b["labels"], logits.transpose(0, 1).contiguous()).mean()
         loss.backward()
         finalize_model_grads([ddp])
         opt.step()
@@ -274,6 +278,8 @@ def _overlap_param_gather_run(style, kw, overlap, steps=3):
     linears = {p for n, m in model.named_modules()
                if n.rsplit(".", 1)[-1] in ("linear_qkv", "linear_proj", "linear_fc1",
                                            "linear_fc2") for p in m.parameters()}
+    if ring_loss:   # the bucket that must hold the (untied) output weight alone
+        linears = {model.output_layer.weight}
     # buckets that hold nothing but those linears' parameters
     n_buckets = sum(set(bk.params) <= linears for g in ddp.bucket_groups for bk in g.buckets)
     if overlap:
@@ -286,9 +292,15 @@ def _overlap_param_gather_cases():
 
     M.setup(tp=2, mode="metp")  # 4 ranks: TP 2 x DP 2
     out = {}
-    for case, (style, kw) in OVERLAP_CASES.items():
-        plain, _, _ = _overlap_param_gather_run(style, kw, overlap=False)
-        overlapped, skipped, n_buckets = _overlap_param_gather_run(style, kw, overlap=True)
+    cases = [(case, style, kw, False) for case, (style, kw) in OVERLAP_CASES.items()]
+    # Labels given to the untied model: the loss is METP's ring over the output weight, which
+    # it reads without calling output_layer; that weight fills a bucket of its own.
+    cases.append(("gpt whole + gathered MLP, ring loss", *OVERLAP_CASES[
+        "gpt whole + gathered MLP"], True))
+    for case, style, kw, ring_loss in cases:
+        plain, _, _ = _overlap_param_gather_run(style, kw, overlap=False, ring_loss=ring_loss)
+        overlapped, skipped, n_buckets = _overlap_param_gather_run(style, kw, overlap=True,
+                                                                   ring_loss=ring_loss)
         out[case] = (plain, overlapped, skipped, n_buckets)
     return out
 

@@ -45,6 +45,7 @@ from megatron_metp.metp.attention import set_balanced_layout
 from megatron_metp.metp.cross_entropy import metp_cross_entropy
 from megatron_metp.metp.embedding import MetpLanguageModelEmbedding
 from megatron_metp.metp.layer_schedule import chain_layers
+from megatron_metp.metp.weight_hooks import run_pre_hooks
 from megatron_metp.packing import _values as packed_values
 from megatron_metp.packing import balanced_packed_layout, cp_balanced_packed_layout
 from megatron_metp.token_layout import can_balance, permute_sequence
@@ -208,6 +209,10 @@ class MetpGPTModel(GPTModel):
 
         group = self.pg_collection.tp
         r = group.rank()
+        # The ring loss reads the output weight without calling output_layer: its pre-hooks
+        # (DDP's --overlap-param-gather wait for the weight's bucket) run here, as its call
+        # would run them.
+        run_pre_hooks(self.output_layer)
         weight = (self.shared_embedding_or_output_weight()
                   if self.share_embeddings_and_output_weights else self.output_layer.weight)
         s_local = hidden_states.shape[0]
