@@ -112,7 +112,7 @@ from typing import Any, Callable, List
 import torch
 from torch.overrides import TorchFunctionMode
 
-from megatron_metp.kernels import is_fake
+from megatron_metp.kernels import has_widening_gemm, is_fake
 
 _APPLIED = False
 
@@ -572,7 +572,7 @@ class _WgradAccum:
         x = total_input.reshape(-1, total_input.shape[-1])
         g = grad_output.reshape(-1, grad_output.shape[-1])
         if (isinstance(main_grad, FakeTensor) and main_grad.dtype == torch.float32
-                and g.dtype in (torch.bfloat16, torch.float16)):
+                and g.dtype in (torch.bfloat16, torch.float16) and has_widening_gemm()):
             # Fake tensors plan the GPU: there apex's kernel is one GEMM that adds its fp32
             # result into main_grad (beta = 1), no transient; one op here too, of its FLOPs and
             # bytes (the CPU kernels have no bf16-in, fp32-out GEMM: a real CPU run keeps two).

@@ -133,6 +133,12 @@ def is_fake(t: torch.Tensor) -> bool:
     return isinstance(t, FakeTensor)
 
 
+def has_widening_gemm() -> bool:
+    """Whether this torch has ``torch.mm(..., out_dtype=)`` (the ``aten::mm.dtype`` overload,
+    torch >= 2.8): a feature test, not a version string."""
+    return "dtype" in torch.ops.aten.mm.overloads()
+
+
 def widening_mm(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``a @ b`` in ``dtype`` (a weight gradient in fp32, to be summed over ranks in it): one
     GEMM whose output is ``dtype`` where there is one (cuBLAS takes bf16 / fp16 in and gives
@@ -140,11 +146,12 @@ def widening_mm(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.T
     fp32 ``main_grad``; fake tensors, which plan the GPU, run it so), else the GEMM in the
     inputs' dtype and a cast (the CPU kernels have none: there ``a @ b`` is rounded to bf16
     first, where the one GEMM keeps its fp32 sum). Either way one more op on a CPU than on a
-    GPU, never different FLOPs."""
+    GPU, never different FLOPs. A torch without the widening GEMM (:func:`has_widening_gemm`)
+    takes the GEMM and the cast on a GPU too."""
     if a.dtype == dtype:
         return a.mm(b)
     if dtype == torch.float32 and a.dtype in (torch.bfloat16, torch.float16) and (
-            a.is_cuda or is_fake(a)):
+            a.is_cuda or is_fake(a)) and has_widening_gemm():
         return torch.mm(a, b, out_dtype=dtype)
     return a.mm(b).to(dtype)
 

@@ -316,3 +316,27 @@ def test_widening_mm_is_one_fp32_gemm_where_the_gpu_has_one():
     assert out.dtype == torch.float32 and out.shape == (64, 48)
     ops = [(o.name, o.flops, o.bytes) for o in rec.ops if o.kind == "compute"]
     assert ops == [("mm", 2.0 * 64 * 32 * 48, 64 * 32 * 2 + 32 * 48 * 2 + 64 * 48 * 4)], ops
+
+
+def test_widening_mm_falls_back_where_torch_has_no_widening_gemm(monkeypatch):
+    """A torch older than the ``aten::mm.dtype`` overload (2.8; the NGC containers of 2025
+    ship 2.6-2.7): ``has_widening_gemm`` says no and ``widening_mm`` takes the GEMM in the
+    inputs' dtype and a cast, on the planner's fake tensors (which stand for the GPU) too, so
+    no call reaches an overload that torch lacks. The feature test itself reads the overloads
+    this torch registers."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    assert kernels.has_widening_gemm() == ("dtype" in torch.ops.aten.mm.overloads())
+    monkeypatch.setattr(kernels, "has_widening_gemm", lambda: False)
+    with FakeTensorMode():
+        fa = torch.empty(64, 32, dtype=torch.bfloat16)
+        fb = torch.empty(32, 48, dtype=torch.bfloat16)
+        real_mm = torch.mm
+
+        def mm(*args, **kwargs):
+            assert "out_dtype" not in kwargs, "the widening overload was called"
+            return real_mm(*args, **kwargs)
+
+        monkeypatch.setattr(torch, "mm", mm)
+        out = kernels.widening_mm(fa, fb, torch.float32)
+    assert out.dtype == torch.float32 and out.shape == (64, 48)
