@@ -326,27 +326,32 @@ def test_cluster_flags_refused_in_one_line(argv, words):
     assert len(lines) == 1 and words in lines[0], proc.stderr
 
 
+def _doc_rows(pattern: str):
+    """The match of ``pattern`` on each docs/cluster.md line it matches."""
+    import re
+
+    for line in (ROOT / "docs" / "cluster.md").read_text().splitlines():
+        m = re.match(pattern, line)
+        if m:
+            yield m
+
+
 def test_wallfacer_table_matches_its_json():
     """docs/cluster.md's reproduction table is the data in docs/cluster/wallfacer-*/: every
     step time it prints is that JSON's row, rounded to 0.01 s, and each gain their ratio."""
-    import re
-
     names = {"GPT-7B": "wallfacer-gpt-7b", "DiT-1B": "dit-1b"}
     dirs = {"16 x 2": "wallfacer-16x2", "8 x 4": "wallfacer-8x4"}
     seen = 0
-    for line in (ROOT / "docs" / "cluster.md").read_text().splitlines():
-        m = re.match(r"\| (GPT-7B|DiT-1B) \| (16 x 2|8 x 4) \| (\d+)k \| eth \| ([\d.]+) \| "
-                     r"C = (\d): ([\d.]+) \| ([\d.]+)x \|", line)
-        if not m:
-            continue
+    for m in _doc_rows(r"\| (GPT-7B|DiT-1B) \| (16 x 2|8 x 4) \| (\d+)k \| eth \| ([\d.]+) \| "
+                       r"C = (\d): ([\d.]+) \| ([\d.]+)x \|"):
         doc = json.loads((ROOT / "docs" / "cluster" / dirs[m[2]] / "cluster.json").read_text())
         step = {r["team_size"]: r["step_ms"] / 1e3 for r in doc["cluster"]
                 if r["model"] == names[m[1]] and r["seq_length"] == int(m[3]) * 1024
                 and r["gpu"] == "A100-40GB-eth"}
         c = int(m[5])
-        assert f"{step[1]:.2f}" == m[4] and f"{step[c]:.2f}" == m[6], line
-        assert c == min((t, k) for k, t in step.items())[1], line   # the best C
-        assert f"{step[1] / step[c]:.2f}" == m[7], line
+        assert f"{step[1]:.2f}" == m[4] and f"{step[c]:.2f}" == m[6], m[0]
+        assert c == min((t, k) for k, t in step.items())[1], m[0]   # the best C
+        assert f"{step[1] / step[c]:.2f}" == m[7], m[0]
         seen += 1
     assert seen == 12
 
@@ -354,21 +359,18 @@ def test_wallfacer_table_matches_its_json():
 def test_short_cells_table_matches_its_json():
     """docs/cluster.md's N = 8 table is docs/cluster/n8-short/cluster.json: each family's step
     time (0.01 s), and METP's ratio to stock."""
-    import re
-
     names = {"LLaMA-7B": "llama-7b", "LLaMA-70B (5-layer stage)": "llama-70b",
              "GPT-175B (1-layer stage)": "gpt-175b"}
     doc = json.loads((ROOT / "docs" / "cluster" / "n8-short" / "cluster.json").read_text())
     seen = 0
-    for line in (ROOT / "docs" / "cluster.md").read_text().splitlines():
-        m = re.match(r"\| (.+?) \| (\d+)k \| [^|]*: ([\d.]+) \| [^|]*: ([\d.]+) \| [^|]*: "
-                     r"([\d.]+) \| ([\d.]+)x \|", line)
-        if not m or m[1] not in names:
+    for m in _doc_rows(r"\| (.+?) \| (\d+)k \| [^|]*: ([\d.]+) \| [^|]*: ([\d.]+) \| [^|]*: "
+                       r"([\d.]+) \| ([\d.]+)x \|"):
+        if m[1] not in names:
             continue
         step = {r["family"]: r["step_ms"] / 1e3 for r in doc["cluster"]
                 if r["model"] == names[m[1]] and r["seq_length"] == int(m[2]) * 1024}
         assert [f"{step[f]:.2f}" for f in ("stock", "metp", "wallfacer")] == [m[3], m[4], m[5]]
-        assert f"{step['metp'] / step['stock']:.2f}" == m[6], line
+        assert f"{step['metp'] / step['stock']:.2f}" == m[6], m[0]
         seen += 1
     assert seen == 6
 
@@ -377,8 +379,6 @@ def test_gradient_lever_table_matches_its_json():
     """docs/cluster.md's --grad-reduce-in-bf16 table is docs/cluster/n8-short-bf16/cluster.json
     (each family's step, 0.01 s, METP's ratio) beside n8-short's fp32 METP step, and every row
     of the plan carries the flag."""
-    import re
-
     cl = ROOT / "docs" / "cluster"
     bf16 = json.loads((cl / "n8-short-bf16" / "cluster.json").read_text())
     fp32 = json.loads((cl / "n8-short" / "cluster.json").read_text())
@@ -390,14 +390,11 @@ def test_gradient_lever_table_matches_its_json():
                 if r["model"] == "llama-7b" and r["seq_length"] == s}
 
     seen = 0
-    for line in (ROOT / "docs" / "cluster.md").read_text().splitlines():
-        m = re.match(r"\| LLaMA-7B, --grad-reduce-in-bf16 \| (\d+)k \| [^|]*: ([\d.]+) \| "
-                     r"[^|]*: ([\d.]+) \| ([\d.]+)x \| ([\d.]+) \|", line)
-        if not m:
-            continue
+    for m in _doc_rows(r"\| LLaMA-7B, --grad-reduce-in-bf16 \| (\d+)k \| [^|]*: ([\d.]+) \| "
+                       r"[^|]*: ([\d.]+) \| ([\d.]+)x \| ([\d.]+) \|"):
         s = int(m[1]) * 1024
         got, before = steps(bf16, s), steps(fp32, s)
-        assert [f"{got['stock']:.2f}", f"{got['metp']:.2f}"] == [m[2], m[3]], line
+        assert [f"{got['stock']:.2f}", f"{got['metp']:.2f}"] == [m[2], m[3]], m[0]
         assert f"{got['metp'] / got['stock']:.2f}" == m[4] and f"{before['metp']:.2f}" == m[5]
         seen += 1
     assert seen == 2

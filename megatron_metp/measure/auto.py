@@ -69,17 +69,41 @@ def _frontier(settings: PlanSettings, gpu: str, gpus_per_node: int, tp_comm_over
                     stock_overlap=tp_comm_overlap)
 
 
-def table(rows: Dict[str, Optional[dict]], chosen: Optional[Choice], gpu: str) -> str:
-    out = [f"| family | fastest configuration that fits (Megatron-LM flags) | needs GiB | "
-           f"step ms ({gpu} ESTIMATE) | tokens/s |", "|---|---|---:|---:|---:|"]
+def _table(head: List[str], cells, rows: Dict[str, Optional[dict]],
+           chosen: Optional[Choice]) -> str:
+    """A markdown table of each family's row: ``head`` the columns after the family's (one of
+    them the flags', "fastest ..."), ``cells(row)`` a row's cells; no row: nothing fits."""
+    flags = next(i for i, h in enumerate(head) if h.startswith("fastest"))
+    out = ["| family | " + " | ".join(head) + " |",   # numbers after the flags, right-aligned
+           "|---|" + "|".join("---:" if i > flags else "---" for i in range(len(head))) + "|"]
     for fam, r in rows.items():
         if r is None:
-            out.append(f"| {fam} | nothing fits | - | - | - |")
+            blank = ["-"] * len(head)
+            blank[flags] = "nothing fits"
+            out.append(f"| {fam} | " + " | ".join(blank) + " |")
             continue
         mark = " **chosen**" if chosen is not None and chosen.family == fam else ""
-        out.append(f"| {fam}{mark} | `{r['flags']}` | {r['memory_gib']:.1f} | "
-                   f"{r['step_ms']:,.3f} | {r['tokens_per_s']:,.0f} |")
+        out.append(f"| {fam}{mark} | " + " | ".join(cells(r)) + " |")
     return "\n".join(out)
+
+
+def table(rows: Dict[str, Optional[dict]], chosen: Optional[Choice], gpu: str) -> str:
+    """Each family's fastest configuration of one model-parallel group (frontier rows)."""
+    return _table(["fastest configuration that fits (Megatron-LM flags)", "needs GiB",
+                   f"step ms ({gpu} ESTIMATE)", "tokens/s"],
+                  lambda r: [f"`{r['flags']}`", f"{r['memory_gib']:.1f}",
+                             f"{r['step_ms']:,.3f}", f"{r['tokens_per_s']:,.0f}"], rows, chosen)
+
+
+def job_table(rows: Dict[str, Optional[dict]], chosen: Optional[Choice], gpu: str) -> str:
+    """Each family's fastest configuration of a job (cluster rows)."""
+    return _table(["TP x CP x DP, micro-batch",
+                   "fastest configuration that fits (Megatron-LM flags)", "needs GiB",
+                   f"step ms ({gpu} ESTIMATE)", "tokens/s per GPU", "MFU"],
+                  lambda r: [f"{r['tp']} x {r['cp']} x {r['dp']}, {r['micro_batch']}",
+                             f"`{r['flags']}`", f"{r['memory_gib']:.1f}",
+                             f"{r['step_ms']:,.3f}", f"{r['tokens_per_s_per_gpu']:,.0f}",
+                             f"{r['mfu']:.1%}"], rows, chosen)
 
 
 def _rule(choices: Dict[str, Choice], margin: float) -> Tuple[Choice, str, str]:
@@ -152,22 +176,6 @@ def choose(cfg, p: int, s: int, *, micro_batch: int = 1, memory_gib: float = 80.
                f"{p}; the longest that fits is {fam} at {seq_label(pt.seq_length)} (--seq-length "
                f"{pt.seq_length}) with {' '.join(v.flags(p, L))}")
     return None, table(rows, None, gpu), why
-
-
-def job_table(rows: Dict[str, Optional[dict]], chosen: Optional[Choice], gpu: str) -> str:
-    """Each family's fastest configuration of the job, a row each (cluster rows)."""
-    out = [f"| family | TP x CP x DP, micro-batch | fastest configuration that fits (Megatron-LM "
-           f"flags) | needs GiB | step ms ({gpu} ESTIMATE) | tokens/s per GPU | MFU |",
-           "|---|---|---|---:|---:|---:|---:|"]
-    for fam, r in rows.items():
-        if r is None:
-            out.append(f"| {fam} | - | nothing fits | - | - | - | - |")
-            continue
-        mark = " **chosen**" if chosen is not None and chosen.family == fam else ""
-        out.append(f"| {fam}{mark} | {r['tp']} x {r['cp']} x {r['dp']}, {r['micro_batch']} | "
-                   f"`{r['flags']}` | {r['memory_gib']:.1f} | {r['step_ms']:,.3f} | "
-                   f"{r['tokens_per_s_per_gpu']:,.0f} | {r['mfu']:.1%} |")
-    return "\n".join(out)
 
 
 def job_choice_flags(v, split, layers: int) -> List[str]:
