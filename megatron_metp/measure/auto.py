@@ -318,10 +318,9 @@ def apply(ns, chosen: Choice, team_size_type=int) -> None:
     if split is not None:
         ns.tensor_model_parallel_size = split.p
         ns.micro_batch_size, ns.global_batch_size = split.micro_batch, split.sequences
-        if not v.fsdp:
-            ns.use_distributed_optimizer = True
-            if split.dp * v.cp > 1 and hasattr(ns, "overlap_grad_reduce"):
-                ns.overlap_grad_reduce = ns.overlap_param_gather = True
+        # (--use-distributed-optimizer is among the choice's flags: set below)
+        if not v.fsdp and split.dp * v.cp > 1 and hasattr(ns, "overlap_grad_reduce"):
+            ns.overlap_grad_reduce = ns.overlap_param_gather = True
     p = ns.tensor_model_parallel_size
     L = chosen.row["layers"] if chosen.row else None
     cp = v.cp if v.mode != "wallfacer" else 1   # WallFacer's remap makes TP its CP
