@@ -500,7 +500,7 @@ def gpt_builder(args, pre_process=True, post_process=True, vp_stage=None, config
         extra["shard_position_table"] = (
             getattr(args, "seq_length", None) == args.max_position_embeddings
             and not getattr(args, "reset_position_ids", False))
-    return model_cls(
+    model = model_cls(
         config=config,
         transformer_layer_spec=spec,
         vocab_size=args.padded_vocab_size,
@@ -519,6 +519,11 @@ def gpt_builder(args, pre_process=True, post_process=True, vp_stage=None, config
         pg_collection=pg_collection,
         **extra,
     )
+    if mode == "wallfacer":   # packed batches: cu_seqlens read once per forward, not per layer
+        from megatron_metp.packing import read_at_each_forward
+
+        read_at_each_forward(model)
+    return model
 
 
 def make_gpt_builder(fallback: Optional[Callable] = None) -> Callable:

@@ -186,7 +186,7 @@ def build_gpt_model(
 
         extra["shard_position_table"] = (position_embedding_type == "learned_absolute" and
                                          seq_length in (None, max_sequence_length))
-    return model_cls(
+    model = model_cls(
         config=config,
         transformer_layer_spec=spec,
         vocab_size=vocab_size,
@@ -199,6 +199,11 @@ def build_gpt_model(
         vp_stage=vp_stage,
         **extra,
     )
+    if mode == "wallfacer":   # packed batches: cu_seqlens read once per forward, not per layer
+        from megatron_metp.packing import read_at_each_forward
+
+        read_at_each_forward(model)
+    return model
 
 
 def initialize_parallel(

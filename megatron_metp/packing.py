@@ -47,6 +47,14 @@ ALL = slice(None)
 Piece = Tuple[slice, slice, bool]   # (query rows, key columns, causal) in block-local indices
 
 
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """A host-made index tensor on ``device`` without waiting for it: on a GPU through pinned
+    memory and a non-blocking copy (a pageable copy would synchronise the stream)."""
+    if device is None or torch.device(device).type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def _ints(t) -> List[int]:
     if t is None:
         return None
@@ -58,15 +66,130 @@ _FIX = ("pass a 1-D integer tensor (int32, as Megatron makes it) of cumulative d
         "lengths, e.g. torch.tensor([0, 12, 40], dtype=torch.int32)")
 
 
-def seqlens_values(name: str, t) -> Optional[Tuple[int, ...]]:
-    """The values of one ``PackedSeqParams`` ``cu_seqlens`` field, read from the host once, or
-    a one-line ValueError naming the field and the fix: a meta tensor, a 2-D one, a floating
-    (NaN and fractions included) or bool one, or a list of anything but ints. Integer dtypes
-    other than int32 (int64, int16, uint8 ...) are accepted: the values are what counts.
-    Tensors made under ``torch.inference_mode()`` are read like any other."""
-    if t is None:
-        return None
+_STAMP = "_metp_host_values"
+
+
+def _identity(params) -> tuple:
+    """What a stamp of ``params``' values is valid for: each field's object (and
+    ``max_seqlen_q``'s) and, for a tensor, its version counter (bumped by every in-place write
+    through torch)."""
+    return tuple((id(t), t._version if isinstance(t, torch.Tensor) else None)
+                 for t in (getattr(params, f, None) for f in _SEQLEN_FIELDS + ("max_seqlen_q",)))
+
+
+def read_once(params, extra: Sequence[torch.Tensor] = ()) -> tuple:
+    """Read the values of every ``cu_seqlens`` field (and a tensor ``max_seqlen_q``) from the
+    host once and keep them on ``params`` for the rest of the model's forward, its layers and
+    their recompute in the backward: the one host read of a packed micro batch. The model calls
+    it at the start of each forward, so a new batch written into the same tensors (however
+    written) is read afresh there; between two calls a field reassigned or written in place
+    through torch is read again, not served from the stamp. Every GPU tensor among them, and
+    those of ``extra`` (the caller's own, e.g. a fingerprint), comes in one copy. Returns the
+    values of ``extra``."""
+    mx = getattr(params, "max_seqlen_q", None)
+    tensors = [mx] if isinstance(mx, torch.Tensor) else []
+    got = _read_all(params, tensors + list(extra))
+    n = len(_SEQLEN_FIELDS)
+    values = got[:n]
+    max_seqlen = got[n][0] if tensors else mx
+    setattr(params, _STAMP, (_identity(params), values, max_seqlen))
+    return got[n + len(tensors):]
+
+
+def read_at_each_forward(model: torch.nn.Module) -> torch.nn.Module:
+    """Make ``model`` (a GPTModel whose layers take ``packed_seq_params``) call
+    :func:`read_once` at the start of each forward, so its layers read no ``cu_seqlens`` from
+    the GPU. Returns ``model``."""
+    import inspect
+
+    names = list(inspect.signature(model.forward).parameters)
+    at = names.index("packed_seq_params") if "packed_seq_params" in names else None
+
+    def hook(module, args, kwargs):
+        params = kwargs.get("packed_seq_params")
+        if params is None and at is not None and len(args) > at:
+            params = args[at]
+        if params is not None:
+            read_once(params)
+    model.register_forward_pre_hook(hook, with_kwargs=True)
+    return model
+
+
+def host_max_seqlen(params) -> Optional[int]:
+    """``params.max_seqlen_q`` as an int, from :func:`read_once`'s stamp when it is valid."""
+    stamp = getattr(params, _STAMP, None)
+    if stamp is not None and stamp[0] == _identity(params):
+        return None if stamp[2] is None else int(stamp[2])
+    mx = getattr(params, "max_seqlen_q", None)
+    return None if mx is None else int(mx)
+
+
+def _read_all(params, extra: Sequence[torch.Tensor] = ()) -> tuple:
+    """The values of every field (each checked by :func:`check_fields` before any read), then
+    those of ``extra``: every accelerator tensor among them in one host copy."""
+    check_fields(params)
+    fields = [getattr(params, f, None) for f in _SEQLEN_FIELDS]
+    tensors = [t for t in fields + list(extra) if isinstance(t, torch.Tensor)]
+    flat = {}
+    for dev in {t.device for t in tensors}:   # one copy per device: the GPU's (and the CPU's)
+        on = [t for t in tensors if t.device == dev]
+        got = torch.cat([t.reshape(-1).to(torch.int64) for t in on]).tolist()
+        for t in on:
+            flat[id(t)], got = tuple(got[:t.numel()]), got[t.numel():]
+
+    def val(t):
+        if not isinstance(t, torch.Tensor):
+            return None if t is None else tuple(t)
+        return flat[id(t)]
+    return tuple(val(t) for t in fields) + tuple(val(t) for t in extra)
+
+
+_WRAP = 1 << 64
+_K1, _K2 = 0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F
+
+
+def _signed(x: int) -> int:
+    x %= _WRAP
+    return x - _WRAP if x >= _WRAP // 2 else x
+
+
+def values_digest(params, device) -> torch.Tensor:
+    """An int64 digest (a 0-d tensor on ``device``) of the values of every ``cu_seqlens`` field,
+    computed where the values are, with no host read: equal values give equal digests
+    whatever device or container holds them (torch's int64 arithmetic wraps as
+    :func:`_signed` does). Fields must pass :func:`_check_field` first."""
+    host, parts = 0, []
+    for j, f in enumerate(_SEQLEN_FIELDS):
+        t = getattr(params, f, None)
+        if t is None:
+            host += j + 1
+            continue
+        n = len(t)
+        host += n * _K2 + (j + 1) * _K1 * 3
+        if isinstance(t, torch.Tensor):
+            w = torch.arange(1, n + 1, dtype=torch.int64, device=t.device) * _signed(_K1)
+            parts.append((t.to(torch.int64) * w).sum())
+        else:
+            host += sum(int(v) * (i + 1) * _K1 for i, v in enumerate(t))
+    out = torch.full((), _signed(host), dtype=torch.int64, device=device)
+    for p in parts:   # a CPU 0-d tensor joins a GPU one as a scalar, with no copy
+        out = out + (p if p.device.type == "cpu" or p.device == out.device else p.to(device))
+    return out
+
+
+def check_fields(params) -> None:
+    """Refuse, with one line naming the field and the fix, a ``cu_seqlens`` field that is a
+    meta tensor, a 2-D one, a floating (NaN and fractions included) or bool one, or a list of
+    anything but ints. Integer dtypes other than int32 (int64, int16, uint8 ...) are accepted:
+    the values are what counts. Reads no values."""
+    for f in _SEQLEN_FIELDS:
+        _check_field(f, getattr(params, f, None))
+
+
+def _check_field(name: str, t) -> None:
     where = f"PackedSeqParams.{name}"
+    if t is None:
+        return
     if isinstance(t, torch.Tensor):
         if t.is_meta:
             raise ValueError(f"{where} is a meta tensor (it has no values); {_FIX}")
@@ -74,18 +197,41 @@ def seqlens_values(name: str, t) -> Optional[Tuple[int, ...]]:
             raise ValueError(f"{where} has shape {tuple(t.shape)}, not 1-D; {_FIX}")
         if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
             raise ValueError(f"{where} has dtype {t.dtype}; {_FIX}")
-        return tuple(t.tolist())
-    if isinstance(t, (list, tuple)):
+    elif isinstance(t, (list, tuple)):
         if not all(isinstance(x, int) and not isinstance(x, bool) for x in t):
             raise ValueError(f"{where} holds non-integers ({[type(x).__name__ for x in t]}); "
                              f"{_FIX}")
-        return tuple(t)
-    raise ValueError(f"{where} is a {type(t).__name__}; {_FIX}")
+    else:
+        raise ValueError(f"{where} is a {type(t).__name__}; {_FIX}")
 
 
 def _values(params) -> tuple:
-    """What a layout is derived from: the values of every ``cu_seqlens`` field."""
-    return tuple(seqlens_values(f, getattr(params, f, None)) for f in _SEQLEN_FIELDS)
+    """What a layout is derived from: the values of every ``cu_seqlens`` field, as
+    :func:`read_once` kept them when it is still valid for the fields, else read now."""
+    stamp = getattr(params, _STAMP, None)
+    if stamp is not None and stamp[0] == _identity(params):
+        return stamp[1]
+    return _read_all(params)
+
+
+def longest_document(params) -> int:
+    """Tokens in the longest document of a packed batch (its true length, from
+    ``cu_seqlens_q``): the positions a THD rotary table must cover. Host values only."""
+    cu = _values(params)[0]
+    return max((b - a for a, b in zip(cu, cu[1:])), default=0)
+
+
+class _HostParams:
+    """``params`` with its ``cu_seqlens`` fields replaced by their host values: what the
+    layouts are built from, so that building one reads nothing from a GPU."""
+
+    def __init__(self, params, values):
+        self._params = params
+        for f, v in zip(_SEQLEN_FIELDS, values):
+            setattr(self, f, v)
+
+    def __getattr__(self, name):
+        return getattr(self._params, name)
 
 
 # Layouts by (kind, sizes, the cu_seqlens values): keyed on the values themselves, so a layout
@@ -97,13 +243,16 @@ _MAX_LAYOUTS = 64
 
 
 def _cached(params, key, build):
-    """``build()`` after the self-attention check, cached on ``key`` and the values of the
-    ``cu_seqlens`` fields (one small host copy per call: :func:`_values`)."""
-    k = (key, _values(params))
+    """``build(host)`` after the self-attention check, cached on ``key`` and the values of the
+    ``cu_seqlens`` fields (:func:`_values`: no read inside a forward that :func:`read_once`
+    began); ``host`` is :class:`_HostParams`."""
+    values = _values(params)
+    k = (key, values)
     hit = _LAYOUTS.get(k)
     if hit is None:
-        _check_self_attention(params)
-        hit = _LAYOUTS[k] = build()
+        host = _HostParams(params, values)
+        _check_self_attention(host)
+        hit = _LAYOUTS[k] = build(host)
         while len(_LAYOUTS) > _MAX_LAYOUTS:
             _LAYOUTS.popitem(last=False)
     else:
@@ -114,8 +263,8 @@ def _cached(params, key, build):
 def _check_self_attention(params) -> None:
     """Every ``PackedSeqParams`` check that needs no layout: cumulative offsets that start at 0
     and never decrease, padded offsets for both q and kv or for neither, and self-attention (the
-    key/value offsets equal the query's). Reads ``cu_seqlens`` on the host, so it runs inside a
-    layout's cached build (once per micro batch), before any communication."""
+    key/value offsets equal the query's). Runs inside a layout's cached build on the host
+    values (:class:`_HostParams`), before any communication."""
     cu, pad = params.cu_seqlens_q, getattr(params, "cu_seqlens_q_padded", None)
     kv, kv_pad = params.cu_seqlens_kv, getattr(params, "cu_seqlens_kv_padded", None)
     for name, t in (("cu_seqlens_q", cu), ("cu_seqlens_q_padded", pad)):
@@ -172,7 +321,7 @@ class _Memo:
         host = self._memo(("pos", block, n, None), lambda: self._block_positions(block, n))
         if device is None or torch.device(device).type == "cpu":
             return host
-        return self._memo(("pos", block, n, str(device)), lambda: host.to(device))
+        return self._memo(("pos", block, n, str(device)), lambda: to_device(host, device))
 
 
 class PackedLayout(_Memo):
@@ -213,8 +362,8 @@ class PackedLayout(_Memo):
         Reading ``cu_seqlens`` on the host synchronises with a GPU, so the layout is kept on
         the ``params`` object the model hands to every layer: once per micro batch, not once
         per layer (Megatron-LM builds a new ``PackedSeqParams`` for every batch)."""
-        return _cached(params, (cls, total), lambda: cls(
-            params.cu_seqlens_q, getattr(params, "cu_seqlens_q_padded", None), total))
+        return _cached(params, (cls, total), lambda h: cls(
+            h.cu_seqlens_q, h.cu_seqlens_q_padded, total))
 
     def pieces(self, q0: int, k0: int, n: int, causal: bool = True) -> List[Piece]:
         """Kernel calls for queries ``[q0, q0 + n)`` against keys ``[k0, k0 + n)`` (positions
@@ -253,7 +402,7 @@ class PackedLayout(_Memo):
         doc = (torch.searchsorted(starts, pos, right=True) - 1).clamp(min=0)
         rel = pos - starts[doc]
         pad = (pos < starts[doc]) | (pos >= ends[doc])
-        return rel.masked_fill(pad, 0).to(device)
+        return to_device(rel.masked_fill(pad, 0), device)
 
 
 class CPDocumentLayout(_Memo):
@@ -299,8 +448,8 @@ class CPDocumentLayout(_Memo):
     def from_packed_seq_params(cls, params, cp_size: int) -> "CPDocumentLayout":
         """From Megatron's ``PackedSeqParams``; kept on ``params`` as
         :meth:`PackedLayout.from_packed_seq_params` does."""
-        return _cached(params, (cls, cp_size), lambda: cls(
-            params.cu_seqlens_q, getattr(params, "cu_seqlens_q_padded", None), cp_size))
+        return _cached(params, (cls, cp_size), lambda h: cls(
+            h.cu_seqlens_q, h.cu_seqlens_q_padded, cp_size))
 
     def _block_pieces(self, q_chunk: int, k_chunk: int, c: int, causal: bool) -> List[Piece]:
         if c != self.chunk:
@@ -323,7 +472,7 @@ class CPDocumentLayout(_Memo):
         def build():
             parts = [torch.arange(2 * o + h * m, 2 * o + (h + 1) * m)
                      for h in range(2) for m, o in zip(self.sizes, self.offsets)]
-            return torch.cat(parts).to(device)
+            return to_device(torch.cat(parts), device)
         return self._memo(("order", str(device)), build)
 
 
@@ -374,8 +523,8 @@ class CPBlockLayout(_Memo):
 
     @classmethod
     def from_packed_seq_params(cls, params, tp_size: int, cp_size: int) -> "CPBlockLayout":
-        return _cached(params, (cls, tp_size, cp_size), lambda: cls(
-            params.cu_seqlens_q, getattr(params, "cu_seqlens_q_padded", None), tp_size, cp_size))
+        return _cached(params, (cls, tp_size, cp_size), lambda h: cls(
+            h.cu_seqlens_q, h.cu_seqlens_q_padded, tp_size, cp_size))
 
     def _block_pieces(self, q_block: int, k_block: int, n: int, causal: bool) -> List[Piece]:
         if n != self.n:
@@ -429,12 +578,12 @@ class BalancedDocLayout(CPBlockLayout):
     def order(self, device=None) -> torch.Tensor:
         """``order [s]``: sequence position of each token in rank-major balanced order
         (``x_bal = x.index_select(dim, order)``; rank r's shard is ``x_bal[r s/p:(r+1) s/p]``)."""
-        return self._memo(("order", str(device)), lambda: _balanced_doc_order(
-            self.docs.sizes, self.docs.offsets, self.p).to(device))
+        return self._memo(("order", str(device)), lambda: to_device(_balanced_doc_order(
+            self.docs.sizes, self.docs.offsets, self.p), device))
 
     def inverse(self, device=None) -> torch.Tensor:
         return self._memo(("inverse", str(device)),
-                          lambda: torch.argsort(self.order()).to(device))
+                          lambda: to_device(torch.argsort(self.order()), device))
 
 
 def _balanced_doc_order(sizes, offsets, p: int) -> torch.Tensor:
@@ -483,8 +632,8 @@ class CPBalancedDocLayout(CPBlockLayout):
 
     @classmethod
     def from_packed_seq_params(cls, params, tp_size: int, cp_size: int) -> "CPBalancedDocLayout":
-        return _cached(params, (cls, tp_size, cp_size), lambda: cls(
-            params.cu_seqlens_q, getattr(params, "cu_seqlens_q_padded", None), tp_size, cp_size))
+        return _cached(params, (cls, tp_size, cp_size), lambda h: cls(
+            h.cu_seqlens_q, h.cu_seqlens_q_padded, tp_size, cp_size))
 
     def order(self, device=None) -> torch.Tensor:
         """``order [s/CP]``: local index (Megatron-LM's CP-rank order) of each token in TP-rank-
@@ -493,8 +642,8 @@ class CPBalancedDocLayout(CPBlockLayout):
         ``m / TP``, of which TP rank t takes parts t and 2TP-1-t: the balanced order of those
         runs over the TP ranks."""
         d, tp = self.docs, self.tp
-        return self._memo(("order", str(device)), lambda: _balanced_doc_order(
-            [m // tp for m in d.sizes], [o // tp for o in d.offsets], tp).to(device))
+        return self._memo(("order", str(device)), lambda: to_device(_balanced_doc_order(
+            [m // tp for m in d.sizes], [o // tp for o in d.offsets], tp), device))
 
     inverse = BalancedDocLayout.inverse
 
@@ -508,9 +657,9 @@ def cp_balanced_packed_layout(params, tp: int, cp: int,
     if tp < 2 or cp < 2 or getattr(params, "qkv_format", "thd") != "thd":
         return None
 
-    def build():
-        cu = _ints(params.cu_seqlens_q)
-        pad = _ints(getattr(params, "cu_seqlens_q_padded", None)) or cu
+    def build(h):
+        cu = _ints(h.cu_seqlens_q)
+        pad = _ints(h.cu_seqlens_q_padded) or cu
         if len(pad) < 2 or pad[-1] != local_total * cp or any(
                 (b - a) % (2 * tp * cp) for a, b in zip(pad[:-1], pad[1:])):
             return None
@@ -526,9 +675,9 @@ def balanced_packed_layout(params, p: int, total: int) -> Optional[BalancedDocLa
     if p < 2 or getattr(params, "qkv_format", "thd") != "thd":
         return None
 
-    def build():
-        cu = _ints(params.cu_seqlens_q)
-        pad = _ints(getattr(params, "cu_seqlens_q_padded", None)) or cu
+    def build(h):
+        cu = _ints(h.cu_seqlens_q)
+        pad = _ints(h.cu_seqlens_q_padded) or cu
         if len(pad) < 2 or pad[-1] != total or any(
                 (b - a) % (2 * p) for a, b in zip(pad[:-1], pad[1:])):
             return None

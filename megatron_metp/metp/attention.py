@@ -75,7 +75,7 @@ from megatron_metp.metp.weight_hooks import run_pre_hooks
 from megatron_metp.metp.whole_pass import _MetpWholeFunction
 from megatron_metp.packing import (CPBlockLayout, PackedLayout, balanced_packed_layout,
                                    cp_balanced_packed_layout,
-                                   check_tokens)
+                                   check_tokens, longest_document)
 from megatron_metp.token_layout import can_balance
 
 __all__ = ["ATTN_MIN_TOKENS", "QKV_BACKWARD", "RING_PASSES", "WHOLE_MAX_TOKENS",
@@ -268,9 +268,9 @@ class MetpSelfAttention(SelfAttention):
             ring_rank = dist.get_rank(self.kv_group) if self.kv_group is not None else 0
             blocks = self.kv_blocks_balanced if balanced else self.kv_blocks
             block = blocks[ring_rank] if blocks is not None else rank
-            # The range check reads the host copy (no GPU sync); the device copy is made once
-            # per micro batch (the layout keeps both).
-            need = int(layout.block_positions(block, s_shard).max()) + 1 if s_shard else 0
+            # Every rank checks against the longest document (host values: no GPU read), so
+            # all refuse alike; the device copy of the positions is made once per micro batch.
+            need = longest_document(packed_seq_params) if s_shard else 0
             for f in pair:
                 if f.shape[0] < need:
                     raise ValueError(f"rotary_pos_emb covers {f.shape[0]} positions; a packed "

@@ -46,11 +46,28 @@ from megatron_metp.metp.cross_entropy import metp_cross_entropy
 from megatron_metp.metp.embedding import MetpLanguageModelEmbedding
 from megatron_metp.metp.layer_schedule import chain_layers
 from megatron_metp.metp.weight_hooks import run_pre_hooks
-from megatron_metp.packing import _values as packed_values
+from megatron_metp import packing
 from megatron_metp.packing import balanced_packed_layout, cp_balanced_packed_layout
 from megatron_metp.token_layout import can_balance, permute_sequence
 
 __all__ = ["MetpGPTModel"]
+
+
+_DIFFERENT_INPUTS = (
+    "the tensor-parallel ranks were handed different inputs (tokens per sequence, or "
+    "packed_seq_params' cu_seqlens values, differ between ranks of one METP group): give every "
+    "rank of a tensor-parallel group the same batch, as Megatron-LM's data loader does (rank 0 "
+    "reads it, the group receives it)")
+
+
+def _assert_async(cond: torch.Tensor, msg: str) -> bool:
+    """Whether ``cond`` holds, checked without a host read on a GPU: a device-side assert that
+    stops the process at the stream's next synchronisation. The CPU checks it at once (False)."""
+    try:
+        torch._assert_async(cond, msg)
+    except RuntimeError:   # the CPU checks at once
+        return False
+    return True
 
 
 class MetpGPTModel(GPTModel):
@@ -104,33 +121,48 @@ class MetpGPTModel(GPTModel):
 
     def _agree_on_inputs(self, ref: torch.Tensor, params) -> None:
         """The TP ranks compare a fingerprint of their inputs before the step's first collective:
-        the tokens' shape and the values of every ``cu_seqlens`` field. Ranks
-        handed different inputs would otherwise pair up wrong collectives, or one would refuse
-        its input while the others block in the embedding's reduce-scatter until the group
-        times out. One all-reduce of two int64 per forward, on the input's device; on a
-        mismatch (or an input some rank cannot read) every rank raises the same line."""
+        the tokens' shape and the values of every ``cu_seqlens`` field. Ranks handed different
+        inputs would otherwise pair up wrong collectives, or one would refuse its input while
+        the others block in the embedding's reduce-scatter until the group times out. One
+        all-reduce of two int64 per forward, on the input's device; on a mismatch (or an input
+        some rank cannot read) every rank raises the same line.
+
+        Host reads: none for an unpacked batch (a device-side assert checks the result; on a
+        GPU it fails at the next synchronisation, on the CPU at once); one for a packed batch,
+        which reads the fingerprint with the ``cu_seqlens`` values the layers then use
+        (``packing.read_once``)."""
         if self.tp_size == 1:
+            if params is not None:
+                packing.read_once(params)
             return
         import torch.distributed as dist
 
         bad = None
         try:
-            values = packed_values(params) if params is not None else None
+            packing.check_fields(params) if params is not None else None
         except ValueError as e:
-            bad, values = str(e), "unreadable"
+            bad = str(e)
+        structure = None if params is None else "unreadable" if bad else "packed"
         # A digest of the text, not hash(): hash(None) differs between processes before 3.12.
         import hashlib
 
-        digest = hashlib.blake2b(repr((tuple(ref.shape), values)).encode(), digest_size=8)
-        fp = int.from_bytes(digest.digest(), "little") & ((1 << 62) - 1)
-        t = torch.tensor([fp, -fp], dtype=torch.int64, device=ref.device)
+        digest = hashlib.blake2b(repr((tuple(ref.shape), structure)).encode(), digest_size=8)
+        fp = torch.full((), packing._signed(int.from_bytes(digest.digest(), "little")),
+                        dtype=torch.int64, device=ref.device)
+        if structure == "packed":
+            fp = fp + packing.values_digest(params, ref.device)
+        fp = fp & ((1 << 62) - 1)
+        t = torch.stack([fp, -fp])
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.pg_collection.tp)
-        if int(t[0]) != -int(t[1]):
-            raise ValueError(
-                "the tensor-parallel ranks were handed different inputs (tokens per sequence, or "
-                "packed_seq_params' cu_seqlens values, differ between ranks of one METP group): "
-                "give every rank of a tensor-parallel group the same batch, as Megatron-LM's "
-                "data loader does (rank 0 reads it, the group receives it)")
+        if structure == "packed":
+            agree = packing.read_once(params, extra=[t])[0]
+            same = agree[0] == -agree[1]
+        elif structure is None:
+            same = _assert_async(t[0] == -t[1], _DIFFERENT_INPUTS)
+        else:
+            same = int(t[0]) == -int(t[1])   # the error path: a read is fine here
+        if not same:
+            raise ValueError(_DIFFERENT_INPUTS)
         if bad is not None:
             raise ValueError(bad)
 

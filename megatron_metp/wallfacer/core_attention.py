@@ -12,7 +12,9 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_metp.packing import CPDocumentLayout, PackedLayout, check_tokens, seqlens_values
+from megatron_metp.packing import (_SEQLEN_FIELDS, CPDocumentLayout, PackedLayout, check_tokens,
+                                   host_max_seqlen)
+from megatron_metp.packing import _values as packed_values
 from megatron_metp.wallfacer.attention import wallfacer_attention
 from megatron_metp.wallfacer.groups import WallFacerGroups
 
@@ -119,11 +121,12 @@ class WallFacerCoreAttention(MegatronModule):
         if params.qkv_format == "thd" and getattr(params, "max_seqlen_q", None) is not None:
             field = ("cu_seqlens_q_padded" if getattr(params, "cu_seqlens_q_padded", None)
                      is not None else "cu_seqlens_q")
-            cu = seqlens_values(field, getattr(params, field))
+            cu = packed_values(params)[_SEQLEN_FIELDS.index(field)]
             longest = max((b - a for a, b in zip(cu, cu[1:])), default=0)
-            if int(params.max_seqlen_q) < longest:
+            max_seqlen = host_max_seqlen(params)
+            if max_seqlen < longest:
                 raise ValueError(
-                    f"PackedSeqParams.max_seqlen_q {int(params.max_seqlen_q)} is shorter than "
+                    f"PackedSeqParams.max_seqlen_q {max_seqlen} is shorter than "
                     f"the longest document ({longest} tokens, from {field}): Megatron sizes the "
                     f"rotary table from it; set max_seqlen_q to at least {longest}")
         if params.qkv_format == "thd" and self.plan.cp_size > 1:
