@@ -39,7 +39,7 @@ step() {
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 step 60 python3 -c "import sys, torch, megatron.core as m; print('Python', sys.version.split()[0], '| torch', torch.__version__, '| megatron-core', m.__version__, '|', torch.cuda.get_device_name(), '| cuDNN', torch.backends.cudnn.version())"
-step 170 python3 -m pytest -q -rs --durations=8 tests/test_gpu.py tests/test_kernels.py
+step 200 python3 -m pytest -q -rs --durations=8 tests/test_gpu.py tests/test_kernels.py tests/test_host_reads.py
 step 45 python3 scripts/elementwise_bandwidth.py --json "$OUT/elementwise.json"
 CAL="python3 -m megatron_metp.training.cli bench --calibrate --calibrate-model llama-7b"
 # METP's all-to-all attention (--metp-ring-pass a2a, auto's first choice since 16th stop), which

@@ -14,6 +14,7 @@ made them; reads torch or Megatron-Core make for their own use are counted as ``
   and the recompute of the backward, use those values.
 """
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -112,3 +113,103 @@ def test_metp_step_reads_nothing_and_a_packed_one_once(report):
 
 def test_wallfacer_step_reads_nothing_and_a_packed_one_once(report):
     _check(run_ranks(4, _wallfacer_task), "WallFacer CP=4 C=2 (THD)", report)
+
+
+# ----------------------------------------------------------------------------------------------
+# The same steps on GPUs: torch's sync debug mode reports every synchronisation the CUDA
+# runtime is asked for, including those the counter above cannot see (a pageable copy, a
+# kernel library's own read).
+
+
+def _step_on_rank(rank: int, world: int, init_file: str, out_dir: str, backend: str) -> None:
+    """METP (TP = ``world``) steps on one rank: one to warm up, then an unpacked step under
+    ``torch.cuda.set_sync_debug_mode("error")`` and a packed one under ``"warn"``, whose
+    synchronisations are counted. With ``backend="gloo"`` the same body runs on the CPU (no
+    sync debug mode there): the CPU suite runs the test's own code that way."""
+    import json
+    import os
+    import warnings
+
+    from megatron_metp import cpu_compat
+    from tests import _models as M
+
+    cuda = backend == "nccl"
+    if cuda:
+        torch.cuda.set_device(rank)
+    else:
+        cpu_compat.apply()
+    dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    got = {}
+    try:
+        M.setup(tp=world, mode="metp")
+        model = M.build("metp", "llama", max_sequence_length=S, num_query_groups=2).to(dev)
+
+        def step(b):
+            params = b["params"]
+            if params is not None:
+                for f in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded",
+                          "cu_seqlens_kv_padded"):
+                    t = getattr(params, f)
+                    if t is not None:
+                        setattr(params, f, t.to(dev))
+            loss = model(b["tokens"].to(dev), None if params is not None
+                         else b["position_ids"].to(dev), None, labels=b["labels"].to(dev),
+                         packed_seq_params=params)
+            loss.sum().backward()
+
+        step(dict(_packed_batch("docs"), params=None))          # warm-up: caches, allocator
+        step(_packed_batch("padded"))
+        mode = torch.cuda.set_sync_debug_mode if cuda else (lambda m: None)
+        mode("error")
+        try:
+            step(dict(_packed_batch("docs", seed=6), params=None))
+        finally:
+            mode(0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            mode("warn")
+            try:
+                step(_packed_batch("balanced_thd"))
+            finally:
+                mode(0)
+        got["packed syncs"] = sum("synchroniz" in str(w.message) for w in caught)
+        if cuda:
+            torch.cuda.synchronize()   # a device-side assert would surface here
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(got, f)
+
+
+def _spawn_steps(world, backend):
+    import json
+    import os
+    import tempfile
+    from pathlib import Path
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_step_on_rank, args=(world, os.path.join(tmp, "init"), tmp, backend),
+                 nprocs=world, join=True)
+        return [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def test_sync_debug_step_body_runs_on_cpu():
+    """The GPU test's body on gloo: it builds, steps and writes its result (no sync debug
+    mode on the CPU, so the count is 0 here)."""
+    assert _spawn_steps(2, "gloo") == [{"packed syncs": 0}] * 2
+
+
+N_GPU = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.skipif(N_GPU == 0, reason="GPU tier: needs CUDA")
+def test_cuda_step_has_no_sync_and_a_packed_one_has_one(report):
+    world = 2 if N_GPU >= 2 else 1
+    per_rank = _spawn_steps(world, "nccl")
+    report(f"GPU tier, METP TP={world} on NCCL: unpacked step under sync debug 'error' passed; "
+           f"packed step synchronisations per rank {[r['packed syncs'] for r in per_rank]}")
+    assert all(r["packed syncs"] <= 1 for r in per_rank), per_rank
