@@ -177,6 +177,49 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> i
     return n_q // n_kv
 
 
+_CUDNN_GQA: dict = {}
+
+
+def cudnn_takes_gqa(q: torch.Tensor, rep: int) -> bool:
+    """Whether this torch's cuDNN attention takes K/V with fewer heads than Q (grouped-query
+    attention) itself, so that K/V need not be repeated to Q's head count: a feature test, run
+    once per GPU model on a small grouped call (forward and backward) against the repeated
+    one, not a version string. False for ``rep == 1`` (nothing to repeat) and on fake tensors
+    (the planner's trace: it plans the repeated K/V, the larger footprint) unless a GPU of this
+    process already answered."""
+    if rep == 1:
+        return False
+    if is_fake(q) or q.device.type != "cuda":
+        return any(_CUDNN_GQA.values())
+    key = torch.cuda.get_device_name(q.device)
+    if key not in _CUDNN_GQA:
+        _CUDNN_GQA[key] = _probe_cudnn_gqa(q.device)
+    return _CUDNN_GQA[key]
+
+
+def _probe_cudnn_gqa(device) -> bool:
+    """One grouped cuDNN call (4 query heads, 2 K/V heads) and its backward, against the
+    repeated one: equal within bf16 rounding, or the call refused (False)."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q, k, v, do = (torch.randn(1, h, 128, 64, generator=g).to(device, torch.bfloat16)
+                   for h in (4, 2, 2, 4))
+    op, bwd = (torch.ops.aten._scaled_dot_product_cudnn_attention,
+               torch.ops.aten._scaled_dot_product_cudnn_attention_backward)
+    seed = torch.zeros((), dtype=torch.int64, device=device)
+    try:
+        got, want = [], []
+        for kk, vv, acc in ((k, v, got), (_expand_kv(k, 2), _expand_kv(v, 2), want)):
+            out, lse = op(q, kk, vv, None, True, 0.0, True, False, scale=0.125)[:2]
+            grads = bwd(do, q, kk, vv, out, lse, seed, seed, None, None, None, 128, 128, 0.0,
+                        True, scale=0.125)
+            acc += [out, grads[0]] + [gr if acc is got else _reduce_kv(gr, 2)
+                                      for gr in grads[1:]]
+        return all(a.shape == b.shape and torch.allclose(a.float(), b.float(), rtol=2e-2,
+                                                         atol=2e-2) for a, b in zip(got, want))
+    except (RuntimeError, ValueError):
+        return False
+
+
 def _expand_kv(t: torch.Tensor, rep: int) -> torch.Tensor:
     # Megatron's GQA layout: query heads g*rep .. g*rep+rep-1 share key/value head g.
     return t if rep == 1 else t.repeat_interleave(rep, dim=1)
@@ -268,14 +311,14 @@ def attention_forward(
         return out, lse.to(stat)
     if backend == "torch_cudnn":
         # Its log-sum-exp comes as [b, n, s, 1] fp32 (cuDNN's softmax statistics).
+        kx, vx = (k, v) if cudnn_takes_gqa(q, rep) else (_expand_kv(k, rep), _expand_kv(v, rep))
         res = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            q, _expand_kv(k, rep), _expand_kv(v, rep), None, True, 0.0, causal, False,
-            scale=scale)
+            q, kx, vx, None, True, 0.0, causal, False, scale=scale)
         return res[0], res[1].reshape(q.shape[:3]).to(stat)
     if backend == "torch_flash_cuda":
+        # PyTorch's flash kernel takes GQA itself (K/V at their own head count).
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
-            q, _expand_kv(k, rep), _expand_kv(v, rep), 0.0, causal, False, scale=scale
-        )[:2]
+            q, k, v, 0.0, causal, False, scale=scale)[:2]
         return out, lse.to(stat)
     if backend == "flash_attn":
         fa = _flash_attn_module()
@@ -333,12 +376,13 @@ def attention_backward(
             rows = tuple(t.contiguous() for t in rows)
         s_q, s_k = q.shape[2], k.shape[2]
         seed = torch.zeros((), dtype=torch.int64, device=q.device)
+        gqa = cudnn_takes_gqa(q, rep)
+        kx, vx = (k, v) if gqa else (_expand_kv(k, rep), _expand_kv(v, rep))
         dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            rows[0], rows[1], _unit_rows(_expand_kv(k, rep)),
-            _unit_rows(_expand_kv(v, rep)), rows[2],
+            rows[0], rows[1], _unit_rows(kx), _unit_rows(vx), rows[2],
             lse.float().reshape(*q.shape[:3], 1).contiguous(), seed, seed, None, None, None,
             s_q, s_k, 0.0, causal, scale=scale)
-        return dq, _reduce_kv(dk, rep), _reduce_kv(dv, rep)
+        return (dq, dk, dv) if gqa else (dq, _reduce_kv(dk, rep), _reduce_kv(dv, rep))
     if backend == "torch_flash_cuda":
         # Dense (not nested) inputs: no cumulative sequence lengths (the forward returns None
         # for them); with dropout 0 the philox seed/offset are never read, so placeholders do.
@@ -348,8 +392,8 @@ def attention_backward(
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
             dout.contiguous(),
             q,
-            _expand_kv(k, rep),
-            _expand_kv(v, rep),
+            k,
+            v,
             out,
             lse.float().contiguous(),
             None,
@@ -362,7 +406,7 @@ def attention_backward(
             offset,
             scale=scale,
         )
-        return dq, _reduce_kv(dk, rep), _reduce_kv(dv, rep)
+        return dq, dk, dv   # at K/V's head count: the kernel sums each group's gradients
     if backend == "flash_attn":
         fa = _flash_attn_module()
         q_t, k_t, v_t = (t.transpose(1, 2).contiguous() for t in (q, k, v))

@@ -288,6 +288,80 @@ def test_cuda_backends_match_fp64(causal, n_kv, report):
         report(f"kernels {backend} bf16 causal={causal} n_kv={n_kv}: ok within {tol}")
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU tier: needs CUDA")
+@pytest.mark.parametrize("s", [1, 7, 100, 4095])
+def test_cuda_gqa_eight_groups_match_fp64(s, report):
+    """Grouped-query attention as LLaMA-3-8B has it (32 query heads, 8 K/V groups, d = 128),
+    K/V at their own head count wherever the backend takes that, against fp64 attention of the
+    same bf16 inputs: odd lengths (1, 7, 100) and one past a tile (4095). Causal needs
+    s_q == s_k: every case is a diagonal block. Tolerance: the GQA one above (3.5e-2 of
+    max|ref|, Transformer Engine's bf16 CP tolerance)."""
+    q, k, v, dout = (t.cuda() for t in _inputs(torch.bfloat16, b=1, n_q=32, n_kv=8, s=s,
+                                               d=128))
+    ref = R.attention_grads(q.cpu(), k.cpu(), v.cpu(), dout.cpu(), scale=128 ** -0.5,
+                            causal=True)
+    for backend in _cuda_backends():
+        out, lse = kernels.attention_forward(q, k, v, causal=True, backend=backend)
+        got = (out, lse, *kernels.attention_backward(dout, q, k, v, out, lse, causal=True,
+                                                     backend=backend))
+        for name, g, r in zip(("out", "lse", "dq", "dk", "dv"), got, ref):
+            r = r.detach()
+            torch.testing.assert_close(g.cpu().double(), r, rtol=3.5e-2,
+                                       atol=3.5e-2 * r.abs().max().item(),
+                                       msg=lambda m: f"{backend} {name} s={s}: {m}")
+        native = backend != "torch_cudnn" or kernels.cudnn_takes_gqa(q, 4)
+        report(f"kernels {backend} GQA 32/8 d=128 s={s}: ok within 3.5e-2 "
+               f"(K/V {'at 8 heads' if native else 'repeated to 32 heads'})")
+
+
+def test_gpu_kernels_take_kv_at_their_own_head_count():
+    """On the GPU backends' own ops (fake CUDA tensors: their shapes, no GPU needed), K/V of a
+    grouped-query block reach PyTorch's flash kernel at their 8 heads, not repeated to Q's 32,
+    and its dK/dV come back at 8 heads; cuDNN's the same once its feature test says it takes
+    GQA (``kernels.cudnn_takes_gqa``), and repeated (then summed back) otherwise."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Shapes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func)
+            if "attention" in name or "repeat" in name or "index_select" in name:
+                self.calls.append((name, [tuple(a.shape) for a in args
+                                          if isinstance(a, torch.Tensor)]))
+            return func(*args, **(kwargs or {}))
+
+    def run(backend):
+        with FakeTensorMode():
+            q = torch.empty(1, 32, 256, 128, dtype=torch.bfloat16, device="cuda")
+            k = torch.empty(1, 8, 256, 128, dtype=torch.bfloat16, device="cuda")
+            with Shapes() as rec:
+                out, lse = kernels.attention_forward(q, k, k, causal=True, backend=backend)
+                _, dk, dv = kernels.attention_backward(out, q, k, k, out, lse, causal=True,
+                                                       backend=backend)
+            assert dk.shape == dv.shape == k.shape
+            return rec.calls
+
+    def kv_heads(calls):   # the K and V heads each kernel call was given
+        return [shapes[1][1] if "backward" not in n else shapes[2][1]
+                for n, shapes in calls if "attention" in n]
+
+    flash = run("torch_flash_cuda")
+    assert kv_heads(flash) == [8, 8] and not any("repeat" in n for n, _ in flash), flash
+    saved = dict(kernels._CUDNN_GQA)
+    try:
+        kernels._CUDNN_GQA.clear()
+        assert kv_heads(run("torch_cudnn")) == [32, 32]   # no GPU has said it takes GQA
+        kernels._CUDNN_GQA["a GPU"] = True
+        assert kv_heads(run("torch_cudnn")) == [8, 8]
+    finally:
+        kernels._CUDNN_GQA.clear()
+        kernels._CUDNN_GQA.update(saved)
+
+
 def test_widening_mm_is_one_fp32_gemm_where_the_gpu_has_one():
     """``kernels.widening_mm`` (METP's weight-gradient GEMMs): on the planner's fake tensors,
     which stand for the GPU, one GEMM with an fp32 output (cuBLAS's bf16-in, fp32-out GEMM:
