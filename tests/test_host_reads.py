@@ -111,6 +111,7 @@ def test_metp_step_reads_nothing_and_a_packed_one_once(report):
                f"METP TP=2{' full recompute' if recompute else ''}", report)
 
 
+@pytest.mark.full
 def test_wallfacer_step_reads_nothing_and_a_packed_one_once(report):
     _check(run_ranks(4, _wallfacer_task), "WallFacer CP=4 C=2 (THD)", report)
 

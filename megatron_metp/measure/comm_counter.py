@@ -124,6 +124,8 @@ class CommEvent:
     aten: str
     peer: Optional[int] = None
     group: str = ""  # the process group's name: one group = one NCCL communicator and stream
+    dtype: str = ""  # the first tensor's dtype and the shapes of the call's tensors: what NCCL
+    shape: tuple = ()  # needs equal on every member (tests/test_collective_order.py)
 
 
 @dataclass
@@ -254,7 +256,9 @@ class CommCounter(TorchDispatchMode):
         peer = bound.get("dst", bound.get("src"))
         self.events.append(
             CommEvent(op, int(numel), int(nbytes), group_size, name,
-                      int(peer) if peer is not None else None, group)
+                      int(peer) if peer is not None else None, group,
+                      str(tensors[0].dtype) if tensors else "",
+                      tuple(tuple(t.shape) for t in tensors))
         )
 
     # -- results -----------------------------------------------------------------------------
