@@ -60,10 +60,13 @@ dK/dV block by block without a second pass.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional, Tuple
 
 import torch
+
+from megatron_metp import aten_calls
 
 BACKENDS = ("torch_cudnn", "flash_attn", "torch_flash_cuda", "torch_flash_cpu", "math")
 
@@ -109,18 +112,19 @@ def select_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         if (q.dtype in (torch.float16, torch.bfloat16) and d <= 256 and d % 8 == 0
                 and torch.cuda.get_device_capability(q.device) >= (8, 0)):
             if (d <= 128 and torch.cuda.get_device_capability(q.device) >= (9, 0)
-                    and torch.backends.cudnn.is_available()):
+                    and torch.backends.cudnn.is_available() and op_binds("torch_cudnn")):
                 return "torch_cudnn"
             if _flash_attn_module() is not None:
                 return "flash_attn"
-            return "torch_flash_cuda"
+            if op_binds("torch_flash_cuda"):
+                return "torch_flash_cuda"
         return "math"
     if q.device.type == "cpu" and q.dtype in (
         torch.float16,
         torch.bfloat16,
         torch.float32,
         torch.float64,
-    ):
+    ) and op_binds("torch_flash_cpu"):
         return "torch_flash_cpu"
     return "math"
 
@@ -203,20 +207,16 @@ def _probe_cudnn_gqa(device) -> bool:
     g = torch.Generator(device="cpu").manual_seed(0)
     q, k, v, do = (torch.randn(1, h, 128, 64, generator=g).to(device, torch.bfloat16)
                    for h in (4, 2, 2, 4))
-    op, bwd = (torch.ops.aten._scaled_dot_product_cudnn_attention,
-               torch.ops.aten._scaled_dot_product_cudnn_attention_backward)
-    seed = torch.zeros((), dtype=torch.int64, device=device)
     try:
         got, want = [], []
         for kk, vv, acc in ((k, v, got), (_expand_kv(k, 2), _expand_kv(v, 2), want)):
-            out, lse = op(q, kk, vv, None, True, 0.0, True, False, scale=0.125)[:2]
-            grads = bwd(do, q, kk, vv, out, lse, seed, seed, None, None, None, 128, 128, 0.0,
-                        True, scale=0.125)
+            out, lse = aten_calls.call(*_cudnn_fwd(q, kk, vv, True, 0.125))[:2]
+            grads = aten_calls.call(*_cudnn_bwd(do, q, kk, vv, out, lse, True, 0.125))
             acc += [out, grads[0]] + [gr if acc is got else _reduce_kv(gr, 2)
                                       for gr in grads[1:]]
         return all(a.shape == b.shape and torch.allclose(a.float(), b.float(), rtol=2e-2,
                                                          atol=2e-2) for a, b in zip(got, want))
-    except (RuntimeError, ValueError):
+    except (RuntimeError, ValueError, TypeError):
         return False
 
 
@@ -283,6 +283,79 @@ def _math_backward(dout, q, k, v, out, lse, causal, scale, rep):
 # public API
 
 
+# Each PyTorch attention op's call by argument name (``aten_calls``): (op, values, optional),
+# where ``optional`` holds arguments some releases of the supported range lack (their default).
+def _cudnn_fwd(q, k, v, causal, scale):
+    return ("_scaled_dot_product_cudnn_attention",
+            dict(query=q, key=k, value=v, dropout_p=0.0, is_causal=causal,
+                 return_debug_mask=False, scale=scale),
+            dict(attn_bias=None, compute_log_sumexp=True))
+
+
+def _cudnn_bwd(dout, q, k, v, out, lse, causal, scale):
+    seed = torch.zeros((), dtype=torch.int64, device=q.device)
+    return ("_scaled_dot_product_cudnn_attention_backward",
+            dict(grad_out=dout, query=q, key=k, value=v, out=out, logsumexp=lse,
+                 philox_seed=seed, philox_offset=seed, cum_seq_q=None, cum_seq_k=None,
+                 max_q=q.shape[2], max_k=k.shape[2], dropout_p=0.0, is_causal=causal,
+                 scale=scale),
+            dict(attn_bias=None))
+
+
+def _flash_cuda_fwd(q, k, v, causal, scale):
+    return ("_scaled_dot_product_flash_attention",
+            dict(query=q, key=k, value=v, dropout_p=0.0, is_causal=causal,
+                 return_debug_mask=False, scale=scale), {})
+
+
+def _flash_cuda_bwd(dout, q, k, v, out, lse, causal, scale):
+    seed = torch.empty(2, dtype=torch.uint64, device=q.device)
+    offset = torch.empty((), dtype=torch.uint64, device=q.device)
+    return ("_scaled_dot_product_flash_attention_backward",
+            dict(grad_out=dout, query=q, key=k, value=v, out=out, logsumexp=lse,
+                 cum_seq_q=None, cum_seq_k=None, max_q=q.shape[2], max_k=k.shape[2],
+                 dropout_p=0.0, is_causal=causal, philox_seed=seed, philox_offset=offset,
+                 scale=scale), {})
+
+
+def _flash_cpu_fwd(q, k, v, causal, scale):
+    return ("_scaled_dot_product_flash_attention_for_cpu",
+            dict(query=q, key=k, value=v, dropout_p=0.0, is_causal=causal, scale=scale), {})
+
+
+def _flash_cpu_bwd(dout, q, k, v, out, lse, causal, scale):
+    return ("_scaled_dot_product_flash_attention_for_cpu_backward",
+            dict(grad_out=dout, query=q, key=k, value=v, out=out, logsumexp=lse,
+                 dropout_p=0.0, is_causal=causal, scale=scale), {})
+
+
+CALLS = {"torch_cudnn": _cudnn_fwd, "torch_flash_cuda": _flash_cuda_fwd,
+         "torch_flash_cpu": _flash_cpu_fwd}
+BACKWARD_CALLS = {"torch_cudnn": _cudnn_bwd, "torch_flash_cuda": _flash_cuda_bwd,
+                  "torch_flash_cpu": _flash_cpu_bwd}
+
+
+def op_binds(backend: str, schemas: Optional[dict] = None) -> bool:
+    """Whether the PyTorch ops of ``backend`` take the calls above by name: this torch's
+    (cached), or those of ``schemas`` (op name -> schema: another release's, for the tests).
+    The feature test :func:`select_backend` asks before it picks a PyTorch backend."""
+    if schemas is None:
+        return _live_op_binds(backend)
+    t = torch.empty(1, 1, 1, 1, device="meta")
+    calls = (CALLS[backend](t, t, t, True, 1.0),
+             BACKWARD_CALLS[backend](t, t, t, t, t, t, True, 1.0))
+    return all(aten_calls.binds(schemas.get(name), values, optional)
+               for name, values, optional in calls)
+
+
+@functools.lru_cache(maxsize=None)
+def _live_op_binds(backend: str) -> bool:
+    names = (CALLS[backend], BACKWARD_CALLS[backend])
+    t = torch.empty(1, 1, 1, 1, device="meta")
+    ops = [f(*([t] * n), True, 1.0)[0] for f, n in zip(names, (3, 6))]
+    return op_binds(backend, {n: aten_calls.schema_of(n) for n in ops})
+
+
 # flash-attn 2's arguments for plain attention: no dropout, no sliding window, no softcap, no
 # ALiBi (the same in its forward and backward).
 _FLASH_ATTN_PLAIN = dict(dropout_p=0.0, window_size_left=-1, window_size_right=-1, softcap=0.0,
@@ -305,20 +378,16 @@ def attention_forward(
     stat = acc_dtype(q.dtype)
     if backend == "torch_flash_cpu":
         # The CPU op handles GQA itself (checked against repeat_interleave in the tests).
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, causal, scale=scale
-        )
+        out, lse = aten_calls.call(*CALLS["torch_flash_cpu"](q, k, v, causal, scale))
         return out, lse.to(stat)
     if backend == "torch_cudnn":
         # Its log-sum-exp comes as [b, n, s, 1] fp32 (cuDNN's softmax statistics).
         kx, vx = (k, v) if cudnn_takes_gqa(q, rep) else (_expand_kv(k, rep), _expand_kv(v, rep))
-        res = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            q, kx, vx, None, True, 0.0, causal, False, scale=scale)
+        res = aten_calls.call(*CALLS["torch_cudnn"](q, kx, vx, causal, scale))
         return res[0], res[1].reshape(q.shape[:3]).to(stat)
     if backend == "torch_flash_cuda":
         # PyTorch's flash kernel takes GQA itself (K/V at their own head count).
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
-            q, k, v, 0.0, causal, False, scale=scale)[:2]
+        out, lse = aten_calls.call(*CALLS["torch_flash_cuda"](q, k, v, causal, scale))[:2]
         return out, lse.to(stat)
     if backend == "flash_attn":
         fa = _flash_attn_module()
@@ -357,9 +426,8 @@ def attention_backward(
     out = out.to(q.dtype)
     if backend == "torch_flash_cpu":
         lse_k = lse.to(acc_dtype(q.dtype))
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse_k, 0.0, causal, scale=scale
-        )
+        return aten_calls.call(*BACKWARD_CALLS["torch_flash_cpu"](
+            dout, q, k, v, out, lse_k, causal, scale))
     if backend == "torch_cudnn":
         # No bias and no cumulative sequence lengths (None: undefined tensors); with dropout 0
         # the philox seed/offset are never read. cuDNN reads any strides with unit-stride rows,
@@ -375,37 +443,17 @@ def attention_backward(
         if not (dout.stride() == q.stride() == out.stride() and q.stride(-1) == 1):
             rows = tuple(t.contiguous() for t in rows)
         s_q, s_k = q.shape[2], k.shape[2]
-        seed = torch.zeros((), dtype=torch.int64, device=q.device)
         gqa = cudnn_takes_gqa(q, rep)
         kx, vx = (k, v) if gqa else (_expand_kv(k, rep), _expand_kv(v, rep))
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        dq, dk, dv = aten_calls.call(*BACKWARD_CALLS["torch_cudnn"](
             rows[0], rows[1], _unit_rows(kx), _unit_rows(vx), rows[2],
-            lse.float().reshape(*q.shape[:3], 1).contiguous(), seed, seed, None, None, None,
-            s_q, s_k, 0.0, causal, scale=scale)
+            lse.float().reshape(*q.shape[:3], 1).contiguous(), causal, scale))
         return (dq, dk, dv) if gqa else (dq, _reduce_kv(dk, rep), _reduce_kv(dv, rep))
     if backend == "torch_flash_cuda":
         # Dense (not nested) inputs: no cumulative sequence lengths (the forward returns None
         # for them); with dropout 0 the philox seed/offset are never read, so placeholders do.
-        s_q, s_k = q.shape[2], k.shape[2]
-        seed = torch.empty(2, dtype=torch.uint64, device=q.device)
-        offset = torch.empty((), dtype=torch.uint64, device=q.device)
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            dout.contiguous(),
-            q,
-            k,
-            v,
-            out,
-            lse.float().contiguous(),
-            None,
-            None,
-            s_q,
-            s_k,
-            0.0,
-            causal,
-            seed,
-            offset,
-            scale=scale,
-        )
+        dq, dk, dv = aten_calls.call(*BACKWARD_CALLS["torch_flash_cuda"](
+            dout.contiguous(), q, k, v, out, lse.float().contiguous(), causal, scale))
         return dq, dk, dv   # at K/V's head count: the kernel sums each group's gradients
     if backend == "flash_attn":
         fa = _flash_attn_module()

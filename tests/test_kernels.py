@@ -414,3 +414,64 @@ def test_widening_mm_falls_back_where_torch_has_no_widening_gemm(monkeypatch):
         monkeypatch.setattr(torch, "mm", mm)
         out = kernels.widening_mm(fa, fb, torch.float32)
     assert out.dtype == torch.float32 and out.shape == (64, 48)
+
+
+def _release_schemas():
+    """Each torch release of the supported range (pyproject's floor, megatron-core 0.16.1's
+    torch>=2.6, up to this one): its attention ops' schemas, as its own headers state them
+    (``torch/include/ATen/ops/<op>_ops.h``, ``schema_str``), and ``aten::mm``'s overloads;
+    this torch's read live."""
+    import json
+    from pathlib import Path
+
+    data = json.loads((Path(__file__).parent / "data" / "aten_schemas.json").read_text())
+    live = {n: str(getattr(torch.ops.aten, n).default._schema).split("::", 1)[1]
+            for n in data[next(iter(data))]["schemas"]}
+    data[torch.__version__.split("+")[0]] = dict(schemas=live,
+                                                 mm_overloads=torch.ops.aten.mm.overloads())
+    return data
+
+
+def test_every_torch_release_in_range_takes_the_kernel_calls():
+    """The GPU backends' calls (and the CPU one's), bound by argument name, against the schema
+    of every torch release from the floor to this one: each binds, and binds each argument
+    to the position its release expects (a call built positionally for one release would put
+    ``None`` in another's ``dropout_p``). The floor is the one pyproject states. And the
+    widening GEMM's feature test reads ``aten::mm``'s overloads, which the releases from 2.8
+    have."""
+    import re
+    from pathlib import Path
+
+    from megatron_metp import aten_calls
+
+    floor = re.search(r'"torch>=([0-9.]+)"', (Path(__file__).parents[1] / "pyproject.toml")
+                      .read_text()).group(1)
+    releases = _release_schemas()
+    assert min(releases, key=lambda v: tuple(map(int, v.split(".")))).startswith(floor), floor
+    t = torch.empty(1, 1, 1, 1, device="meta")
+    for version, rel in releases.items():
+        schemas = {n: torch._C.parse_schema(f"aten::{s}") for n, s in rel["schemas"].items()}
+        for backend in kernels.CALLS:
+            assert kernels.op_binds(backend, schemas), (version, backend)
+            name, values, optional = kernels.BACKWARD_CALLS[backend](t, t, t, t, t, t, True,
+                                                                    0.5)
+            args, kwargs = aten_calls.bind(schemas[name], values, optional)
+            names = [a.name for a in schemas[name].arguments if not a.kwarg_only]
+            assert args[names.index("dropout_p")] == 0.0 and args[names.index("is_causal")]
+            assert kwargs["scale"] == 0.5
+        assert ("dtype" in rel["mm_overloads"]) == (tuple(map(int, version.split(".")[:2]))
+                                                    >= (2, 8)), version
+
+
+def test_a_schema_without_an_argument_is_refused_by_name():
+    """A release whose op lacks an argument the call must give, or requires one it does not
+    know, fails the feature test (the backend is not picked) and names the argument."""
+    from megatron_metp import aten_calls
+
+    s = torch._C.parse_schema("aten::f(Tensor query, Tensor extra, float dropout_p=0.0) -> Tensor")
+    assert not aten_calls.binds(s, ["query"])
+    with pytest.raises(TypeError, match="'extra'"):
+        aten_calls.bind(s, dict(query=1))
+    with pytest.raises(TypeError, match="is_causal"):
+        aten_calls.bind(s, dict(query=1, extra=2, is_causal=True))
+    assert aten_calls.bind(s, dict(query=1, extra=2), dict(attn_bias=None)) == ([1, 2, 0.0], {})
