@@ -27,10 +27,10 @@ def bind(schema, values: Dict[str, Any], optional: Dict[str, Any] = None) -> Tup
     schema) and ``optional`` (used where the schema has the argument, dropped where it does
     not: a default this release does not take). A schema argument with neither a value nor a
     default raises TypeError naming it; one with a default and no value takes its default."""
-    given = dict(optional or {})
-    given = {k: v for k, v in given.items() if k in {a.name for a in schema.arguments}}
+    names = {a.name for a in schema.arguments}
+    given = {k: v for k, v in (optional or {}).items() if k in names}
     given.update(values)
-    unknown = set(values) - {a.name for a in schema.arguments}
+    unknown = set(values) - names
     if unknown:
         raise TypeError(f"aten::{schema.name}: this torch's schema has no argument "
                         f"{sorted(unknown)} ({schema})")

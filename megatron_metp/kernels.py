@@ -341,19 +341,20 @@ def op_binds(backend: str, schemas: Optional[dict] = None) -> bool:
     The feature test :func:`select_backend` asks before it picks a PyTorch backend."""
     if schemas is None:
         return _live_op_binds(backend)
-    t = torch.empty(1, 1, 1, 1, device="meta")
-    calls = (CALLS[backend](t, t, t, True, 1.0),
-             BACKWARD_CALLS[backend](t, t, t, t, t, t, True, 1.0))
-    return all(aten_calls.binds(schemas.get(name), values, optional)
-               for name, values, optional in calls)
+    return _binds(backend, schemas.get)
 
 
 @functools.lru_cache(maxsize=None)
 def _live_op_binds(backend: str) -> bool:
-    names = (CALLS[backend], BACKWARD_CALLS[backend])
-    t = torch.empty(1, 1, 1, 1, device="meta")
-    ops = [f(*([t] * n), True, 1.0)[0] for f, n in zip(names, (3, 6))]
-    return op_binds(backend, {n: aten_calls.schema_of(n) for n in ops})
+    return _binds(backend, aten_calls.schema_of)
+
+
+def _binds(backend: str, schema_of) -> bool:
+    t = torch.empty(1, 1, 1, 1, device="meta")   # placeholders: only the names are bound
+    calls = (CALLS[backend](t, t, t, True, 1.0),
+             BACKWARD_CALLS[backend](t, t, t, t, t, t, True, 1.0))
+    return all(aten_calls.binds(schema_of(name), values, optional)
+               for name, values, optional in calls)
 
 
 # flash-attn 2's arguments for plain attention: no dropout, no sliding window, no softcap, no
