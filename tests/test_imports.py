@@ -17,8 +17,9 @@ PACKAGE = Path(__file__).resolve().parent.parent / "megatron_metp"
 LAYERS = [
     # models: the model configs and Megatron-LM's FLOPs formula, read by the planner, the
     # Megatron-LM entry points and the trainer alike.
-    ("core", ["comm", "kernels", "packing", "parallel_state", "errors", "token_layout",
-              "models"]),
+    # aten_calls: PyTorch's ops called by argument name, below the kernel boundary.
+    ("core", ["comm", "kernels", "aten_calls", "packing", "parallel_state", "errors",
+              "token_layout", "models"]),
     # ulysses: stock's --cp-comm-type a2a, the planner's CPU stand-in for TE's kernel.
     ("algorithms", ["metp", "wallfacer", "ulysses"]),
     ("integration", ["layers", "te_backend", "cpu_compat", "specs", "model", "validation",
@@ -140,7 +141,7 @@ def test_top_level_shows_the_plugin():
     # here on purpose.
     top = {p.stem if p.is_file() else p.name for p in PACKAGE.iterdir()
            if (p.suffix == ".py" or (p / "__init__.py").exists()) and p.name != "__init__.py"}
-    assert top == {"comm", "kernels", "packing", "parallel_state", "errors", "token_layout",
+    assert top == {"comm", "kernels", "aten_calls", "packing", "parallel_state", "errors", "token_layout",
                    "models",
                    "metp", "wallfacer", "ulysses", "layers",
                    "te_backend", "cpu_compat", "specs", "model", "validation", "megatron_lm",

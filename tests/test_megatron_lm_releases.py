@@ -356,8 +356,21 @@ def _stub_release(monkeypatch, tmp_path: Path, release: str, *, main: str = None
         "plugin spec", args.tensor_parallel_mode, getattr(config, "source", config)))
     monkeypatch.setattr(metp_lm, "initialize_plugin_groups", lambda args: events.append(
         ("plugin groups", args.tensor_parallel_mode)))
-    monkeypatch.setattr(gpt, "GPTModel", lambda **kw: ("GPTModel", kw["transformer_layer_spec"]))
+    monkeypatch.setattr(gpt, "GPTModel", lambda **kw: _StubGPT(
+        ("GPTModel", kw["transformer_layer_spec"])))
     return events
+
+
+class _StubGPT(tuple):
+    """GPTModel's recorder: equal to ``("GPTModel", spec)``, with GPTModel's forward signature
+    and a record of the forward pre-hooks the plugin registers on it."""
+
+    def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None,
+                inference_context=None, packed_seq_params=None):
+        raise AssertionError("the stub model is never run")
+
+    def register_forward_pre_hook(self, hook, *, with_kwargs=False):
+        self.__dict__.setdefault("pre_hooks", []).append((hook, with_kwargs))
 
 
 def _run_script(argv):
@@ -411,6 +424,8 @@ def test_release_runs_wallfacer_through_the_hooks(monkeypatch, tmp_path, release
     assert events[i + 1] == ("plugin groups", "wallfacer")
     assert events[-1] == ("model", _expected_model(release, "wallfacer"))
     assert events.index(validated[0]) < i
+    if events[-1][1][0] == "GPTModel":  # the plugin built it: cu_seqlens read once per forward
+        assert [kw for _, kw in events[-1][1].pre_hooks] == [True]
 
 
 @pytest.mark.parametrize("release", sorted(RELEASES))
