@@ -80,9 +80,10 @@ def damage(ckpt_dir: str) -> Optional[str]:
         return None    # other formats are Megatron's to check
     # megatron-core 0.16.1 writes the common state to common.pt (and says so in metadata.json);
     # 0.19 keeps it inside the distributed checkpoint and writes no common.pt.
-    if meta.get("common_backend") == "torch" and \
-            not os.path.isfile(os.path.join(ckpt_dir, "common.pt")):
-        return "common.pt is missing"
+    if meta.get("common_backend") == "torch":
+        common = _common_damage(os.path.join(ckpt_dir, "common.pt"))
+        if common:
+            return common
     if not os.path.isfile(os.path.join(ckpt_dir, _METADATA)):
         return f"{_METADATA} (PyTorch's index of the shards) is missing"
     try:
@@ -103,8 +104,47 @@ def damage(ckpt_dir: str) -> Optional[str]:
     return None
 
 
+def _common_damage(path: str) -> Optional[str]:
+    """What is wrong with ``common.pt`` (torch.save's zip archive: the run's arguments, RNG and
+    iteration), in a few words; None when every member's CRC checks. Nothing is unpickled."""
+    import zipfile
+
+    if not os.path.isfile(path):
+        return "common.pt is missing"
+    try:
+        with zipfile.ZipFile(path) as z:
+            bad = z.testzip()
+    except (OSError, zipfile.BadZipFile, EOFError) as e:
+        return (f"common.pt cannot be read ({os.path.getsize(path)} bytes, not a whole torch.save "
+                f"archive: {e.__class__.__name__})")
+    return None if bad is None else f"common.pt cannot be read (member {bad} fails its CRC)"
+
+
+def _tracked(root: str) -> Optional[str]:
+    """The text of ``root``'s ``latest_checkpointed_iteration.txt``; None without one."""
+    tracker = os.path.join(root, "latest_checkpointed_iteration.txt")
+    if not os.path.isfile(tracker):
+        return None
+    with open(tracker, errors="replace") as f:
+        return f.read().strip()
+
+
+def _tracked_dir(root: str, text: str) -> Optional[str]:
+    """The directory a tracker's ``text`` names; None where it names no iteration."""
+    if text == "release":
+        return os.path.join(root, "release")
+    return os.path.join(root, f"iter_{int(text):07d}") if text.isdigit() else None
+
+
 def check_intact(flag: str, root: str) -> None:
     """Raise ValueError with one line when ``root``'s newest checkpoint is damaged."""
+    text = _tracked(root)
+    if text is not None and _tracked_dir(root, text) is None and \
+            not os.path.isfile(os.path.join(root, _METADATA)):
+        shown = text if len(text) <= 20 else text[:20] + "..."
+        raise ValueError(f"{flag} {root}: latest_checkpointed_iteration.txt holds {shown!r}, not "
+                         f"an iteration number or 'release'; write the number of a saved "
+                         f"iteration (an iter_NNNNNNN directory there) into it")
     path = latest_checkpoint_dir(root)
     tracker = os.path.join(root, "latest_checkpointed_iteration.txt")
     if path is None and os.path.isfile(tracker):
@@ -123,13 +163,9 @@ def latest_checkpoint_dir(root: str) -> Optional[str]:
     its ``latest_checkpointed_iteration.txt``; ``root`` itself if it is one; else None."""
     if os.path.isfile(os.path.join(root, _METADATA)):
         return root
-    tracker = os.path.join(root, "latest_checkpointed_iteration.txt")
-    if not os.path.isfile(tracker):
-        return None
-    with open(tracker) as f:
-        text = f.read().strip()
-    path = os.path.join(root, "release" if text == "release" else f"iter_{int(text):07d}")
-    return path if os.path.isdir(path) else None
+    text = _tracked(root)
+    path = None if text is None else _tracked_dir(root, text)
+    return path if path is not None and os.path.isdir(path) else None
 
 
 @contextlib.contextmanager

@@ -184,6 +184,7 @@ def apply_mode_remap(
     cp = getattr(ns, "context_parallel_size", 1) or 1
     if cp == 1:
         ns.context_parallel_size, ns.tensor_model_parallel_size = tp, 1
+        ns._metp_wallfacer_from_tp = tp   # what the user typed, for the refusals' lines
         ns.sequence_parallel = False
         log(f"--tensor-parallel-mode wallfacer: WallFacer group P = {tp} as "
             f"--context-parallel-size {tp}; --tensor-model-parallel-size 1, sequence "
@@ -606,7 +607,8 @@ MEGATRON_LM_DEFAULTS = dict(attention_dropout=0.1, hidden_dropout=0.1, softmax_t
                             window_size=None, enable_cuda_graph=False,
                             external_cuda_graph=False, cuda_graph_impl="none", fp8=None,
                             fp4=None, deterministic_mode=False, tp_comm_overlap=False,
-                            reset_attention_mask=False, multi_latent_attention=False)
+                            reset_attention_mask=False, multi_latent_attention=False,
+                            overlap_p2p_comm=True)
 
 
 # Megatron-LM flags whose attribute is not the flag's name.
@@ -630,10 +632,6 @@ def check_launch(config: Optional[str], world_size: int, tokens: Sequence[str]) 
             setattr(ns, key, True)
         else:
             setattr(ns, key, _number(vals[0]) if len(vals) == 1 else vals)
-    mode = ns.tensor_parallel_mode
-    if mode not in ("tp", "metp", "metp_mlp", "wallfacer"):
-        raise MetpConfigError(f"--tensor-parallel-mode {mode!r} is unknown: choose one of tp, "
-                              f"metp, wallfacer (MODE=)")
     if ns.wallfacer_team_size is not None and not isinstance(ns.wallfacer_team_size, int) \
             and ns.wallfacer_team_size != "auto":
         raise MetpConfigError(f"--wallfacer-team-size {ns.wallfacer_team_size!r}: an integer "

@@ -232,18 +232,19 @@ def check_values(ns: Namespace, *, trainer: bool = False) -> None:
         if v is None or isinstance(v, bool):
             continue
         if not isinstance(v, (int, float)) or not ok(v):
-            _fail(f"{flag} {v}: must be {must} ({meaning}); pass a value {must}")
+            _fail(f"{flag} {_shown(v)}: must be {must} ({meaning}); pass a value {must}")
     if trainer and getattr(ns, "train_iters", None) == 0 and not getattr(ns, "save", None):
         _fail("--train-iters 0: nothing to train; pass --train-iters >= 1 (or --save DIR to "
               "write the initial weights only)")
     lr, min_lr = getattr(ns, "lr", None), getattr(ns, "min_lr", None)
     if lr is not None and min_lr is not None and min_lr > lr:
-        _fail(f"--min-lr {min_lr} is above --lr {lr}: the schedule decays from --lr to "
-              f"--min-lr; pass --min-lr <= {lr}")
+        _fail(f"--min-lr {_shown(min_lr)} is above --lr {_shown(lr)}: the schedule decays from "
+              f"--lr to --min-lr; pass --min-lr <= {_shown(lr)}")
     gran = getattr(ns, "recompute_granularity", None)
-    if getattr(ns, "recompute_modules", None) and gran != "selective":
-        _fail(f"--recompute-modules {' '.join(ns.recompute_modules)} needs "
-              f"--recompute-granularity selective")
+    modules = getattr(ns, "recompute_modules", None)
+    if modules and gran != "selective":
+        modules = [modules] if isinstance(modules, str) else modules
+        _fail(f"--recompute-modules {' '.join(modules)} needs --recompute-granularity selective")
     for attr, flag in (("recompute_method", "--recompute-method"),
                        ("recompute_num_layers", "--recompute-num-layers")):
         v = getattr(ns, attr, None)
@@ -260,6 +261,12 @@ def check_values(ns: Namespace, *, trainer: bool = False) -> None:
         _fail(f"--seq-length {s} is longer than --max-position-embeddings {pos} of the learned "
               f"position table: raise --max-position-embeddings to >= {s} or shorten "
               f"--seq-length")
+
+
+def _shown(v):
+    """A number as a refusal shows it: a float flag's -1.0 as -1, as it was typed (the launcher
+    parses ``-1`` as an int, Megatron-LM's parser as a float: the lines must read the same)."""
+    return f"{v:g}" if isinstance(v, float) else v
 
 
 def _writable_dir(flag: str, path: str, what: str) -> None:
@@ -308,11 +315,27 @@ def check_paths(ns: Namespace) -> None:
     if log:
         check_output_file("--log-json", log)
     data = getattr(ns, "data_path", None)
-    if isinstance(data, str):
-        missing = [f"{data}{ext}" for ext in (".bin", ".idx") if not os.path.isfile(data + ext)]
+    # One PREFIX (metp train), or Megatron-LM's list: PREFIX... or WEIGHT PREFIX WEIGHT PREFIX.
+    prefixes = [data] if isinstance(data, str) else [d for d in data or []
+                                                     if not _not_a_local_prefix(d)]
+    for prefix in prefixes:
+        missing = [f"{prefix}{ext}" for ext in (".bin", ".idx")
+                   if not os.path.isfile(prefix + ext)]
         if missing:
-            _fail(f"--data-path {data}: no {' or '.join(missing)}; pass the PREFIX of a Megatron "
-                  f"indexed dataset (PREFIX.bin + PREFIX.idx)")
+            _fail(f"--data-path {prefix}: no {' or '.join(missing)}; pass the PREFIX of a "
+                  f"Megatron indexed dataset (PREFIX.bin + PREFIX.idx)")
+
+
+def _not_a_local_prefix(entry) -> bool:
+    """Whether a ``--data-path`` entry is a blend weight (a number) or an object-store URL
+    (Megatron's multi-storage client), not a local PREFIX."""
+    if isinstance(entry, str) and "://" in entry:
+        return True
+    try:
+        float(entry)
+        return True
+    except (TypeError, ValueError):
+        return False
 
 
 def validate_args(
@@ -324,6 +347,25 @@ def validate_args(
 
     ``flash_attn_available`` overrides the import probe for ``--use-flash-attn`` (tests).
     """
+    try:
+        return _validate(ns, flash_attn_available)
+    except MetpConfigError as e:
+        raise MetpConfigError(str(e) + _remap_note(ns, str(e))) from e.__cause__
+
+
+def _remap_note(ns: Namespace, message: str) -> str:
+    """Where ``--tensor-parallel-mode wallfacer`` ran the user's ``--tensor-model-parallel-size
+    P`` as ``--context-parallel-size P`` (``megatron_lm.apply_mode_remap``), a refusal naming
+    the sizes says so: the user typed the TP flag, not the CP one the rule names."""
+    p = getattr(ns, "_metp_wallfacer_from_tp", None)
+    if p is None or not ("--context-parallel-size" in message
+                         or "--tensor-model-parallel-size" in message):
+        return ""
+    return (f" (--tensor-parallel-mode wallfacer runs --tensor-model-parallel-size {p} as "
+            f"--context-parallel-size {p} with --tensor-model-parallel-size 1)")
+
+
+def _validate(ns: Namespace, flash_attn_available: Optional[Callable[[], bool]]) -> Namespace:
     check_values(ns)
     check_paths(ns)
     mode = getattr(ns, "tensor_parallel_mode", None) or "tp"

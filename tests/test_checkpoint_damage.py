@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -46,8 +47,43 @@ def _truncate(it):
     return f"shard file {shard} is truncated"
 
 
+def _cut(it, name, what):
+    """Truncate ``name`` to half its length; return the words the refusal must hold."""
+    path = os.path.join(it, name)
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    return what
+
+
+def _garble(it, name, what):
+    """Overwrite ``name`` with bytes of its own length that are no valid file of its kind."""
+    path = os.path.join(it, name)
+    size = max(os.path.getsize(path), 16)
+    with open(path, "wb") as f:
+        f.write(b"\x00\xff" * (size // 2))
+    return what
+
+
+def _tracker(it, text):
+    with open(os.path.join(os.path.dirname(it), "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write(text)
+    return "latest_checkpointed_iteration.txt holds"
+
+
+# Each file Megatron-LM's loader opens, missing, truncated and garbled. A garbled .distcp shard
+# of the right length is not among them: only reading every tensor would tell, which is the
+# load itself (the check reads no shard).
 DAMAGE = {
     "truncated shard": _truncate,
+    "truncated common.pt": lambda it: _cut(it, "common.pt", "common.pt cannot be read"),
+    "garbled common.pt": lambda it: _garble(it, "common.pt", "common.pt cannot be read"),
+    "truncated metadata.json": lambda it: _cut(it, "metadata.json",
+                                               "metadata.json cannot be read"),
+    "garbled metadata.json": lambda it: _garble(it, "metadata.json",
+                                                "metadata.json cannot be read"),
+    "truncated .metadata": lambda it: _cut(it, ".metadata", ".metadata cannot be read"),
+    "empty tracker": lambda it: _tracker(it, ""),
+    "garbled tracker": lambda it: _tracker(it, "\x00\x01iter"),
     "missing shard": lambda it: (os.remove(os.path.join(it, next(
         n for n in os.listdir(it) if n.endswith(".distcp")))), "is missing")[1],
     "no metadata.json": lambda it: (os.remove(os.path.join(it, "metadata.json")),
@@ -73,9 +109,10 @@ def test_damage_is_named_in_both_routes(case, tmp_path, capsys):
     rc = cli.main(["train", "--load", root, "--nproc-per-node", "2", "--train-iters", "6"])
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert rc == 2 and len(err) == 1, err
-    assert f"--load {root}" in err[0] and what in err[0] and "restore" in err[0], err[0]
+    assert f"--load {root}" in err[0] and what in err[0], err[0]
+    assert "restore" in err[0] or "write the number" in err[0], err[0]   # and the fix
     # The Megatron-LM route's start-up check (run in parse_args' hook).
-    with pytest.raises(MetpConfigError, match=f"--load {root}: the checkpoint .* damaged"):
+    with pytest.raises(MetpConfigError, match=f"--load {re.escape(root)}: .*{re.escape(what[:20])}"):
         mlm.check_load_keys(argparse.Namespace(load=root, exit_on_missing_checkpoint=False))
 
 

@@ -131,16 +131,20 @@ def test_remap_leaves_other_modes_alone():
 
 
 # ----------------------------------------------------------------------------- parse
-def test_remap_and_validate_on_what_megatron_parsed(monkeypatch):
+def test_remap_and_validate_on_what_megatron_parsed(monkeypatch, tmp_path):
     monkeypatch.setenv("WORLD_SIZE", "4")
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    for name in (a, b):   # Megatron indexed datasets (their files are checked, not read)
+        for ext in (".bin", ".idx"):
+            Path(name + ext).write_bytes(b"")
     argv = ["--tensor-model-parallel-size", "4", "--sequence-parallel",
             "--tensor-parallel-mode", "wallfacer", "--wallfacer-team-size", "2",
-            "--data-path", "a", "b"]
+            "--data-path", a, b]
     provider = mlm.chain_providers()
     ns = mlm.remap_and_validate(_megatron_like_parse(argv, provider), argv)
     assert (ns.tensor_model_parallel_size, ns.context_parallel_size, ns.sequence_parallel,
             ns.cp_comm_type, ns.wallfacer_team_size, ns.data_path) == (
-        1, 4, False, ["wallfacer"], 2, ["a", "b"])
+        1, 4, False, ["wallfacer"], 2, [a, b])
     # Other modes untouched; the provider chained twice registers the flags once.
     argv = ["--tensor-model-parallel-size", "4", "--sequence-parallel",
             "--tensor-parallel-mode", "metp"]
