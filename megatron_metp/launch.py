@@ -44,12 +44,20 @@ def default_nproc() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 4
 
 
+# Where rank 0 of a run this launcher started records how far it got when Ctrl-C stopped it
+# (a JSON object, written whole by rename), for the launcher's one line.
+INTERRUPT_FILE = "METP_INTERRUPT_FILE"
+INTERRUPTED = 130   # the shell's code for a run ended by SIGINT
+
+
 def launch_or_run(argv: List[str], nproc: Optional[int], run: Callable[[], int],
-                  preflight: Optional[Callable[[int], None]] = None) -> int:
+                  preflight: Optional[Callable[[int], None]] = None,
+                  interrupted: Optional[Callable[[Optional[dict]], str]] = None) -> int:
     """Run in place under a launcher; otherwise start ``nproc`` ranks of ``metp ARGV``.
 
     ``preflight(world_size)`` runs first in the launching process: a configuration error then
-    fails once, before any rank starts.
+    fails once, before any rank starts. ``interrupted(progress)`` makes the line printed when
+    Ctrl-C stops the run, from what rank 0 wrote to ``$METP_INTERRUPT_FILE`` (None if nothing).
     """
     if under_launcher():
         return run()
@@ -64,7 +72,25 @@ def launch_or_run(argv: List[str], nproc: Optional[int], run: Callable[[], int],
     # Several CPU ranks share the cores: one intra-op thread each avoids oversubscription.
     env.setdefault("OMP_NUM_THREADS", "1")
     print(f"[metp] launching {n} ranks: {' '.join(cmd[1:])}", flush=True)
-    return run_process_group(cmd, env)
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="metp-run-") as tmp:
+        env[INTERRUPT_FILE] = os.path.join(tmp, "interrupted.json")
+        rc = run_process_group(cmd, env)
+        if rc == INTERRUPTED:
+            print(interrupted(_read_progress(env[INTERRUPT_FILE])) if interrupted else
+                  "[metp] interrupted (Ctrl-C)", flush=True)
+    return rc
+
+
+def _read_progress(path: str) -> Optional[dict]:
+    import json
+
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
 
 
 def run_process_group(cmd: List[str], env: dict, grace_s: float = 30.0) -> int:
@@ -77,14 +103,26 @@ def run_process_group(cmd: List[str], env: dict, grace_s: float = 30.0) -> int:
     SIGKILL to the group takes them. SIGINT / SIGTERM / SIGHUP / SIGUSR1 sent to this launcher
     (Ctrl-C, ``scancel``, SLURM's ``--signal``) are passed to the whole group first, and the
     group has ``grace_s`` seconds to exit on its own.
+
+    Ctrl-C (SIGINT) ends the run quietly: from then on the group's stderr (the ranks' and
+    torchrun's tracebacks) is dropped, and the status is :data:`INTERRUPTED` (130) whatever
+    torchrun returns; a second Ctrl-C kills the group at once. The group's stderr passes through
+    this process for that; its stdout goes straight to the terminal (a progress bar stays one).
     """
     import signal
+    import threading
     import time
 
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stderr=subprocess.PIPE)
     forwarded = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
+    interrupts = []
+    pump = threading.Thread(target=_pass_stderr, args=(proc.stderr, interrupts), daemon=True)
+    pump.start()
 
     def forward(signum, _frame):
+        if signum == signal.SIGINT:
+            interrupts.append(signum)
+            signum = signal.SIGINT if len(interrupts) == 1 else signal.SIGKILL
         try:
             os.killpg(proc.pid, signum)
         except ProcessLookupError:
@@ -94,7 +132,9 @@ def run_process_group(cmd: List[str], env: dict, grace_s: float = 30.0) -> int:
     try:
         while True:
             try:
-                return proc.wait()
+                rc = proc.wait()
+                pump.join(timeout=5)
+                return INTERRUPTED if interrupts else rc
             except KeyboardInterrupt:  # pragma: no cover - SIGINT is forwarded above
                 forward(signal.SIGINT, None)
     finally:
@@ -111,6 +151,21 @@ def run_process_group(cmd: List[str], env: dict, grace_s: float = 30.0) -> int:
             pass
         if proc.poll() is None:
             proc.wait()
+
+
+def _pass_stderr(stream, interrupts: list) -> None:
+    """Copy the group's stderr to this process's, line by line, until the first Ctrl-C; after
+    it, drop what follows (the interrupted ranks' and torchrun's tracebacks)."""
+    out = getattr(sys.stderr, "buffer", None)
+    for line in iter(stream.readline, b""):
+        if interrupts:
+            continue
+        if out is not None:
+            out.write(line)
+            out.flush()
+        else:
+            sys.stderr.write(line.decode(errors="replace"))
+    stream.close()
 
 
 def mode_list(flag: str, allowed: Tuple[str, ...]) -> Callable[[str], List[str]]:

@@ -197,9 +197,25 @@ def _train_parser(p: argparse.ArgumentParser) -> Callable:
             if was_auto:  # resolved once, here: the ranks start with the chosen mode
                 _replace_auto(argv, args)
 
-        return launch_or_run(argv, args.nproc_per_node, in_rank, check)
+        return launch_or_run(argv, args.nproc_per_node, in_rank, check,
+                             lambda progress: interrupted_line(args.save, progress))
 
     return run
+
+
+def interrupted_line(save: Optional[str], progress: Optional[dict]) -> str:
+    """The one line Ctrl-C leaves: the iteration the run stopped after (rank 0's ``progress``)
+    and the newest whole checkpoint under ``save``, or none."""
+    from megatron_metp.checkpoint_keys import damage, latest_checkpoint_dir
+
+    where = (f"after iteration {progress['iteration']} of {progress['train_iters']}"
+             if progress else "with no finished iteration recorded by rank 0")
+    ckpt = latest_checkpoint_dir(save) if save and os.path.isdir(save) else None
+    if ckpt is not None and damage(ckpt) is None:
+        saved = f"last checkpoint {ckpt} (resume with --load {save})"
+    else:
+        saved = "last checkpoint: none" + ("" if save else " (no --save)")
+    return f"[metp] interrupted (Ctrl-C) {where}; {saved}"
 
 
 # ------------------------------------------------------------------------------------------

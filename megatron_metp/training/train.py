@@ -21,6 +21,7 @@ paths (NCCL, bf16, MFU) are written but were not run in this project's CI, which
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import gc
@@ -38,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron_metp.launch import INTERRUPT_FILE, INTERRUPTED
 from megatron_metp.models.config import ModelConfig, load_config
 from megatron_metp.training.data import GPTSamples, load_tokens, padded_vocab_size
 from megatron_metp.training.data.tokenizer import ByteTokenizer
@@ -588,6 +590,57 @@ class ExitSignal:
             signal.signal(self._sig, self._previous)
 
 
+class CtrlC:
+    """Ctrl-C on a run the plugin's launcher started (``$METP_INTERRUPT_FILE`` set): every
+    rank leaves at once and quietly, exit code 130, rank 0 first writing how far the run got to
+    that file (the launcher's one line reads it). A checkpoint being written is finished first,
+    so none is left half-written. Not installed where ``--exit-signal-handler`` takes SIGINT
+    (that stops after the iteration and saves), nor under another launcher."""
+
+    def __init__(self):
+        self.path = os.environ.get(INTERRUPT_FILE)
+        self.done, self.total = None, None
+        self._saving = self._pending = False
+        self._previous = None
+
+    def __enter__(self) -> "CtrlC":
+        if self.path:
+            self._previous = signal.signal(signal.SIGINT, self._on_signal)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+    def _on_signal(self, signum, frame) -> None:
+        if self._saving:
+            self._pending = True
+        else:
+            self._leave()
+
+    @contextlib.contextmanager
+    def saving(self):
+        """While open, a Ctrl-C waits for the block to end (the checkpoint is written whole)."""
+        self._saving = True
+        try:
+            yield
+        finally:
+            self._saving = False
+            if self._pending:
+                self._leave()
+
+    def _leave(self) -> None:
+        if dist.is_initialized() and dist.get_rank() == 0 and self.done is not None:
+            with open(self.path + ".tmp", "w") as f:
+                json.dump(dict(iteration=self.done, train_iters=self.total), f)
+            os.replace(self.path + ".tmp", self.path)
+        sys.stdout.flush()
+        os._exit(INTERRUPTED)
+
+
+_CTRL_C = CtrlC()   # the running loop's progress, read by Ctrl-C's handler
+
+
 def _exit_reason(ns: Namespace, iteration: int, started: float, stop: ExitSignal,
                  device: torch.device) -> Optional[str]:
     """Why to stop after ``iteration`` (None: go on), agreed by every rank: the clocks and the
@@ -639,8 +692,10 @@ def _train_loop(args: Namespace, run: _ModeRun, mode: str, start: int, reporter:
             iter_time_s=seconds, tokens_per_s=ns.global_batch_size * ns.seq_length / seconds,
             tflops_per_device=tflops, mfu=mfu, peak_mem_bytes=mem,
             peak_mem_kind="allocated" if device.type == "cuda" else "rss"))
+        _CTRL_C.done, _CTRL_C.total = it + 1, ns.train_iters
         if args.save and ns.save_interval and (it + 1) % ns.save_interval == 0:
-            _save(args, run, it + 1)
+            with _CTRL_C.saving():
+                _save(args, run, it + 1)
             saved_at = it + 1
         reason = _exit_reason(ns, it + 1, started, stop, device)
         if reason is not None:
@@ -649,7 +704,8 @@ def _train_loop(args: Namespace, run: _ModeRun, mode: str, start: int, reporter:
     else:
         it = ns.train_iters
     if args.save and saved_at != it:
-        _save(args, run, it)
+        with _CTRL_C.saving():
+            _save(args, run, it)
     if args.save:
         _write_progress(args.save, it, ns.train_iters, reason)
     if reason is not None:
@@ -736,7 +792,9 @@ def run(args: Namespace, explicit: set) -> Dict[str, Dict]:
                             interactive=sys.stdout.isatty() and not args.no_progress)
         results = {}
         signame = args.exit_signal if getattr(args, "exit_signal_handler", False) else None
-        with ExitSignal(signame) as stop:
+        global _CTRL_C
+        _CTRL_C = CtrlC()
+        with _CTRL_C, ExitSignal(signame) as stop:
             for mode in modes_of(args, cfg):
                 try:
                     results[mode] = train_one_mode(args, cfg, mode, explicit, device, reporter,
