@@ -188,6 +188,8 @@ def _train_task(*argv):
         return train.run(args, explicit)["metp"]["losses"]
 
 
+# In the full tier for the default tier's time (10 minutes on 2 cores).
+@pytest.mark.full
 def test_cut_short_runs_resume_to_the_uninterrupted_losses(tmp_path, report):
     """A 6-iteration run, and the same run in three pieces that stop themselves:
     ``--exit-interval 2`` (saves, exits at 2); ``--train-iters 4 --lr-decay-iters 6
@@ -299,3 +301,26 @@ def test_full_recompute_trains_the_same_losses(report):
     report(f"metp train full recompute (TP 2 x DP 2, dropout 0.1): losses {runs}")
     assert len(runs["none"]) == 4
     assert runs["uniform-1"] == runs["none"] and runs["block-1"] == runs["none"]
+
+
+@pytest.mark.full
+def test_overlapped_grad_reduce_and_param_gather_train_alike(tmp_path):
+    """metp 2 x data-parallel 2 on 4 CPU ranks with the distributed optimizer: with
+    --overlap-grad-reduce --overlap-param-gather (the reduce issued bucket by bucket during the
+    backward, the updated parameters gathered under the next forward, waited for by DDP's
+    pre-hooks, the METP layers' weight pre-hooks and the ring loss's) the losses are those of
+    the run without overlap, and a checkpoint saved mid-run holds the gathered parameters
+    (the resumed run goes on with the same losses). Tolerance 0: both runs sum the same
+    buckets in the same order; only when the sums are issued changes."""
+    base = ["--config", "tiny-llama", "--tensor-parallel-mode", "metp", "--train-iters", "6",
+            "--hidden-dropout", "0", "--no-progress", "--use-distributed-optimizer",
+            "--lr-decay-iters", "6"]   # the schedule of 6 iterations, also in the 3-iteration run
+    plain = run_ranks(4, _losses_task, base, timeout=300)[0]["metp"]["losses"]
+    ckpt = str(tmp_path / "ckpt")
+    overlap = base + ["--overlap-grad-reduce", "--overlap-param-gather"]
+    first = run_ranks(4, _losses_task, overlap + ["--train-iters", "3", "--save", ckpt],
+                      timeout=300)[0]["metp"]["losses"]
+    assert first == plain[:3], (first, plain)
+    resumed = run_ranks(4, _losses_task, overlap + ["--load", ckpt],
+                        timeout=300)[0]["metp"]["losses"]
+    assert resumed == plain[3:], (resumed, plain)

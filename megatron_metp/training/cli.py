@@ -133,6 +133,12 @@ def _train_parser(p: argparse.ArgumentParser) -> Callable:
     a("--use-distributed-optimizer", action="store_true",
       help="Megatron-Core's DistributedOptimizer: shard the optimizer state over the "
            "data-parallel x context-parallel ranks (WallFacer's whole CP group)")
+    a("--overlap-grad-reduce", action="store_true",
+      help="Megatron-Core DDP's bucketed gradient reduce during the backward (Megatron-LM's "
+           "flag)")
+    a("--overlap-param-gather", action="store_true",
+      help="the distributed optimizer's parameter all-gather overlapped with the next forward "
+           "(Megatron-LM's flag; needs --use-distributed-optimizer and --overlap-grad-reduce)")
     a("--use-megatron-fsdp", action="store_true",
       help="Megatron-Core's Megatron-FSDP (megatron.core.distributed.fsdp) instead of DDP; "
            "with --data-parallel-sharding-strategy optim_grads_params it shards parameters, "

@@ -224,6 +224,13 @@ def check_sharding_layout(args: Namespace, ns: Namespace, world_size: int) -> No
 
 def check_sharding_flags(args: Namespace) -> None:
     """The distributed optimizer's and Megatron-FSDP's flags, alone and together."""
+    if getattr(args, "overlap_param_gather", False):
+        if not (args.use_distributed_optimizer or args.use_megatron_fsdp):
+            raise ValueError("--overlap-param-gather overlaps the distributed optimizer's "
+                             "parameter all-gather: add --use-distributed-optimizer, or drop it")
+        if not getattr(args, "overlap_grad_reduce", False):
+            raise ValueError("--overlap-param-gather needs --overlap-grad-reduce (Megatron-LM's "
+                             "rule): add it, or drop --overlap-param-gather")
     if args.dist_ckpt_optim_fully_reshardable and not args.use_distributed_optimizer:
         raise ValueError("--dist-ckpt-optim-fully-reshardable sets the distributed optimizer's "
                          "checkpoint form: add --use-distributed-optimizer, or drop it")
@@ -432,15 +439,22 @@ def _build_model(ns: Namespace, cfg: ModelConfig, mode: str, device: torch.devic
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, use_distributed_optimizer=True, use_megatron_fsdp=True,
             data_parallel_sharding_strategy=ns.data_parallel_sharding_strategy,
-            gradient_reduce_div_fusion=dist.get_backend() == "nccl")
+            gradient_reduce_div_fusion=dist.get_backend() == "nccl", **_overlap(ns))
         ddp = FullyShardedDataParallel(config=tconf, ddp_config=ddp_config, module=model,
                                        device=device)
     else:
         ddp = DistributedDataParallel(
             config=tconf, module=model,
             ddp_config=DistributedDataParallelConfig(
-                grad_reduce_in_fp32=True, use_distributed_optimizer=ns.use_distributed_optimizer))
+                grad_reduce_in_fp32=True, use_distributed_optimizer=ns.use_distributed_optimizer,
+                **_overlap(ns)))
     return tconf, ddp, vocab
+
+
+def _overlap(ns: Namespace) -> dict:
+    """DDP's overlap settings from ``--overlap-grad-reduce`` / ``--overlap-param-gather``."""
+    return dict(overlap_grad_reduce=bool(getattr(ns, "overlap_grad_reduce", False)),
+                overlap_param_gather=bool(getattr(ns, "overlap_param_gather", False)))
 
 
 def _build_optimizer(ns: Namespace, tconf, ddp):
@@ -470,6 +484,10 @@ def _build_optimizer(ns: Namespace, tconf, ddp):
     tconf.finalize_model_grads_func = finalize_model_grads
     tconf.grad_scale_func = optimizer.scale_loss
     tconf.no_sync_func = ddp.no_sync
+    if getattr(ns, "overlap_grad_reduce", False):
+        # As Megatron-LM's training loop (align_grad_reduce, its default): the schedule starts
+        # the bucketed reduce itself; the next forward's pre-hooks wait for the parameters.
+        tconf.grad_sync_func = ddp.start_grad_sync
     return optimizer, scheduler
 
 
@@ -479,6 +497,8 @@ def _build(args: Namespace, ns: Namespace, cfg: ModelConfig, mode: str,
     ns.data_parallel_sharding_strategy = args.data_parallel_sharding_strategy
     # Megatron-FSDP's optimizer is the distributed one (Megatron-LM passes both flags).
     ns.use_distributed_optimizer = bool(args.use_distributed_optimizer or args.use_megatron_fsdp)
+    ns.overlap_grad_reduce = bool(getattr(args, "overlap_grad_reduce", False))
+    ns.overlap_param_gather = bool(getattr(args, "overlap_param_gather", False))
     tconf, ddp, vocab = _build_model(ns, cfg, mode, device)
     optimizer, scheduler = _build_optimizer(ns, tconf, ddp)
     return _ModeRun(ns, cfg, device, ddp, optimizer, scheduler, vocab)
@@ -548,9 +568,20 @@ def _train_step(run: _ModeRun, it: int, samples: GPTSamples, is_reporter: bool):
 def _save(args: Namespace, run: _ModeRun, iteration: int) -> None:
     from megatron_metp.training import train_checkpoint as checkpoint_io
 
-    checkpoint_io.save(args.save, iteration, [run.ddp], run.optimizer, run.scheduler,
-                       fully_reshardable=bool(args.dist_ckpt_optim_fully_reshardable),
-                       layout=_layout_tag(run.ns, dist.get_world_size()))
+    # With --overlap-param-gather the updated parameters may still be on their way (their
+    # all-gather is waited for by the next forward's pre-hooks): finish it before saving, as
+    # Megatron-LM does, and hand the hooks back after.
+    gathering = bool(getattr(run.ns, "overlap_param_gather", False)) and hasattr(
+        run.ddp, "disable_forward_pre_hook")
+    if gathering:
+        run.ddp.disable_forward_pre_hook()
+    try:
+        checkpoint_io.save(args.save, iteration, [run.ddp], run.optimizer, run.scheduler,
+                           fully_reshardable=bool(args.dist_ckpt_optim_fully_reshardable),
+                           layout=_layout_tag(run.ns, dist.get_world_size()))
+    finally:
+        if gathering:
+            run.ddp.enable_forward_pre_hook()
     _print0(f"[metp] saved checkpoint at iteration {iteration} to {args.save}")
 
 
