@@ -28,8 +28,6 @@ def _tiny():
     return load_config("tiny-gpt")
 
 
-# In the full tier for the default tier's time (10 minutes on 2 cores).
-@pytest.mark.full
 def test_auto_lists_every_family_and_picks_the_fastest_that_fits(report):
     """auto's table is the frontier's (``metp plan --frontier``) at this p and s: each family's
     fastest fitting configuration, planned again here, and the chosen one is the fastest."""
@@ -326,8 +324,6 @@ def test_metp_train_auto_on_a_job_chooses_its_split_and_micro_batch(report):
            f"batch 8): chose {chosen}, TP {tp} x CP {cp} x DP {dp}, micro-batch {b}")
 
 
-# In the full tier for the default tier's time (10 minutes on 2 cores).
-@pytest.mark.full
 def test_metp_train_auto_refuses_at_start_up_in_one_line():
     # 4 GiB are the reserve: nothing fits, not even 4k tokens (the refusal with the longest
     # sequence that fits is checked in-process above; its bisection costs tens of seconds).

@@ -11,8 +11,6 @@ loads are tests/test_reliability_checkpoint.py.
 
 from __future__ import annotations
 
-import pytest
-
 from tests._harness import run_ranks
 from tests.test_reliability_checkpoint import train_args
 
@@ -30,8 +28,6 @@ def _runs():
     return dict(first=first, second=second, other_seed=other_seed)
 
 
-# In the full tier for the default tier's time (10 minutes on 2 cores).
-@pytest.mark.full
 def test_same_seed_gives_bit_identical_losses(report):
     out = run_ranks(4, _runs, timeout=300)
     for r in out:

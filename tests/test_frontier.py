@@ -194,8 +194,6 @@ print("RESULT", json.dumps(out))
 """
 
 
-# In the full tier for the default tier's time (10 minutes on 2 cores).
-@pytest.mark.full
 def test_frontier_picks_the_fastest_fitting_stock_configuration(report):
     res = _run(_FRONTIER_SCRIPT)
     short, long_ = res["8192"], res["16384"]

@@ -405,8 +405,6 @@ def _stock_tp_hand_count(cfg, p: int, s: int) -> int:
     return s // p * per_token_local + s * per_token // p
 
 
-# In the full tier for the default tier's time (10 minutes on 2 cores).
-@pytest.mark.full
 def test_stock_tp_layer_equals_hand_count(report):
     from megatron_metp.models.config import load_config
 

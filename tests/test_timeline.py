@@ -427,8 +427,6 @@ def test_timeline_refuses_bad_flag(argv, flag, capsys):
     assert rc == 2 and len(lines) == 1 and flag in lines[0], lines
 
 
-# In the full tier for the default tier's time (10 minutes on 2 cores).
-@pytest.mark.full
 def test_trace_length_follows_the_sequence_lengths(tmp_path):
     """``metp plan --timeline --seq-lengths 32k`` without --trace-seq-length (issue 34 item 8):
     the trace follows --seq-lengths instead of failing on the 128k default; a named trace
@@ -449,8 +447,6 @@ def test_trace_length_follows_the_sequence_lengths(tmp_path):
     assert bad.returncode == 2 and "pass one of them" in bad.stderr, bad.stderr[-2000:]
 
 
-# In the full tier for the default tier's time (10 minutes on 2 cores).
-@pytest.mark.full
 def test_timeline_prints_no_megatron_spec_notes(tmp_path):
     """``metp plan --timeline`` traces METP's layer, whose MLP Megatron-Core does not know: its
     "Unknown MLP type" note printed once per trace before the tracing ran under the planner's
