@@ -1,4 +1,4 @@
-"""Should METP's travelling dK/dV accumulators be bf16 instead of fp32? (issue 25 item 2)
+"""Should METP's travelling dK/dV accumulators be bf16 instead of fp32?
 
 One process, CPU, no ranks: the gradient of one K/V block is the sum of the p per-rank partial
 gradients (each rank's queries against that block). METP's ring adds them one hop at a time in

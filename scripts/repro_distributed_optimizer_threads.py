@@ -1,4 +1,4 @@
-"""Reproducer for issue 27 item 4: Megatron's DistributedOptimizer leaves gloo threads alive.
+"""Reproducer: Megatron's DistributedOptimizer leaves gloo threads alive.
 
 Two gloo ranks in this process's children, each running ``metp train`` in-process (WallFacer,
 CP 2, two iterations) ``--cycles`` times, printing rank 0's threads and sockets after each

@@ -1,4 +1,4 @@
-"""Reproducer for issue 27 item 1: a ``PackedSeqParams`` object reused with new ``cu_seqlens``.
+"""Reproducer: a ``PackedSeqParams`` object reused with new ``cu_seqlens``.
 
 Two gloo ranks run METP's K/V ring (TP = 2, causal, GQA, fp32) on three packed batches in turn,
 each with other documents, through one ``PackedSeqParams`` object that the caller points at the

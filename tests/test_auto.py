@@ -1,4 +1,4 @@
-"""``--tensor-parallel-mode auto`` (issue 16 item 2): the choice rule, the refusal, and the two
+"""``--tensor-parallel-mode auto``: the choice rule, the refusal, and the two
 routes (``metp train`` on 4 CPU ranks, Megatron-LM's argument hook).
 
 auto chooses from the frontier (``measure.frontier``: stock with its recompute and TP x CP
@@ -224,7 +224,7 @@ def test_auto_plans_the_runs_sharding(report):
            f"the distributed optimizer, {need[True] / 2**20:.2f} MiB with Megatron-FSDP")
 
 
-# In the full tier for time (issue 33: the default tier is <= 10 minutes on 2 cores): bisections
+# In the full tier for time (the default tier is <= 10 minutes on 2 cores): bisections
 # (each family's most frugal configurations, every TP x CP split of stock's);
 # test_metp_train_auto_refuses_at_start_up_in_one_line keeps the refusal in the default tier.
 @pytest.mark.full
@@ -265,7 +265,7 @@ def _train(*args, timeout=300):
                           text=True, timeout=timeout)
 
 
-# In the full tier for time (issue 33: the default tier is <= 10 minutes on 2 cores);
+# In the full tier for time (the default tier is <= 10 minutes on 2 cores);
 # test_auto's other tests keep auto's choice and refusal in the default tier.
 @pytest.mark.full
 def test_metp_train_auto_prints_its_choice_and_trains(report):

@@ -1,5 +1,5 @@
 """A damaged checkpoint is refused before any rank starts, in one line naming the directory and
-what is missing or damaged (issue 34 item 3), in ``metp train`` and on the Megatron-LM route;
+what is missing or damaged, in ``metp train`` and on the Megatron-LM route;
 ``--exit-on-missing-checkpoint`` refuses a ``--load`` that holds none.
 
 The checkpoint is a real torch_dist one, as Megatron's ``dist_checkpointing.save`` lays it out

@@ -1,4 +1,4 @@
-"""Checkpoint keys as Megatron-LM's own GPT spec writes them (issue 26 item 1).
+"""Checkpoint keys as Megatron-LM's own GPT spec writes them.
 
 * Every mode's model (tp, metp, wallfacer; GPT and LLaMA) has exactly the sharded-state-dict
   keys, global shapes and shard layout of a ``GPTModel`` built from Megatron-Core's

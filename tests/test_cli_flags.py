@@ -1,5 +1,5 @@
 """Every bad flag of ``metp train`` (and a few of ``bench`` / ``plan``) is refused at start-up,
-through the command-line entry point as a user runs it (issue 11, item 4).
+through the command-line entry point as a user runs it.
 
 Each case runs ``megatron_metp.training.cli.main(argv)`` (what the ``metp`` console script calls) with
 the launcher replaced by a trap: a case passes only if the command returns (or exits with) 2,
@@ -216,7 +216,7 @@ def test_bad_flag_fails_fast_as_a_process(args, report):
 
 
 def test_bench_plot_without_matplotlib_is_refused(tmp_path, capsys, monkeypatch, no_launch):
-    # It once exited 0 and wrote no plot (issue 34 item 9).
+    # It once exited 0 and wrote no plot.
     import importlib.util
 
     real = importlib.util.find_spec

@@ -1,4 +1,4 @@
-"""Determinism on CPU (issue 7, item 3): the same seed, data and configuration give
+"""Determinism on CPU: the same seed, data and configuration give
 bit-identical losses across two runs; another seed does not.
 
 Through ``metp train``'s own code (``megatron_metp.training.train.run`` on 4 gloo ranks, METP with

@@ -1,4 +1,4 @@
-"""``--use-distributed-optimizer`` on CPU: Megatron-Core's own DistributedOptimizer (issue 12 item 6).
+"""``--use-distributed-optimizer`` on CPU: Megatron-Core's own DistributedOptimizer.
 
 WallFacer runs TP = 1 over its CP group, so every rank holds the whole model; Megatron shards the
 optimizer over the data-parallel x context-parallel group. These runs train the real
@@ -108,7 +108,7 @@ def _wallfacer_runs(tmp: str) -> Dict[str, dict]:
     return out
 
 
-# In the full tier for time (issue 33: the default tier is <= 10 minutes on 2 cores): ~34 s;
+# In the full tier for time (the default tier is <= 10 minutes on 2 cores): ~34 s;
 # METP's distributed optimizer stays in the default tier.
 @pytest.mark.full
 def test_wallfacer_distributed_optimizer(tmp_path, report):
@@ -212,7 +212,7 @@ def _cycles(n: int):
 # tests/test_reliability_teardown.py keeps ten setup/teardown cycles in the default tier.
 @pytest.mark.full
 def test_ten_runs_with_the_distributed_optimizer_leave_nothing(report):
-    # Issue 27 item 4: Megatron's DDP hooks its gradient accumulators with closures over itself,
+    # Megatron's DDP hooks its gradient accumulators with closures over itself,
     # a cycle through C++ autograd nodes that Python's collector cannot free, so every run kept
     # its DDP, DistributedOptimizer and gloo groups: +48 threads and +22 sockets per run.
     # destroy_parallel (model.release_ddp_hooks) now breaks it.

@@ -1,4 +1,4 @@
-"""The docs tier (issue 34): every command block in README.md, docs/*.md,
+"""The docs tier: every command block in README.md, docs/*.md,
 docs/calibration/README.md, docs/timeline/README.md and scripts/slurm/README.md runs, as
 written, in a test.
 

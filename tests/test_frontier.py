@@ -1,4 +1,4 @@
-"""Stock's best and the frontier (issue 32): the planner's recompute and TP x CP plans, and
+"""Stock's best and the frontier: the planner's recompute and TP x CP plans, and
 ``metp plan --frontier``.
 
 Fake runs happen in a subprocess (the planner initialises the ``fake`` process group in its own
@@ -103,7 +103,7 @@ def test_stacked_layers_equal_megatrons_block(report):
 
 
 # ------------------------------------------------------------------------------------------
-# Stock with full recompute, against the independent measurement quoted in issue 32: Megatron-
+# Stock with full recompute, against the independent measurement of stock's full recompute: Megatron-
 # Core 0.16.1's TransformerBlock with recompute_granularity='full', uniform, 1 layer, rank 0 of
 # 8, 80 GiB, 4 GiB reserve, 5 % fragmentation, 18 B/param, with the LM head: 848k for LLaMA-7B.
 
@@ -134,7 +134,7 @@ print("RESULT", json.dumps(out))
 """
 
 
-# In the full tier for time (issue 33: the default tier is <= 10 minutes on 2 cores): ~72 s of
+# In the full tier for time (the default tier is <= 10 minutes on 2 cores): ~72 s of
 # LLaMA-7B bisections; the stacking test keeps the recompute accounting in the default tier.
 @pytest.mark.full
 def test_stock_full_recompute_matches_the_independent_figure(report):
@@ -142,7 +142,7 @@ def test_stock_full_recompute_matches_the_independent_figure(report):
     for name, r in res.items():  # the search's answer fits and one granule more does not
         assert r["fits"] and not r["next_fits"], (name, r)
     independent = 848 * 1024
-    # Issue 32: "full recompute within 5 % of 848k for LLaMA-7B, under the same accounting".
+    # The planner's full recompute within 5 % of that 848k, under the same accounting.
     assert abs(res["full"]["s"] - independent) <= 0.05 * independent, res["full"]
     # Today's baseline (norm recompute only) is 108k (README); full recompute goes ~8x further.
     assert 100 * 1024 <= res["norms"]["s"] <= 116 * 1024, res["norms"]

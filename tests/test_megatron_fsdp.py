@@ -1,4 +1,4 @@
-"""``--use-megatron-fsdp``: Megatron-Core's Megatron-FSDP on CPU (issue 12 item 6).
+"""``--use-megatron-fsdp``: Megatron-Core's Megatron-FSDP on CPU.
 
 The real ``metp train`` path trains twice from the same seed and data: once with Megatron's DDP
 and plain optimizer (every rank holds the whole model, its gradients and its Adam moments), once

@@ -391,7 +391,7 @@ def test_data_iterators_leave_the_cpu_generator_as_they_found_it():
 
 def test_stock_tp_sequence_parallel_needs_a_norm_that_allows_it():
     # Megatron's local spec builds WrappedTorchNorm without Apex, which asserts on SP in every
-    # rank: refused once, naming the flag and the fixes (issue 34 item 5).
+    # rank: refused once, naming the flag and the fixes.
     ns = argparse.Namespace(tensor_parallel_mode="tp", tensor_model_parallel_size=2,
                             sequence_parallel=True, transformer_impl="local", spec=None)
     with pytest.raises(MetpConfigError, match="--sequence-parallel .* install Apex"):

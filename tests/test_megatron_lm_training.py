@@ -1,5 +1,5 @@
 """Megatron-LM's own training loop: ``pretrain_gpt.py`` with ``--tensor-parallel-mode`` on 4 CPU
-ranks (issue 26).
+ranks.
 
 Runs Megatron-LM's ``pretrain()`` (core_v0.16.1 on megatron-core 0.16.1, and core_v0.19.0 on
 0.19.2 in the full tier's second environment; its DDP and optimizer, checkpointing, eval,
@@ -310,7 +310,7 @@ BAD_FLAGS = [
       "--sequence-parallel", "--attention-dropout", "0.1"], "--attention-dropout"),
     # An unknown mode: one line, no usage text (it was printed once per rank).
     (["--tensor-parallel-mode", "bogus"], "--tensor-parallel-mode"),
-    # Stock tp + SP on CPU: Megatron's torch norm would assert in every rank (issue 34 item 5).
+    # Stock tp + SP on CPU: Megatron's torch norm would assert in every rank.
     (["--tensor-parallel-mode", "tp", "--tensor-model-parallel-size", "2",
       "--sequence-parallel"], "--sequence-parallel"),
 ]

@@ -28,7 +28,7 @@ def _cfg(p, kind):
     if kind == "qkln":  # q/k layernorm (Megatron's --qk-layernorm), GQA, bias on qkv only
         return make_config("llama", hidden_size=64, num_attention_heads=8, num_query_groups=4,
                            qk_layernorm=True, add_qkv_bias=True), True
-    if kind == "bias512":  # the audit's case (issue 35 item 6): h = 512, GQA, a Q/K/V bias
+    if kind == "bias512":  # the audit's case: h = 512, GQA, a Q/K/V bias
         return make_config("llama", hidden_size=512, num_attention_heads=8, num_query_groups=4,
                            add_qkv_bias=True), True
     raise ValueError(kind)
@@ -422,7 +422,7 @@ def test_metp_mha_bf16_within_te_tolerance(report):
 
 
 # ------------------------------------------------------------------------------------------
-# Issue 13 item 1: on NCCL one process group is one communicator with one stream, so traffic
+# On NCCL one process group is one communicator with one stream, so traffic
 # that must overlap needs its own group. The process group of every c10d op of one METP
 # attention forward + backward: the weight broadcasts and gradient reduces on one group, the
 # K/V ring's sends and receives on another, over the same ranks.
@@ -468,7 +468,7 @@ def test_metp_attention_weights_and_ring_on_separate_groups(ring_pass, report):
 
 
 # ------------------------------------------------------------------------------------------
-# Issue 16 item 3: METP with Megatron's context parallelism, TP 2 x CP 2 on 4 ranks. The CP
+# METP with Megatron's context parallelism, TP 2 x CP 2 on 4 ranks. The CP
 # split comes first (CP rank c: chunks c and 3-c of 4, as get_batch_on_this_cp_rank lays them
 # out), then each CP rank's tokens split contiguously over its 2 TP ranks: rank (t, c) holds one
 # block of S/4 tokens, block zigzag_block(t, 2, c, 2) of the sequence. The K/V ring visits all
@@ -735,9 +735,9 @@ def test_rope_gradient_is_rope_by_minus_theta_bit_for_bit(rope, percent, dtype, 
 @pytest.mark.parametrize("world", [2, 4])
 def test_saved_qkv_skips_the_recompute_gemm_bit_for_bit(world, report):
     # --metp-qkv-backward save: the backward reads the forward's Q/K/V projection instead of
-    # running it again (issue 25 item 3). Exact equality at h = 32 and 64, where the forward's
+    # running it again. Exact equality at h = 32 and 64, where the forward's
     # half-row GEMMs and the recompute's one GEMM round alike; at h = 512 with a Q/K/V bias
-    # they do not (issue 35 item 6): a tolerance there. The fp64 parity of the saved path is
+    # they do not: a tolerance there. The fp64 parity of the saved path is
     # test_metp_mha_matches_fp64_and_tp's "whole-save" case.
     got = run_ranks(world, _save_against_recompute)
     for rank in got:

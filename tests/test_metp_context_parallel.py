@@ -1,4 +1,4 @@
-"""METP with Megatron's context parallelism (issue 16 item 3): METP on the TP group, CP across
+"""METP with Megatron's context parallelism: METP on the TP group, CP across
 it. Training losses of ``metp train`` at TP x CP against stock ``tp`` at the same TP size
 without CP (stock Megatron CP needs Transformer Engine's attention, not installable here), same
 seed, data and global batch, dropout 0, fp32:

@@ -1,4 +1,4 @@
-"""METP's LM-head cross entropy (issue 12 item 2): vocabulary shards on the ring, logits chunked.
+"""METP's LM-head cross entropy: vocabulary shards on the ring, logits chunked.
 
 Against (1) a single-process fp64 reference (full logits, ``logsumexp - target``, autograd), and
 (2) Megatron-Core's own TP path with the same weights: sequence all-gather, vocab-parallel

@@ -495,7 +495,7 @@ def test_metp_mlp_peak_memory_below_tp(p, report):
     # Table 1 predicts exactly 1/p for the activations (METP bsh/p + 4bsh/p^2 vs TP's
     # bsh + 4bsh/p). Measured, TP also holds GeLU's output and fc2's full [s, b, h] partial sum
     # before its reduce-scatter, so the measured ratio sits at or below 1/p; 5% over is the
-    # bound issue 6 states for the FFN.
+    # bound the FFN's memory claim states.
     assert ratio <= 1.05 * formulas.metp_mlp_activation_ratio(p)
     report(f"MLP peak memory per rank, p={p}, s={s}=16h, h={h}, F=4h, fp32: fwd+bwd METP "
            f"{metp['total'] / 1024:.1f} KiB vs TP+SP {tp['total'] / 1024:.1f} KiB; forward "

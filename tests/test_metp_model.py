@@ -99,7 +99,7 @@ def _compare(p, ring_pass=None):
     return out
 
 
-# p = 8: the balanced layout's 16 chunks of the 16-token sequence, one token each (issue 25);
+# p = 8: the balanced layout's 16 chunks of the 16-token sequence, one token each;
 # in the full tier for time (~34 s of 8 ranks on 2 cores; p = 2 and 4 are the same claim).
 # "a2a": METP's attention with all-to-alls in place of its K/V ring (--metp-ring-pass a2a).
 @pytest.mark.parametrize("world,ring_pass", [(2, None), (4, None), (4, "a2a"),
@@ -113,7 +113,7 @@ def test_metp_model_equals_tp_model(world, ring_pass, report):
 
 
 # ------------------------------------------------------------------------------------------
-# Selective recompute (issue 12 item 4): Megatron's own --recompute-granularity selective
+# Selective recompute: Megatron's own --recompute-granularity selective
 # --recompute-modules layernorm frees each norm's output after its consumer has saved it and
 # recomputes it in backward. METP's attention and MLP save the norm output tensor itself, so the
 # same mechanism works for them: a layer keeps 3 bsh/p instead of 5 (tests/test_planner.py).
@@ -158,7 +158,7 @@ def test_layernorm_recompute_is_exact_for_metp_and_tp(report):
 
 
 # ------------------------------------------------------------------------------------------
-# Full recompute (issue 32 item 2): --recompute-granularity full runs Megatron's own
+# Full recompute: --recompute-granularity full runs Megatron's own
 # TransformerBlock._checkpointed_forward around METP's layers: only each chunk's input is kept,
 # and the backward runs the layer's forward again, weight ring and K/V ring included. The
 # recomputed forward is the same computation on the same inputs in the same order (CPU kernels
@@ -219,7 +219,7 @@ def test_metp_full_recompute_is_bit_identical(world, ring_pass, report):
 
 
 # ------------------------------------------------------------------------------------------
-# The METP LM head inside the model (issue 12 item 2): with labels, MetpGPTModel's loss is the
+# The METP LM head inside the model: with labels, MetpGPTModel's loss is the
 # ring cross entropy (no logits); it must equal GPTModel's TP+SP loss, per token, with every
 # gradient, for tied and untied output weights.
 

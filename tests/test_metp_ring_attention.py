@@ -15,7 +15,7 @@ from tests._harness import run_ranks
 
 
 def _check(name, got, ref, dtype, errs, atol_floor=0.0):
-    # fp32: issue 3's bound rtol 1e-5, atol 1e-5 * max|ref|. A ring of p blocks adds p - 1
+    # fp32: the ring kernels' stated bound, rtol 1e-5, atol 1e-5 * max|ref|. A ring of p blocks adds p - 1
     # fp32 merges (relative error ~1e-7 each) on top of the single-block error, far below it.
     # fp64: 1e-10, loose for an all-fp64 computation. ``atol_floor`` covers saturated softmax
     # (see _ring_cases), where a gradient's own max is not the scale of its rounding error.

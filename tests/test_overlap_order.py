@@ -1,4 +1,4 @@
-"""Overlap order (issue 13 item 3): each transfer is posted before the compute it hides behind
+"""Overlap order: each transfer is posted before the compute it hides behind
 and waited on after it, for METP's MLP, METP attention at both levels, and WallFacer.
 
 On every gloo rank a recorder logs, in program order, one forward and one backward of each

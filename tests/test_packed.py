@@ -580,7 +580,7 @@ def test_layouts_cover_exactly_the_visible_pairs():
 
 
 # ------------------------------------------------------------------------------------------
-# A PackedSeqParams object reused with new cu_seqlens (issue 27 item 1): the layout cached on it
+# A PackedSeqParams object reused with new cu_seqlens: the layout cached on it
 # must follow the tensors, never the object.
 
 _REUSE = {  # three documents each, so that a buffer can be updated in place
@@ -601,7 +601,7 @@ def _params(c, inference=False, **kw):
 
 def _write(t: torch.Tensor, values, how: str) -> None:
     """Write ``values`` into ``t`` in place by one of the routes a data loader or a collective
-    takes; the ones after ``copy_`` do not bump the version counter (issue 35 item 1)."""
+    takes; the ones after ``copy_`` do not bump the version counter."""
     new = torch.tensor(values, dtype=t.dtype)
     if how in ("in-place", "static-buffer"):
         t.copy_(new)
@@ -664,7 +664,7 @@ def _reusable(c, how):
     return params
 
 
-# Every route a caller can take to new documents (issue 35 item 1): reassigned tensors, copy_,
+# Every route a caller can take to new documents: reassigned tensors, copy_,
 # a static buffer, .data writes, numpy views and arrays, storage writes, inference tensors; the
 # ring test adds a dist.broadcast into the tensor.
 WRITES = ["reassign", "in-place", "static-buffer", "data-copy", "data-index", "numpy",
@@ -751,7 +751,7 @@ def test_reused_packed_params_ring_matches_fp64(how, report):
 
 
 # ------------------------------------------------------------------------------------------
-# Bad packed inputs (issue 27 item 2): each refused with one line naming the argument and the
+# Bad packed inputs: each refused with one line naming the argument and the
 # fix, before any communication; the same process group then runs the next batch (nothing is
 # left posted). METP at TP = p (THD, CP = 1) and WallFacer at CP = p (Megatron-LM's THD split).
 
@@ -806,7 +806,7 @@ def _bad_inputs_task(mode):
     half = total // 2
     made = {name: (_bad_params(cu, qp, kvp), needle)
             for name, (cu, qp, kvp, needle) in _bad_cases(total, mode).items()}
-    # Issue 35 items 4 and 5: float offsets (Megatron's THD RoPE split on them), and for
+    # Float offsets (Megatron's THD RoPE split on them), and for
     # WallFacer a max_seqlen_q shorter than a document (a rotary table too short).
     flt = _bad_params([0, 5, half + 3], [0, half, total], [0, half, total])
     flt.cu_seqlens_q = flt.cu_seqlens_q.float()
@@ -893,7 +893,7 @@ def test_ring_refuses_a_wrong_block_size_before_posting(world, report):
            f"(twice, then a valid call in the same group: err {max(e for _, e in res):.1e})")
 
 
-# Malformed cu_seqlens (issue 35 item 5): one line naming the field and the fix, from the first
+# Malformed cu_seqlens: one line naming the field and the fix, from the first
 # read of the values (before any layout, so before any communication that needs one).
 _MALFORMED = {
     "NaN": lambda: torch.tensor([0.0, float("nan"), 64.0]),
@@ -969,7 +969,7 @@ def _packed_gpt_learned_positions_task():
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_packed_gpt_with_a_sharded_position_table_is_refused_in_one_line(world, report):
-    # Issue 35 item 3: it raised IndexError in F.embedding after the word reduce-scatter. Not
+    # Unchecked, it would raise IndexError in F.embedding after the word reduce-scatter. Not
     # supported (a rank holds the rows of its slice of one whole sequence, and packed positions
     # restart per document): refused before any collective, the same line on every rank.
     msgs = run_ranks(world, _packed_gpt_learned_positions_task)
@@ -1033,8 +1033,8 @@ def PackedSeqParams_nan():
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_ranks_handed_different_inputs_fail_alike_without_hanging(world, report):
-    # Issue 35 item 7: the rank that found its input bad refused; the others blocked in the
-    # embedding's collective until the group timed out.
+    # Unchecked, the rank that found its input bad would refuse while the others block in the
+    # embedding's collective until the group times out.
     got = run_ranks(world, _mismatch_task, timeout=120)
     for name in ("tokens", "cu_seqlens"):
         msgs = {g[0][name][0] for g in got}
@@ -1050,7 +1050,7 @@ def test_ranks_handed_different_inputs_fail_alike_without_hanging(world, report)
 
 
 def test_balanced_layout_messages_name_tp_not_cp():
-    # Issue 35 item 5: METP's balanced layout at TP 2 (no CP) said "under CP 2 ... 2 x CP".
+    # METP's balanced layout at TP 2 (no CP) must not speak of "CP 2 ... 2 x CP".
     from megatron_metp.packing import BalancedDocLayout, CPDocumentLayout
 
     with pytest.raises(ValueError, match=r"balanced layout over TP 2: .* 2 x TP = 4") as e:

@@ -25,7 +25,7 @@ TINY = {
                   num_query_groups=2, ffn_hidden_size=192, vocab_size=258, swiglu=True,
                   normalization="RMSNorm", add_bias_linear=False, position_embedding_type="rope"),
 }
-# The LLaMA layer once more with Megatron's selective recompute of the norms (issue 12 item 4).
+# The LLaMA layer once more with Megatron's selective recompute of the norms.
 TINY["llama+rc"] = TINY["llama"]
 RECOMPUTE = {"llama+rc": ["layernorm"]}
 SEQ, P = 512, 2
@@ -152,7 +152,7 @@ def _suite_scripts() -> dict:
             "qkv": _QKV_SCRIPT}
 
 
-# In the full tier for time (issue 33: the default tier is <= 10 minutes on 2 cores): ~47 s of
+# In the full tier for time (the default tier is <= 10 minutes on 2 cores): ~47 s of
 # real gloo ranks beside the fake planner.
 @pytest.mark.full
 def test_fake_planner_agrees_with_real_gloo_run(report):
@@ -350,7 +350,7 @@ def test_longest_sequence_bisection(report):
 
 
 # ------------------------------------------------------------------------------------------
-# Stock tp (issue 12 item 1): the planner's tp layer is Megatron-Core's own modules with
+# Stock tp: the planner's tp layer is Megatron-Core's own modules with
 # Megatron-LM's default fusions, and what it keeps per layer equals a count by hand.
 
 _STOCK_SCRIPT = textwrap.dedent(
@@ -466,7 +466,7 @@ def test_activation_offloading_plan(report):
 
 
 # ------------------------------------------------------------------------------------------
-# WallFacer with sharded weights (issue 12 item 6, planned): Megatron-FSDP against the
+# WallFacer with sharded weights (planned): Megatron-FSDP against the
 # distributed optimizer, and team size C = 2, LLaMA-7B at p = 8.
 
 _FSDP_SCRIPT = textwrap.dedent(
@@ -547,7 +547,7 @@ def test_wallfacer_sharded_weights_plan(report):
 
 
 # ------------------------------------------------------------------------------------------
-# --metp-qkv-backward (issue 25 item 3): the one ring pass keeps its Q/K/V projection for
+# --metp-qkv-backward: the one ring pass keeps its Q/K/V projection for
 # backward where the run still fits, and the planner decides it.
 
 _QKV_SCRIPT = textwrap.dedent(

@@ -1,4 +1,4 @@
-"""Checkpoints are interchangeable across modes and parallel sizes (issue 7, item 2).
+"""Checkpoints are interchangeable across modes and parallel sizes.
 
 ``metp train --save`` writes a Megatron-Core dist checkpoint in one mode and size; ``--load``
 reads it in another. Pairs covered (4 gloo ranks; p = TP for tp/metp, CP for wallfacer):
@@ -178,7 +178,7 @@ def _source_then_targets(tmp: str, sources: List[tuple]) -> List[dict]:
     return results
 
 
-# In the full tier for time (issue 33: the default tier is <= 10 minutes on 2 cores): ~33 s.
+# In the full tier for time (the default tier is <= 10 minutes on 2 cores): ~33 s.
 @pytest.mark.full
 def test_checkpoints_load_across_modes_and_sizes(tmp_path, report):
     # Every mode saves once and is loaded by each other mode, at another size (a same-mode

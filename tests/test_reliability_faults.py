@@ -1,4 +1,4 @@
-"""No hangs when a rank dies (issue 7, item 4), and bad data refused before training (item 6).
+"""No hangs when a rank dies, and bad data refused before training (item 6).
 
 A real ``metp train`` run (the console command's own launcher: ``python -m megatron_metp.training.cli
 train`` starts ``torchrun`` with 4 gloo ranks, METP TP 2 x DP 2, ``--distributed-timeout-minutes
@@ -184,7 +184,7 @@ def _check_fault(tmp_path, sig: int, report, what: str) -> None:
            f"logged iteration {logged}, resumed from checkpoint {start}, loss {losses[0]:.4f}")
 
 
-# In the full tier for time (issue 33: the default tier is <= 10 minutes on 2 cores): ~27 s of a
+# In the full tier for time (the default tier is <= 10 minutes on 2 cores): ~27 s of a
 # four-rank run killed mid-step.
 @pytest.mark.full
 def test_killed_rank_ends_the_run_and_checkpoint_loads(tmp_path, report):

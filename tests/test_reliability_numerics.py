@@ -1,4 +1,4 @@
-"""Numerics under low precision and extreme inputs (issue 7, item 5), on 4 gloo ranks.
+"""Numerics under low precision and extreme inputs, on 4 gloo ranks.
 
 1. bf16 attention: METP's ring attention (contiguous shards) and WallFacer's attention (zigzag
    shards, C = 1 and 2) against bf16 ``tp`` attention, i.e. the whole-sequence SDPA that tp's

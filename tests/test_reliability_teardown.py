@@ -1,4 +1,4 @@
-"""Set-up and tear-down leave nothing behind (issue 11): process groups, threads, sockets.
+"""Set-up and tear-down leave nothing behind: process groups, threads, sockets.
 
 Each gloo process group keeps two worker threads, a TCP loop thread and one socket per peer
 until ``torch.distributed.destroy_process_group`` ends it; Megatron-Core's

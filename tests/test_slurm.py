@@ -89,7 +89,7 @@ def test_pretrain_gpt_dry_run_takes_model_flags_from_the_config():
         assert part in cmd, (part, cmd)
     # The variables come last, so they override the config's training defaults.
     assert cmd.rindex("--tensor-model-parallel-size 2") > cmd.rindex("--num-layers")
-    # Each flag once (issue 34 item 2: --seq-length, --lr, --train-iters ... were repeated).
+    # Each flag once (none repeated, --seq-length, --lr and --train-iters included).
     flags = [t for t in cmd.split() if t.startswith("--")]
     launcher = {"--nodes=1", "--ntasks-per-node=1", "--kill-on-bad-exit=1"}
     repeated = {f for f in flags if flags.count(f) > 1 and f not in launcher}
@@ -226,9 +226,9 @@ def _megatron_lm_ready() -> bool:
         importlib.util.find_spec(m) is not None for m in ("six", "regex", "pydantic"))
 
 
-# In the full tier for time (issue 33: the default tier is <= 10 minutes on 2 cores): a real
+# In the full tier for time (the default tier is <= 10 minutes on 2 cores): a real
 # sbatch job needs the one-node cluster that the full tier starts. With a Megatron-LM tree,
-# pretrain_gpt.sbatch with CLUSTER=cpu runs as printed (issue 34: its CPU command runs);
+# pretrain_gpt.sbatch with CLUSTER=cpu runs as printed (its CPU command runs);
 # metp_train.sbatch's real run is the requeue test below. Without one, metp_train.sbatch.
 @pytest.mark.full
 def test_sbatch_runs_a_two_rank_cpu_training(tmp_path, report):
@@ -275,7 +275,7 @@ def _losses(log_jsonl: Path) -> dict:
     return {r["iteration"]: r["loss"] for r in map(json.loads, log_jsonl.read_text().splitlines())}
 
 
-# In the full tier for time (issue 33: the default tier is <= 10 minutes on 2 cores): ~63 s of a
+# In the full tier for time (the default tier is <= 10 minutes on 2 cores): ~63 s of a
 # real job that runs out of time and requeues.
 @pytest.mark.full
 def test_job_stopped_for_its_time_limit_requeues_and_resumes(tmp_path, report):

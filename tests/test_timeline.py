@@ -62,7 +62,7 @@ def test_fifo_per_communicator_and_links_shared_between_communicators():
     assert simulate(one[:1] + [wait(0)], M).step == pytest.approx(1 * MS)
     assert simulate(two[:2] + [wait(0), comp(0.25)], M).step == pytest.approx(2.25 * MS)
     # The same two on one group but the second waited for before a 1.5 ms compute: the weight
-    # broadcast queued behind the ring (issue 13) ends at 2 ms, then compute: 3.5 ms.
+    # broadcast queued behind the ring ends at 2 ms, then compute: 3.5 ms.
     queued = [comm(0, 1, "a", "broadcast"), comm(1, 1, "a", "broadcast"), wait(1), comp(1.5)]
     assert simulate(queued, M).step == pytest.approx(3.5 * MS)
 
@@ -428,7 +428,7 @@ def test_timeline_refuses_bad_flag(argv, flag, capsys):
 
 
 def test_trace_length_follows_the_sequence_lengths(tmp_path):
-    """``metp plan --timeline --seq-lengths 32k`` without --trace-seq-length (issue 34 item 8):
+    """``metp plan --timeline --seq-lengths 32k`` without --trace-seq-length:
     the trace follows --seq-lengths instead of failing on the 128k default; a named trace
     length that is not planned still exits 2 with the fix."""
     import subprocess
@@ -450,7 +450,7 @@ def test_trace_length_follows_the_sequence_lengths(tmp_path):
 def test_timeline_prints_no_megatron_spec_notes(tmp_path):
     """``metp plan --timeline`` traces METP's layer, whose MLP Megatron-Core does not know: its
     "Unknown MLP type" note printed once per trace before the tracing ran under the planner's
-    quiet_megatron, as ``metp plan`` and auto do (issue 34 item 11)."""
+    quiet_megatron, as ``metp plan`` and auto do."""
     import subprocess
     import sys
     from pathlib import Path

@@ -292,7 +292,7 @@ def _three_recompute_runs():
 # keeps METP's full recompute, bit for bit, in the default tier.
 @pytest.mark.full
 def test_full_recompute_trains_the_same_losses(report):
-    """``metp train --recompute-granularity full`` (issue 32 item 2): the default job (METP,
+    """``metp train --recompute-granularity full``: the default job (METP,
     TP 2 x DP 2, hidden dropout 0.1) for 4 iterations without recompute, with every layer
     checkpointed (uniform 1) and with only the first (block 1). Megatron's CheckpointFunction
     restores the RNG streams before it runs the forward again, so the dropout masks, the rings'

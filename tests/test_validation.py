@@ -1,4 +1,4 @@
-"""Start-up validation (issue 7 item 1): every rule refuses a bad configuration, naming the flag.
+"""Start-up validation: every rule refuses a bad configuration, naming the flag.
 
 Table-driven: each case is a valid base configuration with a few fields changed, the flag the
 error must name, and a fragment of the fix. No process groups: every case runs in microseconds.
@@ -113,7 +113,7 @@ BAD = [
                          "global_batch_size": 1}, "--seq-length", "load-balanced"),
     ("metp-sp-off", "metp", {"sequence_parallel": False}, "--sequence-parallel",
      "sequence"),
-    # METP x CP (issue 16 item 3): allowed with an even TP size and s % (TP x CP) == 0 (GOOD);
+    # METP x CP: allowed with an even TP size and s % (TP x CP) == 0 (GOOD);
     # refused: an odd TP size, a sequence that does not split into TP blocks per CP rank, a CP
     # communication type of Megatron's, hierarchical CP, and metp_mlp (Megatron's attention).
     ("metp-cp-odd-tp", "metp", {"context_parallel_size": 2, "tensor_model_parallel_size": 1,
@@ -226,7 +226,7 @@ def test_flash_attn_requested_but_absent():
 
 
 def test_rules_count():
-    # Issue 7 asks for at least 20 table-driven cases.
+    # At least 20 table-driven cases.
     assert len(BAD) + 1 >= 20
 
 
