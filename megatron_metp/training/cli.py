@@ -55,6 +55,14 @@ def _train_parser(p: argparse.ArgumentParser) -> Callable:
     # Every default is None so that the model config's training defaults apply unless a flag is
     # given (megatron_metp.training.train.DEFAULTS holds the rest).
     a = p.add_argument
+    for add in (_train_mode_flags, _train_schedule_flags, _train_memory_flags,
+                _train_sharding_flags, _train_run_flags):
+        add(a)
+    return _train_run
+
+
+def _train_mode_flags(a: Callable) -> None:
+    """The model config, the mode and the parallel layout."""
     a("--config", default="tiny-gpt",
       help="configs/<name>.yaml or a path (default tiny-gpt)")
     a("--tensor-parallel-mode", choices=MODES + ("auto",), default=None,
@@ -81,6 +89,10 @@ def _train_parser(p: argparse.ArgumentParser) -> Callable:
     a("--cp-comm-type", default=None, choices=("p2p", "a2a", "allgather", "a2a+p2p", "wallfacer"),
       help="Megatron's context-parallel communication (tp mode with CP > 1); wallfacer mode "
            "sets 'wallfacer'")
+
+
+def _train_schedule_flags(a: Callable) -> None:
+    """Sequence, batch, learning-rate schedule and dropout."""
     a("--seq-length", type=int, default=None)
     a("--micro-batch-size", type=int, default=None)
     a("--global-batch-size", type=int, default=None)
@@ -97,6 +109,10 @@ def _train_parser(p: argparse.ArgumentParser) -> Callable:
     a("--clip-grad", type=float, default=None)
     a("--hidden-dropout", type=float, default=None)
     a("--attention-dropout", type=float, default=None)
+
+
+def _train_memory_flags(a: Callable) -> None:
+    """METP's attention and MLP passes, recompute and precision."""
     a("--metp-ring-pass", choices=("auto", "whole", "head-group", "a2a"), default=None,
       help="METP attention: every head group in one K/V ring pass (whole), one per head group "
            "(head-group: least memory), the whole pass with all-to-alls in place of its ring "
@@ -130,6 +146,10 @@ def _train_parser(p: argparse.ArgumentParser) -> Callable:
       help="what selective recompute recomputes in backward (Megatron-LM's flag; default "
            "core_attn); layernorm: the norm outputs, 2 bsh/p less per layer in every mode")
     a("--bf16", action="store_true", help="bf16 parameters and compute (GPU only)")
+
+
+def _train_sharding_flags(a: Callable) -> None:
+    """The distributed optimizer, DDP's overlap and Megatron-FSDP."""
     a("--use-distributed-optimizer", action="store_true",
       help="Megatron-Core's DistributedOptimizer: shard the optimizer state over the "
            "data-parallel x context-parallel ranks (WallFacer's whole CP group)")
@@ -151,6 +171,10 @@ def _train_parser(p: argparse.ArgumentParser) -> Callable:
       help="with --use-distributed-optimizer, save its state per parameter (Megatron-LM's "
            "flag) so the checkpoint loads in another mode and TP/CP/DP split (with "
            "--use-distributed-optimizer); without it only the same layout can load it")
+
+
+def _train_run_flags(a: Callable) -> None:
+    """Data, checkpoints, exits, logging and the launch."""
     a("--seed", type=int, default=None)
     a("--data-path", default=None,
       help="Megatron indexed dataset PREFIX (PREFIX.bin/.idx); default: the shipped corpus")
@@ -182,31 +206,31 @@ def _train_parser(p: argparse.ArgumentParser) -> Callable:
     a("--nproc-per-node", type=int, default=None,
       help="ranks to launch when not already under torchrun/srun (default: 4 on CPU, #GPUs)")
 
-    def run(args: argparse.Namespace, explicit: set, argv: List[str]) -> int:
-        # Flag values first: standard library only, so a bad value fails in well under a second.
-        from megatron_metp.validation import check_paths, check_values
 
-        check_values(args, trainer=True)
-        check_paths(args)
+def _train_run(args: argparse.Namespace, explicit: set, argv: List[str]) -> int:
+    """``metp train``: its flag values checked, then the ranks launched (or run in place)."""
+    # Flag values first: standard library only, so a bad value fails in well under a second.
+    from megatron_metp.validation import check_paths, check_values
 
-        def in_rank() -> int:
-            from megatron_metp.training import train
+    check_values(args, trainer=True)
+    check_paths(args)
 
-            train.run(args, explicit)
-            return 0
+    def in_rank() -> int:
+        from megatron_metp.training import train
 
-        def check(world_size: int) -> None:
-            from megatron_metp.training import train
+        train.run(args, explicit)
+        return 0
 
-            was_auto = args.tensor_parallel_mode == "auto"
-            train.preflight(args, explicit, world_size)
-            if was_auto:  # resolved once, here: the ranks start with the chosen mode
-                _replace_auto(argv, args)
+    def check(world_size: int) -> None:
+        from megatron_metp.training import train
 
-        return launch_or_run(argv, args.nproc_per_node, in_rank, check,
-                             lambda progress: interrupted_line(args.save, progress))
+        was_auto = args.tensor_parallel_mode == "auto"
+        train.preflight(args, explicit, world_size)
+        if was_auto:  # resolved once, here: the ranks start with the chosen mode
+            _replace_auto(argv, args)
 
-    return run
+    return launch_or_run(argv, args.nproc_per_node, in_rank, check,
+                         lambda progress: interrupted_line(args.save, progress))
 
 
 def interrupted_line(save: Optional[str], progress: Optional[dict]) -> str:
