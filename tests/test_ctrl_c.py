@@ -8,7 +8,6 @@ directly."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -20,7 +19,7 @@ import pytest
 
 from megatron_metp.checkpoint_keys import damage
 from tests import _procs
-from tests.test_reliability_faults import TINY
+from tests.test_reliability_faults import TINY, _json_lines
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,15 +48,7 @@ def _start(tmp: Path, save: bool):
 
 
 def _logged(log: Path, n: int) -> bool:
-    if not log.exists():
-        return False
-    for line in log.read_text().splitlines():
-        try:
-            if json.loads(line)["iteration"] >= n:
-                return True
-        except (ValueError, KeyError):
-            pass
-    return False
+    return any(r["iteration"] >= n for r in _json_lines(log))
 
 
 def _after_signal(proc, marker: str, signals: int, gap_s: float = 0.0):
@@ -85,7 +76,7 @@ def test_ctrl_c_prints_one_line_and_exits_130(tmp_path, report):
     assert "Traceback" not in err + out and "SignalException" not in err + out, err[-3000:]
     lines = [ln for ln in out.splitlines() if "interrupted" in ln]
     assert len(lines) == 1 and out.rstrip().splitlines()[-1] == lines[0], out[-2000:]
-    done = max(json.loads(ln)["iteration"] for ln in log.read_text().splitlines() if ln.strip())
+    done = max(r["iteration"] for r in _json_lines(log))
     ckpt = str(tmp_path / "ckpt")
     # The newest whole checkpoint is a multiple of the save interval at or below the last
     # logged iteration, and the line names it.
