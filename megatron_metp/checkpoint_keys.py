@@ -146,8 +146,7 @@ def check_intact(flag: str, root: str) -> None:
                          f"an iteration number or 'release'; write the number of a saved "
                          f"iteration (an iter_NNNNNNN directory there) into it")
     path = latest_checkpoint_dir(root)
-    tracker = os.path.join(root, "latest_checkpointed_iteration.txt")
-    if path is None and os.path.isfile(tracker):
+    if path is None and text is not None:   # the tracker names a directory that is not there
         path = os.path.join(root, "iter_?")
     if path is None:
         return
