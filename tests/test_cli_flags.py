@@ -183,6 +183,7 @@ OTHER_BAD = [
     ("plan-seq-0", ["plan", "--seq-lengths", "0"], "--seq-lengths"),
     ("plan-fragmentation", ["plan", "--fragmentation", "-1"], "--fragmentation"),
     ("plan-reserve", ["plan", "--memory-gb", "4", "--reserve-gb", "8"], "--reserve-gb"),
+    ("plan-communicator", ["plan", "--communicator-gb", "-1"], "--communicator-gb"),
     ("plan-json-under-file", ["plan", "--json", "{file}/plan.json"], "--json"),
     ("plan-team-size", ["plan", "--modes", "wallfacer", "--p", "8", "--wallfacer-team-size", "3"],
      "--wallfacer-team-size"),

@@ -664,6 +664,51 @@ def test_planner_saves_qkv_when_memory_allows(report):
            f" of 80: recompute")
 
 
+_COMMS_SCRIPT = textwrap.dedent(
+    """
+    import json, warnings
+    warnings.filterwarnings("ignore")
+    from megatron_metp.models.config import load_config
+    from megatron_metp.measure.planner import Planner, PlanSettings
+    cfg = load_config("tiny-gpt")
+    planner = Planner(PlanSettings())
+    out = {}
+    for name, mode, over in (("tp", "tp", {}), ("tp-cp2", "tp", dict(context_parallel=2)),
+                             ("tp-cp4", "tp", dict(context_parallel=4)),
+                             ("metp", "metp", {}), ("metp-cp2", "metp", dict(context_parallel=2, metp_ring_pass="whole")),
+                             ("wallfacer", "wallfacer", {}),
+                             ("wallfacer-c2", "wallfacer", dict(wallfacer_team=2))):
+        a = planner.plan(cfg, mode, 4, 4096, **over)
+        b = planner.plan(cfg, mode, 4, 4096, communicator_gib=1.5, **over)
+        out[name] = [a.added_communicators, b.added_communicators, a.total_bytes, b.total_bytes,
+                     a.needed_bytes, b.needed_bytes]
+    planner.world.teardown()
+    print("RESULT", json.dumps(out))
+    """
+)
+
+
+def test_plugin_communicators_are_charged_per_layout(report):
+    """``--communicator-gb`` charges each NCCL communicator a layout uses beyond the reserve's
+    three (TP, DP, world), counted here by hand from the groups each layout creates
+    (``megatron_metp.parallel_state``, ``wallfacer.groups``) at p = 4: stock TP + SP none, TP 2
+    x CP 2 its CP group, TP 1 x CP 4 none (the CP group replaces the idle TP group), METP its
+    weight group, METP x CP the weight group and the K/V ring, WallFacer none at C = 1 and its
+    team group at C = 2."""
+    res = _run_fake(_COMMS_SCRIPT)
+    by_hand = {"tp": 0, "tp-cp2": 1, "tp-cp4": 0, "metp": 1, "metp-cp2": 2, "wallfacer": 0,
+               "wallfacer-c2": 1}
+    for name, want in by_hand.items():
+        n0, n1, total0, total1, need0, need1 = res[name]
+        assert n0 == n1 == want, (name, res[name])
+        assert total0 == total1, name          # tensor bytes do not change
+        # Exactly 1.5 GiB per communicator, outside the fragmentation factor; 0.01 B covers the
+        # float sum of GiB-sized terms.
+        assert abs(need1 - need0 - 1.5 * 2**30 * want) < 0.01, (name, need0, need1)
+    report("plan tiny-gpt p=4 --communicator-gb 1.5: added communicators "
+           + ", ".join(f"{k} {v}" for k, v in by_hand.items()))
+
+
 def test_planning_leaves_no_rank_prefix_on_tracebacks(tmp_path):
     """A rank that plans before its process group starts (auto, the METP attention choice) runs
     fake groups as fake ranks; torch prefixes tracebacks with "[rank<r>]: " per

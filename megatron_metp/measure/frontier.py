@@ -704,7 +704,9 @@ def settings_record(settings: PlanSettings, host_op_s: float) -> dict:
                 fragmentation=settings.fragmentation, efficiency=settings.efficiency,
                 attention_efficiency=settings.attention_efficiency,
                 host_op_us=host_op_s * 1e6,
-                **({"grad_reduce_in_bf16": True} if settings.grad_reduce_in_bf16 else {}))
+                **({"grad_reduce_in_bf16": True} if settings.grad_reduce_in_bf16 else {}),
+                **({"communicator_gib": settings.communicator_gib}
+                   if settings.communicator_gib else {}))
 
 
 # ---- reports ---------------------------------------------------------------------------------

@@ -84,6 +84,10 @@ def add_arguments(parser) -> None:
     a("--memory-gb", type=float, default=80.0, help="memory per GPU, GiB (default 80)")
     a("--reserve-gb", type=float, default=4.0,
       help="reserve for CUDA context, NCCL buffers, workspaces, GiB (default 4)")
+    a("--communicator-gb", type=float, default=0.0,
+      help="GiB per NCCL communicator a layout uses beyond the three the reserve covers (TP, "
+           "DP, world): METP's weight group and K/V ring, stock's CP group, WallFacer's team "
+           "group; about 1.0 on H100 with NVLS, 0.7 on A100 (default 0: not counted)")
     a("--fragmentation", type=float, default=0.05,
       help="allocator fragmentation on top of tensor bytes (default 0.05)")
     a("--use-distributed-optimizer", action="store_true",
@@ -250,6 +254,9 @@ def _check(args) -> None:
     if args.reserve_gb < 0 or args.memory_gb <= args.reserve_gb:
         raise ValueError(f"--memory-gb {args.memory_gb} / --reserve-gb {args.reserve_gb}: the "
                          f"reserve must be >= 0 and below the memory per GPU")
+    if args.communicator_gb < 0:
+        raise ValueError(f"--communicator-gb {args.communicator_gb}: must be >= 0 (GiB per "
+                         f"communicator, e.g. 1)")
     if not 0 <= args.fragmentation < 1:
         raise ValueError(f"--fragmentation {args.fragmentation}: must be in [0, 1) (a fraction "
                          f"of the tensor bytes, e.g. 0.05)")
@@ -362,6 +369,7 @@ def run(args) -> int:
                          "--timeline")
     warnings.filterwarnings("ignore")
     settings = PlanSettings(memory_gib=args.memory_gb, reserve_gib=args.reserve_gb,
+                            communicator_gib=args.communicator_gb,
                             fragmentation=args.fragmentation,
                             distributed_optimizer=args.use_distributed_optimizer,
                             efficiency=args.efficiency,
@@ -542,6 +550,7 @@ def run_frontier(args) -> int:
         raise ValueError(f"--gpus {args.gpus!r}: choose from {', '.join(GPUS)}")
     ps = _ints(args.p) if named(args, "p") else [8]
     settings = PlanSettings(memory_gib=args.memory_gb, reserve_gib=args.reserve_gb,
+                            communicator_gib=args.communicator_gb,
                             fragmentation=args.fragmentation, efficiency=args.efficiency,
                             attention_efficiency=args.attention_efficiency,
                             distributed_optimizer=args.use_distributed_optimizer,

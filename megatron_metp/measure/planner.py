@@ -62,7 +62,8 @@ Method (per rank; b = micro batch 1, s = sequence, p = parallel degree, L = laye
 5. Budget: ``(state + activation peak) x (1 + fragmentation) + reserve <= memory`` with a
    default reserve of 4 GiB (CUDA context ~0.5 GiB, NCCL buffers and cuBLAS workspaces ~1.5
    GiB, headroom) and 5 % fragmentation; the longest sequence is bisected over multiples of
-   1024 tokens.
+   1024 tokens. ``communicator_gib`` (``--communicator-gb``) adds that much per NCCL communicator
+   the layout uses beyond the three the reserve covers (:func:`added_communicators`).
 
 Estimated step time (ESTIMATES, not measurements): compute = the step's FLOPs on this rank
 (Megatron-LM's formula, ``megatron_metp.models.flops``, / p, METP's recomputed Q/K/V added) / (peak x
@@ -109,6 +110,10 @@ class PlanSettings:
     efficiency: float = GEMM_EFFICIENCY                  # the timeline's fitted defaults
     attention_efficiency: float = ATTENTION_EFFICIENCY
     count_send_buffers: bool = False
+    # GiB of GPU memory per NCCL communicator that the plan's layout uses beyond the three the
+    # reserve covers (see :func:`added_communicators`); 0: not counted. About 1.0 on H100 with
+    # NVLS on (``scripts/slurm/common.sh`` sets NCCL_NVLS_ENABLE=1), about 0.7 on A100.
+    communicator_gib: float = 0.0
     # Megatron's selective recompute for every mode, e.g. ["layernorm"]; None: none.
     recompute_modules: Optional[List[str]] = None
     # Megatron's --recompute-granularity: None or "selective" (``recompute_modules``), or "full"
@@ -197,6 +202,8 @@ class PlanPoint:
     # METP: the attention's ring pass planned at this point ("whole" or "head-group"; "" for tp
     # and wallfacer, and for a setting of "auto" planned without a choice).
     ring_pass: str = ""
+    # NCCL communicators beyond the reserve's three (:func:`added_communicators`).
+    added_communicators: int = 0
     # Context-parallel size (tp: its TP x CP split; wallfacer: p) and the recompute planned, as
     # Megatron-LM flags ("" = none beyond the settings' selective modules).
     context_parallel: int = 1
@@ -288,6 +295,25 @@ def fsdp_transient_bytes(mode: str, p: int, layer_params_full: int, layers: int 
     gathered = 0 if sharding == "optim_grads" else fsdp_gathered_layers(layer_params_full,
                                                                         layers)
     return 0 if d == 1 else (2 * gathered + 4 + 2) * layer_params_full
+
+
+def added_communicators(mode: str, p: int, cp: int, team: int = 1) -> int:
+    """NCCL communicators a rank of this layout uses beyond stock TP + SP's three (its TP group,
+    its data-parallel group, the world group), which the reserve covers.
+
+    PyTorch creates a group's communicator at its first collective, so only groups that carry
+    traffic count, and a TP group of one rank carries none. Stock TP x CP (TP > 1, CP > 1)
+    adds its CP group (the data-parallel group becomes the data-and-context one: it replaces,
+    not adds); at TP = 1 the CP group takes the idle TP group's place. METP at TP > 1 adds its
+    weight group (one per TP group, over the same ranks: ``parallel_state`` module docstring)
+    and, under CP > 1, the K/V ring over the tensor-and-context ranks. WallFacer runs its
+    sub-rings on Megatron's CP group (TP = 1) and adds its team group when C > 1."""
+    if mode == "wallfacer":
+        return 1 if team > 1 else 0
+    tp = p // cp
+    if tp == 1:
+        return 0
+    return (1 if cp > 1 else 0) + (1 if mode == "metp" else 0)
 
 
 def chains_layers(cfg, mode: str, p: int, s: int, micro_batch: int = 1,
@@ -697,7 +723,9 @@ class Planner:
                                                        st.megatron_fsdp, cp * st.data_parallel,
                                                        st.fsdp_sharding, st.grad_bytes))
         total = state + act
-        needed = total * (1 + st.fragmentation) + st.reserve_gib * GIB
+        comms = added_communicators(mode, p, cp, st.wallfacer_team)
+        needed = (total * (1 + st.fragmentation) + st.reserve_gib * GIB
+                  + comms * st.communicator_gib * GIB)
         sent = 2.0 * (L * lm.sent_elements + (head.sent_elements if head else 0.0))
         calls = L * lm.calls + (head.calls if head else 0)
         if cp > 1:
@@ -720,7 +748,8 @@ class Planner:
             layer_retained=lm.retained, layer_peak=lm.peak, head_peak=head_peak,
             params_per_rank=params, sent_bytes=sent, comm_calls=calls,
             offloaded_layers=n_off, host_bytes=n_off * lm.retained, qkv_backward=qkv,
-            ring_pass=ring_pass, context_parallel=cp, recompute=" ".join(recompute_flags(st)),
+            ring_pass=ring_pass, context_parallel=cp, added_communicators=comms,
+            recompute=" ".join(recompute_flags(st)),
             cp_comm_type=st.cp_comm_type if cp > 1 and mode == "tp" else "")
         point.est_time_s = estimate_step_time(cfg, mode, p, s, sent, calls, st,
                                               recomputes_qkv=(qkv == "recompute"
