@@ -91,14 +91,19 @@ PARTED_DX_RTOL = 1e-6
 def _assert_alike(kept: dict, saved: dict, parted: int, where) -> None:
     """``kept`` (``save+fc1+weights``) equals ``saved`` (``save+fc1``) as the module docstring
     says: loss, logits and every gradient that no parted layer's dX reaches bit for bit; those
-    that one does (the last parted layer's input norm, every layer below it, the embedding)
-    within ``PARTED_DX_RTOL``. ``parted``: how many layers, the first ones, ran it."""
+    that one does (the last parted layer's input norm, every layer below it, the embedding),
+    and each parted layer's own W_qkv gradient (its two GEMMs), within ``PARTED_DX_RTOL``. ``parted``: how many layers, the first ones, ran it."""
     assert kept["loss"] == saved["loss"], where
     if "logits" in saved:
         assert torch.equal(kept["logits"], saved["logits"]), where
     assert kept["grads"].keys() == saved["grads"].keys()
     reached = ("embedding.", f"decoder.layers.{parted - 1}.input_layernorm.") + tuple(
         f"decoder.layers.{i}." for i in range(parted - 1)) if parted else ()
+    # A parted layer's W_qkv gradient is two GEMMs, one per kept part, over halves of its
+    # output rows. A CPU BLAS may block a narrower GEMM's sum over tokens differently (oneDNN
+    # on AVX-512 does), which reorders the fp32 additions: the same sum, rounded in another
+    # order, within PARTED_DX_RTOL. Measured on such a CPU: <= 1.2e-7; bit-equal on others.
+    reached += tuple(f"decoder.layers.{i}.self_attention.linear_qkv." for i in range(parted))
     exact = 0
     for name, g in saved["grads"].items():
         if name.startswith(reached):
@@ -273,7 +278,7 @@ def test_kept_weights_equal_regathered_ones(p, large, report):
     res = run_ranks(p, _kept_vs_saved, p, large)[0]
     report(f"save+fc1+weights p={p}, {'large' if large else 'small'} layers' paths: == "
            f"save+fc1 bit for bit (loss, logits, every gradient "
-           f"no two-part dX reaches; those within {PARTED_DX_RTOL:g}), "
+           f"no two-part dX or W_qkv GEMM reaches; those within {PARTED_DX_RTOL:g}), "
            "all-gathers per step save+fc1 -> save+fc1+weights: "
            + ", ".join(f"{k} {v[1]} -> {v[2]} (loss {v[0]:.6f}; gradients handed over "
                        f"late {v[3]} -> {v[4]})" for k, v in res.items()))
