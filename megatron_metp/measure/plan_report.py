@@ -353,50 +353,29 @@ def named(args, flag: str) -> bool:
     return flag in args.named
 
 
-def run(args) -> int:
-    import warnings
+def _plan_settings(args) -> PlanSettings:
+    """The planner's settings for a plain ``metp plan`` (memory tables, longest sequences)."""
+    return PlanSettings(memory_gib=args.memory_gb, reserve_gib=args.reserve_gb,
+                        communicator_gib=args.communicator_gb,
+                        fragmentation=args.fragmentation,
+                        distributed_optimizer=args.use_distributed_optimizer,
+                        efficiency=args.efficiency,
+                        attention_efficiency=args.attention_efficiency,
+                        count_send_buffers=args.count_send_buffers,
+                        **_recompute(args),
+                        context_parallel=args.context_parallel_size,
+                        cp_comm_type=args.cp_comm_type,
+                        offload_layers=args.cpu_offloading_num_layers,
+                        host_memory_gib=args.host_memory_gb,
+                        megatron_fsdp=args.use_megatron_fsdp,
+                        grad_reduce_in_bf16=args.grad_reduce_in_bf16,
+                        wallfacer_team=args.wallfacer_team_size,
+                        metp_ring_pass=args.metp_ring_pass,
+                        metp_qkv_backward=args.metp_qkv_backward)
 
-    from megatron_metp.models.config import load_config
 
-    fill_defaults(args)
-    _check(args)
-    if args.frontier:
-        return run_frontier(args)
-    if args.timeline:
-        return timeline_report.run(args, _ints)
-    if args.validate:
-        raise ValueError("--validate compares the --timeline simulator with metp bench: add "
-                         "--timeline")
-    warnings.filterwarnings("ignore")
-    settings = PlanSettings(memory_gib=args.memory_gb, reserve_gib=args.reserve_gb,
-                            communicator_gib=args.communicator_gb,
-                            fragmentation=args.fragmentation,
-                            distributed_optimizer=args.use_distributed_optimizer,
-                            efficiency=args.efficiency,
-                            attention_efficiency=args.attention_efficiency,
-                            count_send_buffers=args.count_send_buffers,
-                            **_recompute(args),
-                            context_parallel=args.context_parallel_size,
-                            cp_comm_type=args.cp_comm_type,
-                            offload_layers=args.cpu_offloading_num_layers,
-                            host_memory_gib=args.host_memory_gb,
-                            megatron_fsdp=args.use_megatron_fsdp,
-                            grad_reduce_in_bf16=args.grad_reduce_in_bf16,
-                            wallfacer_team=args.wallfacer_team_size,
-                            metp_ring_pass=args.metp_ring_pass,
-                            metp_qkv_backward=args.metp_qkv_backward)
-    planner = Planner(settings)
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    cfgs = [load_config(n.strip()) for n in args.models.split(",") if n.strip()]
-    ps, seqs = _ints(args.p), _ints(args.seq_lengths)
-    t0 = time.time()
-    grid = [(cfg, p, mode, s) for cfg in cfgs for p in ps for mode in modes for s in seqs]
-    say = _progress(t0)
-    points = []
-    for i, (cfg, p, mode, s) in enumerate(grid):
-        say(f"memory {i + 1}/{len(grid)}: {cfg.name} p={p} {mode} s={seq_label(s)}",
-            done=i, total=len(grid))
-        points.append(planner.plan(cfg, mode, p, s))
+def _memory_head(settings: PlanSettings) -> List[str]:
+    """The lines above the memory table: the settings every mode runs with, and its title."""
     head: List[str] = []
     if settings.recompute_granularity:
         head.append(f"Recompute in every mode: {' '.join(recompute_flags(settings))}\n")
@@ -412,6 +391,38 @@ def run(args) -> int:
                 f"per model, p and mode; * = exceeds {settings.memory_gib:g} GiB with "
                 f"{settings.reserve_gib:g} GiB reserve and {settings.fragmentation:.0%} "
                 f"fragmentation)\n")
+    return head
+
+
+def run(args) -> int:
+    import warnings
+
+    from megatron_metp.models.config import load_config
+
+    fill_defaults(args)
+    _check(args)
+    if args.frontier:
+        return run_frontier(args)
+    if args.timeline:
+        return timeline_report.run(args, _ints)
+    if args.validate:
+        raise ValueError("--validate compares the --timeline simulator with metp bench: add "
+                         "--timeline")
+    warnings.filterwarnings("ignore")
+    settings = _plan_settings(args)
+    planner = Planner(settings)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    cfgs = [load_config(n.strip()) for n in args.models.split(",") if n.strip()]
+    ps, seqs = _ints(args.p), _ints(args.seq_lengths)
+    t0 = time.time()
+    grid = [(cfg, p, mode, s) for cfg in cfgs for p in ps for mode in modes for s in seqs]
+    say = _progress(t0)
+    points = []
+    for i, (cfg, p, mode, s) in enumerate(grid):
+        say(f"memory {i + 1}/{len(grid)}: {cfg.name} p={p} {mode} s={seq_label(s)}",
+            done=i, total=len(grid))
+        points.append(planner.plan(cfg, mode, p, s))
+    head = _memory_head(settings)
     head.append(memory_table(points))
     _emit(head)           # each table as soon as it is complete
     longest = []
